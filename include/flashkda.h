@@ -1,0 +1,239 @@
+/*
+ * flashkda.h - the public C ABI of libflashkda.
+ *
+ * libflashkda computes Kimi Delta Attention (KDA) forward passes with a
+ * bounded gate: the gate floor `lower_bound` (in [-5, 0]) keeps the chunked
+ * exp(cumsum(g)) factors of 16-token chunks inside bf16/f32 range.
+ *
+ * Rules of this header:
+ *  - C99, no CUDA or C++ types. Streams are `struct CUstream_st*`, the same
+ *    type as cudaStream_t and CUstream.
+ *  - Every function returns fkda_status (FKDA_SUCCESS == 0) except the few
+ *    that return static text or a version number. On failure,
+ *    fkda_last_error() holds a thread-local message naming the argument.
+ *  - Structs passed by pointer begin with `size_t struct_size`; fill them
+ *    with their _INIT macro. Fields are only ever appended.
+ *  - The caller owns all memory. GPU calls take workspace and stream per
+ *    call, allocate nothing and never synchronise the host.
+ */
+#ifndef FLASHKDA_H
+#define FLASHKDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define FKDA_VERSION_MAJOR 0
+#define FKDA_VERSION_MINOR 1
+#define FKDA_VERSION_PATCH 0
+/* MAJOR * 10000 + MINOR * 100 + PATCH, the value fkda_version() returns. */
+#define FKDA_VERSION_NUMBER \
+  (FKDA_VERSION_MAJOR * 10000 + FKDA_VERSION_MINOR * 100 + FKDA_VERSION_PATCH)
+
+#if defined(_WIN32)
+#  if defined(FLASHKDA_BUILDING)
+#    define FKDA_API __declspec(dllexport)
+#  else
+#    define FKDA_API __declspec(dllimport)
+#  endif
+#elif defined(__GNUC__)
+#  define FKDA_API __attribute__((visibility("default")))
+#else
+#  define FKDA_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Status                                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef enum fkda_status {
+  FKDA_SUCCESS = 0,
+  FKDA_ERROR_INVALID_ARGUMENT = 1,   /* bad pointer, dtype, shape, stride, value */
+  FKDA_ERROR_UNSUPPORTED = 2,        /* valid request this build cannot serve */
+  FKDA_ERROR_NO_DEVICE = 3,          /* no driver, no GPU, or no current context */
+  FKDA_ERROR_DRIVER = 4,             /* a CUDA driver call failed */
+  FKDA_ERROR_UNSUPPORTED_ARCH = 5,   /* no kernel image for this GPU */
+  FKDA_ERROR_WORKSPACE_TOO_SMALL = 6,
+  FKDA_ERROR_LAUNCH_FAILED = 7,
+  FKDA_ERROR_OUT_OF_MEMORY = 8,      /* host allocation failed */
+  FKDA_ERROR_INTERNAL = 9
+} fkda_status;
+
+/* Static text for a status ("invalid argument", ...); never NULL. */
+FKDA_API const char* fkda_status_string(fkda_status status);
+
+/* The message of the last failing call on this thread, naming the argument
+ * and what was expected ("q: expected dtype bf16, got f32"). Empty after a
+ * successful call. Valid until the next fkda_* call on this thread. */
+FKDA_API const char* fkda_last_error(void);
+
+/* FKDA_VERSION_NUMBER of the library actually loaded. */
+FKDA_API uint32_t fkda_version(void);
+/* "MAJOR.MINOR.PATCH" of the library actually loaded. */
+FKDA_API const char* fkda_version_string(void);
+
+/* ------------------------------------------------------------------------ */
+/* Tensors                                                                  */
+/* ------------------------------------------------------------------------ */
+
+typedef enum fkda_dtype {
+  FKDA_DTYPE_INVALID = 0,
+  FKDA_DTYPE_BF16 = 1,
+  FKDA_DTYPE_F16 = 2,
+  FKDA_DTYPE_F32 = 3,
+  FKDA_DTYPE_I32 = 4,
+  FKDA_DTYPE_I64 = 5
+} fkda_dtype;
+
+#define FKDA_MAX_RANK 6
+
+/* A strided view of memory. The layout of this struct is frozen.
+ * `dtype` holds an fkda_dtype; strides count elements, not bytes.
+ * An optional tensor is absent when data == NULL and rank == 0. */
+typedef struct fkda_tensor {
+  void* data;
+  int32_t dtype;
+  int32_t rank;
+  int64_t shape[FKDA_MAX_RANK];
+  int64_t strides[FKDA_MAX_RANK];
+} fkda_tensor;
+
+#define FKDA_TENSOR_NONE \
+  { NULL, FKDA_DTYPE_INVALID, 0, {0, 0, 0, 0, 0, 0}, {0, 0, 0, 0, 0, 0} }
+
+/* ------------------------------------------------------------------------ */
+/* Plans                                                                    */
+/* ------------------------------------------------------------------------ */
+
+typedef enum fkda_backend {
+  FKDA_BACKEND_AUTO = 0, /* GPU when a usable device with kernels exists, else CPU */
+  FKDA_BACKEND_CPU = 1,  /* reference backend on host memory */
+  FKDA_BACKEND_GPU = 2   /* CUDA backend on device memory */
+} fkda_backend;
+
+typedef enum fkda_state_layout {
+  FKDA_STATE_LAYOUT_VK = 0, /* [N, H, V, K]: V-first, decays along the last axis */
+  FKDA_STATE_LAYOUT_KV = 1  /* [N, H, K, V] */
+} fkda_state_layout;
+
+typedef struct fkda_plan_s* fkda_plan_t;
+typedef struct CUstream_st* fkda_stream_t;
+
+typedef struct fkda_plan_desc {
+  size_t struct_size;   /* sizeof(fkda_plan_desc) */
+  int32_t num_heads;    /* H, > 0 */
+  int32_t head_dim_k;   /* K, 128 */
+  int32_t head_dim_v;   /* V, 128 */
+  int32_t state_dtype;  /* fkda_dtype of initial/final state: BF16 or F32 */
+  int32_t state_layout; /* fkda_state_layout */
+  int32_t backend;      /* fkda_backend */
+  float lower_bound;    /* gate floor in [-5, 0] */
+} fkda_plan_desc;
+
+#define FKDA_PLAN_DESC_INIT                                                 \
+  { sizeof(fkda_plan_desc), 0, 128, 128, FKDA_DTYPE_F32,                    \
+    FKDA_STATE_LAYOUT_VK, FKDA_BACKEND_AUTO, -5.0f }
+
+/* Validates `desc` and creates a plan. A plan is a small host object: it
+ * allocates no device memory and loads nothing until its first GPU call. */
+FKDA_API fkda_status fkda_plan_create(const fkda_plan_desc* desc,
+                                      fkda_plan_t* plan);
+/* NULL is accepted and ignored. */
+FKDA_API fkda_status fkda_plan_destroy(fkda_plan_t plan);
+
+/* The backend the plan resolved to (CPU or GPU; never AUTO). */
+FKDA_API fkda_status fkda_plan_get_backend(fkda_plan_t plan,
+                                           fkda_backend* backend);
+
+/* The gate floor. Accepted range [-5, 0]: below -5 the 16-token chunk's
+ * exp(16 * |lower_bound|) key factor leaves bf16 range. NaN and infinities
+ * are rejected. Not to be called while a fkda_fwd on the same plan runs. */
+FKDA_API fkda_status fkda_set_lower_bound(fkda_plan_t plan, float lower_bound);
+FKDA_API fkda_status fkda_get_lower_bound(fkda_plan_t plan, float* lower_bound);
+
+/* Bytes of workspace fkda_fwd needs for `total_tokens` tokens in `num_seqs`
+ * sequences (B*T and B without cu_seqlens; T and N with them). */
+FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
+                                              int64_t total_tokens,
+                                              int64_t num_seqs,
+                                              size_t* bytes);
+
+/* ------------------------------------------------------------------------ */
+/* Forward (prefill)                                                        */
+/* ------------------------------------------------------------------------ */
+
+/* Shapes (K = V = 128; N = B, or cu_seqlens' length - 1 with B == 1):
+ *   q, k, g      bf16 [B, T, H, K]    last stride 1, other strides free
+ *   v, out       bf16 [B, T, H, V]    last stride 1, other strides free
+ *   beta         bf16 [B, T, H]       strides free
+ *   A_log        f32  [H]             contiguous
+ *   dt_bias      f32  [H, K]          contiguous
+ *   initial_state, final_state        optional, plan's state dtype,
+ *                                     [N, H, V, K] (or [N, H, K, V]), contiguous
+ *   cu_seqlens   optional i64 or i32 [N + 1], non-decreasing, from 0 to T
+ * q, k, v, g, beta, out, the states and cu_seqlens may be strided views;
+ * GPU plans need device-accessible memory and 16-byte aligned rows. */
+typedef struct fkda_fwd_args {
+  size_t struct_size; /* sizeof(fkda_fwd_args) */
+  fkda_tensor q;
+  fkda_tensor k;
+  fkda_tensor v;
+  fkda_tensor g;
+  fkda_tensor beta;
+  fkda_tensor A_log;
+  fkda_tensor dt_bias;
+  fkda_tensor out;
+  fkda_tensor initial_state; /* optional: absent means zeros */
+  fkda_tensor final_state;   /* optional */
+  fkda_tensor cu_seqlens;    /* optional: absent means one sequence per row */
+  float scale;               /* finite; usually K^-0.5 */
+} fkda_fwd_args;
+
+#define FKDA_FWD_ARGS_INIT                                                   \
+  { sizeof(fkda_fwd_args), FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,               \
+    FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
+    FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
+    FKDA_TENSOR_NONE, 0.08838834764831845f }
+
+/* Runs the KDA forward pass. Every argument is checked before any work
+ * starts. GPU plans enqueue on `stream` (NULL: the legacy default stream)
+ * in the calling thread's current context; CPU plans ignore `stream`.
+ * On a GPU plan the contents of cu_seqlens stay on the device and are not
+ * read by the host; out-of-range offsets are clamped so that nothing is
+ * read or written outside the tensors. */
+FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args,
+                              void* workspace, size_t workspace_bytes,
+                              fkda_stream_t stream);
+
+/* ------------------------------------------------------------------------ */
+/* Devices                                                                  */
+/* ------------------------------------------------------------------------ */
+
+typedef struct fkda_device_info {
+  size_t struct_size;     /* sizeof(fkda_device_info), set by the caller */
+  int32_t driver_loaded;  /* 1 when libcuda.so.1 loaded and cuInit succeeded */
+  int32_t driver_version; /* cuDriverGetVersion, e.g. 13000; 0 if none */
+  int32_t device_count;
+  int32_t device;         /* ordinal described below, -1 if none */
+  int32_t cc_major;       /* compute capability */
+  int32_t cc_minor;
+  int32_t has_kernels;    /* 1 when this build has a kernel image for it */
+  char name[256];
+} fkda_device_info;
+
+#define FKDA_DEVICE_INFO_INIT                                               \
+  { sizeof(fkda_device_info), 0, 0, 0, -1, 0, 0, 0, { 0 } }
+
+/* Describes device `device` (an ordinal), or with device == -1 the device of
+ * the calling thread's current context, else device 0. Succeeds without a
+ * driver or GPU (driver_loaded or device_count say so). */
+FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FLASHKDA_H */

@@ -1,0 +1,181 @@
+// Every exported fkda_* function: each catches everything below it and maps
+// it to a status plus the thread-local message, so no C++ exception ever
+// crosses the C ABI.
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "cpu/cpu_backend.h"
+#include "cuda_driver.h"
+#include "error.h"
+#include "flashkda.h"
+#include "gpu_backend.h"
+#include "plan.h"
+#include "validate.h"
+
+namespace {
+
+thread_local std::string last_error_message;
+
+template <typename Body>
+fkda_status guarded(Body&& body) noexcept {
+  try {
+    last_error_message.clear();
+    body();
+    return FKDA_SUCCESS;
+  } catch (const fkda::Error& e) {
+    last_error_message = e.message;
+    return e.status;
+  } catch (const std::bad_alloc&) {
+    last_error_message = "host allocation failed";
+    return FKDA_ERROR_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    last_error_message = std::string("internal error: ") + e.what();
+    return FKDA_ERROR_INTERNAL;
+  } catch (...) {
+    last_error_message = "internal error: unknown exception";
+    return FKDA_ERROR_INTERNAL;
+  }
+}
+
+template <typename T>
+void require_output(T* pointer, const char* name) {
+  if (pointer == nullptr) fkda::invalid(std::string(name) + ": NULL output pointer");
+}
+
+}  // namespace
+
+extern "C" {
+
+FKDA_API const char* fkda_status_string(fkda_status status) {
+  switch (status) {
+    case FKDA_SUCCESS: return "success";
+    case FKDA_ERROR_INVALID_ARGUMENT: return "invalid argument";
+    case FKDA_ERROR_UNSUPPORTED: return "unsupported";
+    case FKDA_ERROR_NO_DEVICE: return "no usable CUDA device";
+    case FKDA_ERROR_DRIVER: return "CUDA driver error";
+    case FKDA_ERROR_UNSUPPORTED_ARCH: return "no kernels for this GPU architecture";
+    case FKDA_ERROR_WORKSPACE_TOO_SMALL: return "workspace too small";
+    case FKDA_ERROR_LAUNCH_FAILED: return "kernel launch failed";
+    case FKDA_ERROR_OUT_OF_MEMORY: return "out of host memory";
+    case FKDA_ERROR_INTERNAL: return "internal error";
+  }
+  return "unknown status";
+}
+
+FKDA_API const char* fkda_last_error(void) { return last_error_message.c_str(); }
+
+FKDA_API uint32_t fkda_version(void) { return FKDA_VERSION_NUMBER; }
+
+#define FKDA_STRINGIFY_(x) #x
+#define FKDA_STRINGIFY(x) FKDA_STRINGIFY_(x)
+FKDA_API const char* fkda_version_string(void) {
+  return FKDA_STRINGIFY(FKDA_VERSION_MAJOR) "." FKDA_STRINGIFY(FKDA_VERSION_MINOR) "." FKDA_STRINGIFY(
+      FKDA_VERSION_PATCH);
+}
+
+FKDA_API fkda_status fkda_plan_create(const fkda_plan_desc* desc, fkda_plan_t* plan) {
+  return guarded([&] {
+    require_output(plan, "plan");
+    *plan = nullptr;
+    *plan = fkda::create_plan(desc);
+  });
+}
+
+FKDA_API fkda_status fkda_plan_destroy(fkda_plan_t plan) {
+  return guarded([&] { fkda::destroy_plan(plan); });
+}
+
+FKDA_API fkda_status fkda_plan_get_backend(fkda_plan_t plan, fkda_backend* backend) {
+  return guarded([&] {
+    require_output(backend, "backend");
+    *backend = fkda::live_plan(plan).backend;
+  });
+}
+
+FKDA_API fkda_status fkda_set_lower_bound(fkda_plan_t plan, float lower_bound) {
+  return guarded([&] {
+    fkda::Plan& p = fkda::live_plan(plan);
+    fkda::check_lower_bound(lower_bound);
+    p.lower_bound.store(lower_bound);
+  });
+}
+
+FKDA_API fkda_status fkda_get_lower_bound(fkda_plan_t plan, float* lower_bound) {
+  return guarded([&] {
+    require_output(lower_bound, "lower_bound");
+    *lower_bound = fkda::live_plan(plan).lower_bound.load();
+  });
+}
+
+FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan, int64_t total_tokens,
+                                              int64_t num_seqs, size_t* bytes) {
+  return guarded([&] {
+    require_output(bytes, "bytes");
+    *bytes = fkda::live_plan(plan).workspace_size(total_tokens, num_seqs);
+  });
+}
+
+FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args, void* workspace,
+                              size_t workspace_bytes, fkda_stream_t stream) {
+  return guarded([&] {
+    const fkda::Plan& p = fkda::live_plan(plan);
+    const fkda::FwdProblem problem = fkda::validate_fwd(p, args, workspace, workspace_bytes);
+    if (problem.num_seqs == 0) return;  // nothing to compute, nothing to write
+    if (p.backend == FKDA_BACKEND_GPU) {
+      fkda::gpu::fwd(problem, workspace, workspace_bytes, reinterpret_cast<CUstream>(stream));
+    } else {
+      fkda::cpu::fwd(problem);
+    }
+  });
+}
+
+FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info) {
+  return guarded([&] {
+    require_output(info, "info");
+    if (info->struct_size != sizeof(fkda_device_info)) {
+      fkda::invalid("info: struct_size is " + std::to_string(info->struct_size) + ", expected " +
+                    std::to_string(sizeof(fkda_device_info)) + " (initialise with FKDA_DEVICE_INFO_INIT)");
+    }
+    if (device < -1) fkda::invalid("device: expected an ordinal >= 0 or -1, got " + std::to_string(device));
+    fkda_device_info result = FKDA_DEVICE_INFO_INIT;
+    const fkda::cuda::Driver* d = fkda::cuda::driver();
+    if (d == nullptr) {
+      *info = result;
+      return;
+    }
+    result.driver_loaded = 1;
+    result.driver_version = d->version;
+    int count = 0;
+    fkda::cuda::check(d->cuDeviceGetCount(&count), "cuDeviceGetCount");
+    result.device_count = count;
+    if (count == 0) {
+      *info = result;
+      return;
+    }
+    CUdevice handle = 0;
+    if (device == -1) {
+      CUcontext context = nullptr;
+      if (d->cuCtxGetCurrent(&context) != CUDA_SUCCESS || context == nullptr ||
+          d->cuCtxGetDevice(&handle) != CUDA_SUCCESS) {
+        fkda::cuda::check(d->cuDeviceGet(&handle, 0), "cuDeviceGet");
+      }
+    } else {
+      if (device >= count) {
+        fkda::invalid("device: ordinal " + std::to_string(device) + " out of range, " +
+                      std::to_string(count) + " device(s) present");
+      }
+      fkda::cuda::check(d->cuDeviceGet(&handle, device), "cuDeviceGet");
+    }
+    result.device = static_cast<int32_t>(handle);
+    fkda::cuda::check(d->cuDeviceGetAttribute(&result.cc_major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, handle),
+                      "cuDeviceGetAttribute");
+    fkda::cuda::check(d->cuDeviceGetAttribute(&result.cc_minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, handle),
+                      "cuDeviceGetAttribute");
+    fkda::cuda::check(d->cuDeviceGetName(result.name, sizeof(result.name), handle), "cuDeviceGetName");
+    result.has_kernels = fkda::gpu::has_kernels_for(result.cc_major, result.cc_minor) ? 1 : 0;
+    *info = result;
+  });
+}
+
+}  // extern "C"

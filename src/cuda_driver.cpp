@@ -1,0 +1,131 @@
+#include "cuda_driver.h"
+
+#include <dlfcn.h>
+
+#include <mutex>
+
+#include "error.h"
+
+namespace fkda::cuda {
+namespace {
+
+using GetProcAddress = CUresult (*)(const char*, void**, int, cuuint64_t,
+                                    CUdriverProcAddressQueryResult*);
+
+struct Loaded {
+  Driver driver;
+  bool ok = false;
+  std::string reason;
+};
+
+// Resolves `name` at the API version these prototypes were written for
+// (CUDA 12.0), so a newer driver hands back the matching ABI.
+template <typename Fn>
+bool resolve(GetProcAddress get_proc, const char* name, Fn& slot, std::string& reason) {
+  void* address = nullptr;
+  CUdriverProcAddressQueryResult found{};
+  CUresult result = get_proc(name, &address, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &found);
+  if (result != CUDA_SUCCESS || address == nullptr || found != CU_GET_PROC_ADDRESS_SUCCESS) {
+    reason = std::string("the CUDA driver lacks ") + name + " (driver too old?)";
+    return false;
+  }
+  slot = reinterpret_cast<Fn>(address);
+  return true;
+}
+
+Loaded load() {
+  Loaded loaded;
+  // Never dlclose'd: kernels and contexts may outlive any scope we could pick.
+  void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    const char* why = dlerror();
+    loaded.reason = std::string("libcuda.so.1 not found: ") + (why ? why : "dlopen failed");
+    return loaded;
+  }
+  auto get_proc = reinterpret_cast<GetProcAddress>(dlsym(handle, "cuGetProcAddress_v2"));
+  if (get_proc == nullptr) {
+    loaded.reason = "libcuda.so.1 has no cuGetProcAddress_v2 (a CUDA 12 or newer driver is needed)";
+    return loaded;
+  }
+  CUresult (*init)(unsigned int) = nullptr;
+  CUresult (*get_version)(int*) = nullptr;
+  Driver& d = loaded.driver;
+  std::string& r = loaded.reason;
+  bool ok = resolve(get_proc, "cuInit", init, r) &&
+            resolve(get_proc, "cuDriverGetVersion", get_version, r) &&
+            resolve(get_proc, "cuGetErrorName", d.cuGetErrorName, r) &&
+            resolve(get_proc, "cuGetErrorString", d.cuGetErrorString, r) &&
+            resolve(get_proc, "cuDeviceGetCount", d.cuDeviceGetCount, r) &&
+            resolve(get_proc, "cuDeviceGet", d.cuDeviceGet, r) &&
+            resolve(get_proc, "cuDeviceGetAttribute", d.cuDeviceGetAttribute, r) &&
+            resolve(get_proc, "cuDeviceGetName", d.cuDeviceGetName, r) &&
+            resolve(get_proc, "cuCtxGetCurrent", d.cuCtxGetCurrent, r) &&
+            resolve(get_proc, "cuCtxGetDevice", d.cuCtxGetDevice, r) &&
+            resolve(get_proc, "cuPointerGetAttributes", d.cuPointerGetAttributes, r) &&
+            resolve(get_proc, "cuLibraryLoadData", d.cuLibraryLoadData, r) &&
+            resolve(get_proc, "cuLibraryGetKernel", d.cuLibraryGetKernel, r) &&
+            resolve(get_proc, "cuKernelGetFunction", d.cuKernelGetFunction, r) &&
+            resolve(get_proc, "cuKernelSetAttribute", d.cuKernelSetAttribute, r) &&
+            resolve(get_proc, "cuLaunchKernel", d.cuLaunchKernel, r) &&
+            resolve(get_proc, "cuStreamGetCtx", d.cuStreamGetCtx, r);
+  if (!ok) return loaded;
+  CUresult result = init(0);
+  if (result != CUDA_SUCCESS) {
+    const char* name = nullptr;
+    d.cuGetErrorName(result, &name);
+    loaded.reason = std::string("cuInit failed: ") + (name ? name : "unknown error") +
+                    (result == CUDA_ERROR_NO_DEVICE ? " (no CUDA device)" : "");
+    return loaded;
+  }
+  get_version(&d.version);
+  loaded.ok = true;
+  return loaded;
+}
+
+const Loaded& loaded() {
+  static const Loaded instance = load();  // thread-safe, once per process
+  return instance;
+}
+
+}  // namespace
+
+const Driver* driver() {
+  const Loaded& l = loaded();
+  return l.ok ? &l.driver : nullptr;
+}
+
+const std::string& unavailable_reason() { return loaded().reason; }
+
+std::string describe(CUresult result) {
+  const Driver* d = driver();
+  const char* name = nullptr;
+  const char* text = nullptr;
+  if (d != nullptr) {
+    d->cuGetErrorName(result, &name);
+    d->cuGetErrorString(result, &text);
+  }
+  std::string out = name ? name : ("CUresult " + std::to_string(static_cast<int>(result)));
+  if (text != nullptr) out += std::string(" (") + text + ")";
+  return out;
+}
+
+void check(CUresult result, const char* what) {
+  if (result != CUDA_SUCCESS) fail(FKDA_ERROR_DRIVER, std::string(what) + " failed: " + describe(result));
+}
+
+CUdevice current_device() {
+  const Driver* d = driver();
+  if (d == nullptr) fail(FKDA_ERROR_NO_DEVICE, "no usable CUDA driver: " + unavailable_reason());
+  CUcontext context = nullptr;
+  check(d->cuCtxGetCurrent(&context), "cuCtxGetCurrent");
+  if (context == nullptr) {
+    fail(FKDA_ERROR_NO_DEVICE,
+         "no current CUDA context on this thread: make one current first "
+         "(cudaSetDevice, torch.cuda.set_device or cuCtxSetCurrent)");
+  }
+  CUdevice device = 0;
+  check(d->cuCtxGetDevice(&device), "cuCtxGetDevice");
+  return device;
+}
+
+}  // namespace fkda::cuda

@@ -1,0 +1,49 @@
+// Lazy access to the CUDA driver: libcuda.so.1 is dlopen'ed on first use,
+// every entry point is resolved through cuGetProcAddress, and the outcome
+// (success, or why not) is cached for the life of the process. The library
+// never links libcuda, so it loads on machines without a GPU or driver.
+#pragma once
+
+#include <cuda.h>
+
+#include <string>
+
+namespace fkda::cuda {
+
+struct Driver {
+  int version = 0;  // cuDriverGetVersion
+  CUresult (*cuGetErrorName)(CUresult, const char**) = nullptr;
+  CUresult (*cuGetErrorString)(CUresult, const char**) = nullptr;
+  CUresult (*cuDeviceGetCount)(int*) = nullptr;
+  CUresult (*cuDeviceGet)(CUdevice*, int) = nullptr;
+  CUresult (*cuDeviceGetAttribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
+  CUresult (*cuDeviceGetName)(char*, int, CUdevice) = nullptr;
+  CUresult (*cuCtxGetCurrent)(CUcontext*) = nullptr;
+  CUresult (*cuCtxGetDevice)(CUdevice*) = nullptr;
+  CUresult (*cuPointerGetAttributes)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr) = nullptr;
+  CUresult (*cuLibraryLoadData)(CUlibrary*, const void*, CUjit_option*, void**, unsigned int,
+                                CUlibraryOption*, void**, unsigned int) = nullptr;
+  CUresult (*cuLibraryGetKernel)(CUkernel*, CUlibrary, const char*) = nullptr;
+  CUresult (*cuKernelGetFunction)(CUfunction*, CUkernel) = nullptr;
+  CUresult (*cuKernelSetAttribute)(CUfunction_attribute, int, CUkernel, CUdevice) = nullptr;
+  CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             unsigned, CUstream, void**, void**) = nullptr;
+  CUresult (*cuStreamGetCtx)(CUstream, CUcontext*) = nullptr;
+};
+
+// The driver, or nullptr when it cannot be used; then unavailable_reason()
+// says why ("libcuda.so.1 not found: ...", "cuInit failed: ...").
+const Driver* driver();
+const std::string& unavailable_reason();
+
+// "CUDA_ERROR_X (text)" for a driver result.
+std::string describe(CUresult result);
+
+// Throws fkda::Error(FKDA_ERROR_DRIVER) naming `what` unless result is CUDA_SUCCESS.
+void check(CUresult result, const char* what);
+
+// The device of the calling thread's current context; throws
+// FKDA_ERROR_NO_DEVICE when there is no driver or no current context.
+CUdevice current_device();
+
+}  // namespace fkda::cuda

@@ -1,0 +1,26 @@
+// The CUDA backend: loads the embedded fatbin once per process, picks the
+// kernels for the current device and launches them on the caller's stream.
+// No allocation, no host synchronisation.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda.h>
+
+#include "problem.h"
+
+namespace fkda::gpu {
+
+// Device workspace bytes for a call with these sizes (any state mode).
+size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads);
+
+// Whether the embedded fatbin has an image that runs on compute capability major.minor.
+bool has_kernels_for(int cc_major, int cc_minor);
+
+// Enqueues the forward pass. Throws fkda::Error: FKDA_ERROR_NO_DEVICE,
+// FKDA_ERROR_UNSUPPORTED_ARCH, FKDA_ERROR_DRIVER or FKDA_ERROR_LAUNCH_FAILED.
+// The workspace size has been checked by the caller.
+void fwd(const FwdProblem& problem, void* workspace, size_t workspace_bytes, CUstream stream);
+
+}  // namespace fkda::gpu

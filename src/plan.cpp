@@ -1,0 +1,176 @@
+#include "plan.h"
+
+#include <cmath>
+#include <cstddef>
+#include <mutex>
+#include <new>
+#include <string>
+#include <unordered_set>
+
+#include "cuda_driver.h"
+#include "error.h"
+#include "gpu_backend.h"
+
+namespace fkda {
+namespace {
+
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+std::unordered_set<const Plan*>& registry() {
+  static std::unordered_set<const Plan*> live;
+  return live;
+}
+
+std::string dtype_name(int32_t dtype) {
+  switch (dtype) {
+    case FKDA_DTYPE_BF16: return "bf16";
+    case FKDA_DTYPE_F16: return "f16";
+    case FKDA_DTYPE_F32: return "f32";
+    case FKDA_DTYPE_I32: return "i32";
+    case FKDA_DTYPE_I64: return "i64";
+    default: return "invalid dtype " + std::to_string(dtype);
+  }
+}
+
+}  // namespace
+
+void check_lower_bound(float lower_bound) {
+  if (std::isnan(lower_bound) || std::isinf(lower_bound)) {
+    invalid("lower_bound: must be a finite number in [-5, 0], got " + std::to_string(lower_bound));
+  }
+  if (lower_bound < kMinLowerBound || lower_bound > kMaxLowerBound) {
+    invalid("lower_bound: " + std::to_string(lower_bound) +
+            " is outside [-5, 0]; below -5 the 16-token chunk's exp(16*|lower_bound|) key factor "
+            "overflows bf16, and a positive floor is not a decay");
+  }
+}
+
+fkda_status gpu_unusable_reason(std::string* reason) {
+  const cuda::Driver* d = cuda::driver();
+  if (d == nullptr) {
+    *reason = "no usable CUDA driver: " + cuda::unavailable_reason();
+    return FKDA_ERROR_NO_DEVICE;
+  }
+  int count = 0;
+  if (d->cuDeviceGetCount(&count) != CUDA_SUCCESS || count == 0) {
+    *reason = "no CUDA device present";
+    return FKDA_ERROR_NO_DEVICE;
+  }
+  CUdevice device = 0;
+  CUcontext context = nullptr;
+  if (d->cuCtxGetCurrent(&context) != CUDA_SUCCESS || context == nullptr ||
+      d->cuCtxGetDevice(&device) != CUDA_SUCCESS) {
+    d->cuDeviceGet(&device, 0);
+  }
+  int major = 0, minor = 0;
+  d->cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device);
+  d->cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device);
+  if (!gpu::has_kernels_for(major, minor)) {
+    *reason = "compute capability " + std::to_string(major) + "." + std::to_string(minor) +
+              ": this build has kernels for the sm_80 family and sm_90 and later";
+    return FKDA_ERROR_UNSUPPORTED_ARCH;
+  }
+  reason->clear();
+  return FKDA_SUCCESS;
+}
+
+size_t Plan::workspace_size(int64_t total_tokens, int64_t num_seqs) const {
+  if (total_tokens < 0) invalid("total_tokens: must be >= 0, got " + std::to_string(total_tokens));
+  if (num_seqs < 0) invalid("num_seqs: must be >= 0, got " + std::to_string(num_seqs));
+  if (backend == FKDA_BACKEND_GPU) return gpu::workspace_size(total_tokens, num_seqs, num_heads);
+  return 0;  // the CPU backend keeps its scratch on the host itself
+}
+
+fkda_plan_t create_plan(const fkda_plan_desc* desc) {
+  if (desc == nullptr) invalid("desc: NULL");
+  constexpr size_t known = sizeof(fkda_plan_desc);
+  constexpr size_t minimum = offsetof(fkda_plan_desc, lower_bound) + sizeof(float);
+  if (desc->struct_size < minimum || desc->struct_size > known) {
+    invalid("desc: struct_size is " + std::to_string(desc->struct_size) + ", expected " +
+            std::to_string(known) + " (initialise with FKDA_PLAN_DESC_INIT; a larger size means "
+            "the caller was built against a newer flashkda.h)");
+  }
+  if (desc->num_heads <= 0) {
+    invalid("desc.num_heads: must be > 0, got " + std::to_string(desc->num_heads));
+  }
+  if (desc->head_dim_k != kSupportedHeadDim) {
+    fail(FKDA_ERROR_UNSUPPORTED, "desc.head_dim_k: only 128 is supported, got " +
+                                     std::to_string(desc->head_dim_k));
+  }
+  if (desc->head_dim_v != kSupportedHeadDim) {
+    fail(FKDA_ERROR_UNSUPPORTED, "desc.head_dim_v: only 128 is supported, got " +
+                                     std::to_string(desc->head_dim_v));
+  }
+  if (desc->state_dtype != FKDA_DTYPE_BF16 && desc->state_dtype != FKDA_DTYPE_F32) {
+    invalid("desc.state_dtype: expected bf16 or f32, got " + dtype_name(desc->state_dtype));
+  }
+  if (desc->state_layout != FKDA_STATE_LAYOUT_VK && desc->state_layout != FKDA_STATE_LAYOUT_KV) {
+    invalid("desc.state_layout: expected FKDA_STATE_LAYOUT_VK (0) or FKDA_STATE_LAYOUT_KV (1), got " +
+            std::to_string(desc->state_layout));
+  }
+  try {
+    check_lower_bound(desc->lower_bound);
+  } catch (Error& e) {
+    e.message = "desc." + e.message;
+    throw;
+  }
+
+  fkda_backend backend = FKDA_BACKEND_CPU;
+  switch (desc->backend) {
+    case FKDA_BACKEND_CPU: break;
+    case FKDA_BACKEND_GPU: {
+      std::string reason;
+      fkda_status status = gpu_unusable_reason(&reason);
+      if (status != FKDA_SUCCESS) fail(status, "desc.backend: GPU requested but " + reason);
+      backend = FKDA_BACKEND_GPU;
+      break;
+    }
+    case FKDA_BACKEND_AUTO: {
+      std::string reason;
+      backend = gpu_unusable_reason(&reason) == FKDA_SUCCESS ? FKDA_BACKEND_GPU : FKDA_BACKEND_CPU;
+      break;
+    }
+    default:
+      invalid("desc.backend: expected FKDA_BACKEND_AUTO, _CPU or _GPU, got " +
+              std::to_string(desc->backend));
+  }
+
+  auto* plan = new (std::nothrow) fkda_plan_s();
+  if (plan == nullptr) fail(FKDA_ERROR_OUT_OF_MEMORY, "plan: host allocation failed");
+  plan->num_heads = desc->num_heads;
+  plan->head_dim_k = desc->head_dim_k;
+  plan->head_dim_v = desc->head_dim_v;
+  plan->state_dtype = desc->state_dtype;
+  plan->state_layout = desc->state_layout;
+  plan->backend = backend;
+  plan->lower_bound.store(desc->lower_bound);
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry().insert(plan);
+  return plan;
+}
+
+void destroy_plan(fkda_plan_t plan) {
+  if (plan == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    if (registry().erase(plan) == 0) {
+      invalid("plan: not a live plan (already destroyed, or not from fkda_plan_create)");
+    }
+  }
+  delete plan;
+}
+
+Plan& live_plan(fkda_plan_t handle) {
+  if (handle == nullptr) invalid("plan: NULL");
+  Plan* plan = handle;
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  if (registry().count(plan) == 0) {
+    invalid("plan: not a live plan (already destroyed, or not from fkda_plan_create)");
+  }
+  return *plan;
+}
+
+}  // namespace fkda

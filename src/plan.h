@@ -1,0 +1,56 @@
+// The plan: a small host object holding the configuration fixed at creation
+// (heads, head dims, state dtype and layout, resolved backend) and the one
+// setting that may change later (lower_bound). It owns no device memory.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "flashkda.h"
+
+namespace fkda {
+
+// The chunk-16 path keeps exp(16·|lower_bound|) inside bf16/f32 range only
+// for lower_bound >= -5 (DESIGN §1).
+constexpr float kMinLowerBound = -5.0f;
+constexpr float kMaxLowerBound = 0.0f;
+constexpr int32_t kSupportedHeadDim = 128;
+
+struct Plan {
+  int32_t num_heads = 0;
+  int32_t head_dim_k = kSupportedHeadDim;
+  int32_t head_dim_v = kSupportedHeadDim;
+  int32_t state_dtype = FKDA_DTYPE_F32;
+  int32_t state_layout = FKDA_STATE_LAYOUT_VK;
+  fkda_backend backend = FKDA_BACKEND_CPU;  // resolved: CPU or GPU
+  std::atomic<float> lower_bound{-5.0f};
+
+  size_t workspace_size(int64_t total_tokens, int64_t num_seqs) const;
+};
+
+}  // namespace fkda
+
+// The public handle type is an opaque pointer to this struct; it is the plan.
+struct fkda_plan_s : fkda::Plan {};
+
+namespace fkda {
+
+// Throws fkda::Error naming the field when `desc` is unusable; resolves AUTO.
+fkda_plan_t create_plan(const fkda_plan_desc* desc);
+// NULL is a no-op; a handle that is not live is an error.
+void destroy_plan(fkda_plan_t plan);
+
+// The live plan behind a handle; throws FKDA_ERROR_INVALID_ARGUMENT for NULL,
+// destroyed or foreign handles (plans are tracked, so misuse is detected
+// instead of dereferencing freed memory).
+Plan& live_plan(fkda_plan_t handle);
+
+void check_lower_bound(float lower_bound);
+
+// Why the GPU backend cannot run here, or an empty string when it can.
+// Looks at the current context's device, else device 0.
+fkda_status gpu_unusable_reason(std::string* reason);
+
+}  // namespace fkda

@@ -1,0 +1,355 @@
+#include "validate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cuda_driver.h"
+#include "error.h"
+
+namespace fkda {
+namespace {
+
+std::string dtype_name(int32_t dtype) {
+  switch (dtype) {
+    case FKDA_DTYPE_BF16: return "bf16";
+    case FKDA_DTYPE_F16: return "f16";
+    case FKDA_DTYPE_F32: return "f32";
+    case FKDA_DTYPE_I32: return "i32";
+    case FKDA_DTYPE_I64: return "i64";
+    default: return "invalid dtype (" + std::to_string(dtype) + ")";
+  }
+}
+
+std::string join(const int64_t* values, int32_t count) {
+  std::string out = "[";
+  for (int32_t i = 0; i < count; ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + "]";
+}
+
+// Expected extents; kAny accepts any non-negative extent (the first tensor
+// to mention an axis fixes it for the others).
+constexpr int64_t kAny = -1;
+
+bool present(const fkda_tensor& t) { return !(t.data == nullptr && t.rank == 0); }
+
+int64_t element_count(const fkda_tensor& t) {
+  int64_t n = 1;
+  for (int32_t i = 0; i < t.rank; ++i) n *= t.shape[i];
+  return n;
+}
+
+// Dtype, rank, extents and strides of one tensor. `contiguous` demands
+// row-major packed strides; otherwise only the last axis must be packed.
+void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<int32_t> dtypes,
+                  std::initializer_list<int64_t> shape, bool contiguous) {
+  const std::string n = name;
+  if (!present(t)) invalid(n + ": required tensor is missing (data NULL, rank 0)");
+  bool dtype_ok = std::find(dtypes.begin(), dtypes.end(), t.dtype) != dtypes.end();
+  if (!dtype_ok) {
+    std::string expected;
+    for (int32_t d : dtypes) expected += (expected.empty() ? "" : " or ") + dtype_name(d);
+    invalid(n + ": expected dtype " + expected + ", got " + dtype_name(t.dtype));
+  }
+  const int32_t rank = static_cast<int32_t>(shape.size());
+  if (t.rank != rank) {
+    invalid(n + ": expected rank " + std::to_string(rank) + ", got " + std::to_string(t.rank));
+  }
+  int32_t axis = 0;
+  for (int64_t expected : shape) {
+    if (t.shape[axis] < 0) {
+      invalid(n + ": negative extent " + std::to_string(t.shape[axis]) + " on axis " +
+              std::to_string(axis));
+    }
+    if (expected != kAny && t.shape[axis] != expected) {
+      std::vector<int64_t> want(shape);
+      std::string want_text = "[";
+      for (size_t i = 0; i < want.size(); ++i)
+        want_text += (i ? ", " : "") + (want[i] == kAny ? std::string("*") : std::to_string(want[i]));
+      invalid(n + ": expected shape " + want_text + "], got " + join(t.shape, t.rank));
+    }
+    ++axis;
+  }
+  for (int32_t i = 0; i < rank; ++i) {
+    if (t.strides[i] < 0) invalid(n + ": negative strides are not supported, got " + join(t.strides, rank));
+  }
+  if (rank > 0 && t.shape[rank - 1] > 1 && t.strides[rank - 1] != 1) {
+    invalid(n + ": the last axis must be contiguous (stride 1), got strides " + join(t.strides, rank));
+  }
+  if (contiguous) {
+    int64_t expected = 1;
+    for (int32_t i = rank - 1; i >= 0; --i) {
+      if (t.shape[i] > 1 && t.strides[i] != expected) {
+        std::vector<int64_t> packed(rank);
+        int64_t s = 1;
+        for (int32_t j = rank - 1; j >= 0; --j) { packed[j] = s; s *= t.shape[j]; }
+        invalid(n + ": expected contiguous strides " + join(packed.data(), rank) + ", got " +
+                join(t.strides, rank));
+      }
+      expected *= t.shape[i];
+    }
+  }
+  if (t.data == nullptr && element_count(t) > 0) invalid(n + ": data is NULL");
+}
+
+// A tensor the call writes must not map two elements to one address.
+void check_no_overlap(const fkda_tensor& t, const char* name) {
+  std::vector<int32_t> axes;
+  for (int32_t i = 0; i < t.rank; ++i)
+    if (t.shape[i] > 1) axes.push_back(i);
+  std::sort(axes.begin(), axes.end(), [&](int32_t a, int32_t b) { return t.strides[a] < t.strides[b]; });
+  int64_t reach = 1;  // elements spanned by the axes seen so far
+  for (int32_t axis : axes) {
+    if (t.strides[axis] < reach) {
+      invalid(std::string(name) + ": strides " + join(t.strides, t.rank) +
+              " make elements overlap; an output needs distinct addresses");
+    }
+    reach = t.strides[axis] * t.shape[axis];
+  }
+}
+
+ActView act_view(const fkda_tensor& t) {
+  ActView view;
+  view.data = t.data;
+  view.stride_b = t.strides[0];
+  view.stride_t = t.strides[1];
+  view.stride_h = t.strides[2];
+  return view;
+}
+
+// GPU kernels move rows of 8 bf16 in 16-byte accesses.
+void check_gpu_alignment(const fkda_tensor& t, const char* name) {
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) {
+    invalid(std::string(name) + ": GPU plans need 16-byte aligned data");
+  }
+  for (int32_t i = 0; i + 1 < t.rank; ++i) {
+    if (t.shape[i] > 1 && t.strides[i] % 8 != 0) {
+      invalid(std::string(name) + ": GPU plans need strides that are multiples of 8 elements "
+              "(16 bytes), got " + join(t.strides, t.rank));
+    }
+  }
+}
+
+// Where a pointer lives, through the driver's unified addressing.
+enum class Residency { kUnknown, kHost, kDevice };
+
+struct PointerInfo {
+  Residency residency = Residency::kUnknown;
+  int device = -1;
+};
+
+PointerInfo pointer_info(const cuda::Driver& d, const void* data) {
+  PointerInfo info;
+  unsigned int memory_type = 0;
+  int ordinal = -1;
+  CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                      CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
+  void* values[] = {&memory_type, &ordinal};
+  CUresult result = d.cuPointerGetAttributes(2, attributes, values,
+                                             reinterpret_cast<CUdeviceptr>(data));
+  // Memory the driver does not know (plain malloc, stack) reports no type.
+  if (result != CUDA_SUCCESS || memory_type == 0) {
+    info.residency = Residency::kHost;
+  } else if (memory_type == CU_MEMORYTYPE_DEVICE || memory_type == CU_MEMORYTYPE_UNIFIED) {
+    info.residency = Residency::kDevice;
+    info.device = ordinal;
+  } else {
+    info.residency = Residency::kHost;
+  }
+  return info;
+}
+
+struct Located {
+  const fkda_tensor* tensor;
+  const char* name;
+};
+
+void check_residency(const Plan& plan, const std::vector<Located>& tensors) {
+  if (plan.backend == FKDA_BACKEND_GPU) {
+    const cuda::Driver* d = cuda::driver();
+    CUdevice device = cuda::current_device();
+    for (const Located& l : tensors) {
+      if (l.tensor->data == nullptr) continue;
+      PointerInfo info = pointer_info(*d, l.tensor->data);
+      if (info.residency != Residency::kDevice) {
+        invalid(std::string(l.name) + ": host memory passed to a GPU plan (expected device memory "
+                "on device " + std::to_string(device) + ")");
+      }
+      if (info.device != device) {
+        invalid(std::string(l.name) + ": memory on device " + std::to_string(info.device) +
+                ", but the current context is on device " + std::to_string(device));
+      }
+    }
+    return;
+  }
+  // A CPU plan dereferences every pointer on the host: device memory would
+  // fault, so catch it while the driver is at hand. Without a driver there
+  // can be no device memory.
+  const cuda::Driver* d = cuda::driver();
+  if (d == nullptr) return;
+  for (const Located& l : tensors) {
+    if (l.tensor->data == nullptr) continue;
+    if (pointer_info(*d, l.tensor->data).residency == Residency::kDevice) {
+      invalid(std::string(l.name) + ": device memory passed to a CPU plan (expected host memory)");
+    }
+  }
+}
+
+int64_t read_offset(const fkda_tensor& cu, int64_t i) {
+  const int64_t at = i * cu.strides[0];
+  if (cu.dtype == FKDA_DTYPE_I64) return static_cast<const int64_t*>(cu.data)[at];
+  return static_cast<const int32_t*>(cu.data)[at];
+}
+
+// Host-readable offsets (CPU plans): 0 = cu[0] <= cu[1] <= ... <= cu[N] = T.
+void check_cu_seqlens_contents(const fkda_tensor& cu, int64_t total_tokens) {
+  const int64_t count = cu.shape[0];
+  if (read_offset(cu, 0) != 0) {
+    invalid("cu_seqlens: must start at 0, got cu_seqlens[0] = " + std::to_string(read_offset(cu, 0)));
+  }
+  for (int64_t i = 1; i < count; ++i) {
+    int64_t previous = read_offset(cu, i - 1), current = read_offset(cu, i);
+    if (current < previous) {
+      invalid("cu_seqlens: must be non-decreasing, but cu_seqlens[" + std::to_string(i) + "] = " +
+              std::to_string(current) + " < cu_seqlens[" + std::to_string(i - 1) + "] = " +
+              std::to_string(previous));
+    }
+  }
+  int64_t last = read_offset(cu, count - 1);
+  if (last != total_tokens) {
+    invalid("cu_seqlens: must end at T = " + std::to_string(total_tokens) + " (the packed token "
+            "count of q), got cu_seqlens[" + std::to_string(count - 1) + "] = " + std::to_string(last));
+  }
+}
+
+}  // namespace
+
+FwdProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const void* workspace,
+                        size_t workspace_bytes) {
+  if (args == nullptr) invalid("args: NULL");
+  constexpr size_t known = sizeof(fkda_fwd_args);
+  if (args->struct_size != known) {
+    invalid("args: struct_size is " + std::to_string(args->struct_size) + ", expected " +
+            std::to_string(known) + " (initialise with FKDA_FWD_ARGS_INIT; a larger size means "
+            "the caller was built against a newer flashkda.h)");
+  }
+  const int64_t H = plan.num_heads, K = plan.head_dim_k, V = plan.head_dim_v;
+  const fkda_fwd_args& a = *args;
+
+  // q fixes B and T; every other tensor is checked against them.
+  check_tensor(a.q, "q", {FKDA_DTYPE_BF16}, {kAny, kAny, kAny, kAny}, false);
+  if (a.q.shape[2] != H) {
+    invalid("q: expected " + std::to_string(H) + " heads (the plan's num_heads) on axis 2, got shape " +
+            join(a.q.shape, 4));
+  }
+  if (a.q.shape[3] != K) {
+    invalid("q: expected head dim " + std::to_string(K) + " on axis 3, got shape " + join(a.q.shape, 4));
+  }
+  const int64_t B = a.q.shape[0], T = a.q.shape[1];
+  check_tensor(a.k, "k", {FKDA_DTYPE_BF16}, {B, T, H, K}, false);
+  check_tensor(a.v, "v", {FKDA_DTYPE_BF16}, {B, T, H, V}, false);
+  check_tensor(a.g, "g", {FKDA_DTYPE_BF16}, {B, T, H, K}, false);
+  // beta has no packed axis of its own: any strides.
+  check_tensor(a.beta, "beta", {FKDA_DTYPE_BF16}, {B, T, H}, false);
+  check_tensor(a.A_log, "A_log", {FKDA_DTYPE_F32}, {H}, true);
+  check_tensor(a.dt_bias, "dt_bias", {FKDA_DTYPE_F32}, {H, K}, true);
+  check_tensor(a.out, "out", {FKDA_DTYPE_BF16}, {B, T, H, V}, false);
+  check_no_overlap(a.out, "out");
+
+  int64_t N = B;
+  if (present(a.cu_seqlens)) {
+    check_tensor(a.cu_seqlens, "cu_seqlens", {FKDA_DTYPE_I64, FKDA_DTYPE_I32}, {kAny}, false);
+    if (a.cu_seqlens.shape[0] < 2) {
+      invalid("cu_seqlens: needs N + 1 >= 2 offsets, got " + std::to_string(a.cu_seqlens.shape[0]));
+    }
+    if (a.cu_seqlens.shape[0] > 1 && a.cu_seqlens.strides[0] <= 0) {
+      invalid("cu_seqlens: stride must be positive, got " + std::to_string(a.cu_seqlens.strides[0]));
+    }
+    if (B != 1) {
+      invalid("cu_seqlens: varlen input packs all sequences into one row, so q's batch size must "
+              "be 1, got " + std::to_string(B));
+    }
+    N = a.cu_seqlens.shape[0] - 1;
+  }
+
+  const bool vk = plan.state_layout == FKDA_STATE_LAYOUT_VK;
+  auto check_state = [&](const fkda_tensor& t, const char* name) {
+    if (!present(t)) return;
+    if (t.dtype != plan.state_dtype) {
+      invalid(std::string(name) + ": expected dtype " + dtype_name(plan.state_dtype) +
+              " (the plan's state_dtype), got " + dtype_name(t.dtype));
+    }
+    if (vk) {
+      check_tensor(t, name, {plan.state_dtype}, {N, H, V, K}, true);
+    } else {
+      check_tensor(t, name, {plan.state_dtype}, {N, H, K, V}, true);
+    }
+  };
+  check_state(a.initial_state, "initial_state");
+  check_state(a.final_state, "final_state");
+
+  if (!std::isfinite(a.scale)) invalid("scale: must be finite, got " + std::to_string(a.scale));
+
+  std::vector<Located> located = {{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.g, "g"},
+                                  {&a.beta, "beta"}, {&a.A_log, "A_log"}, {&a.dt_bias, "dt_bias"},
+                                  {&a.out, "out"}};
+  if (present(a.initial_state)) located.push_back({&a.initial_state, "initial_state"});
+  if (present(a.final_state)) located.push_back({&a.final_state, "final_state"});
+  if (present(a.cu_seqlens)) located.push_back({&a.cu_seqlens, "cu_seqlens"});
+  check_residency(plan, located);
+
+  if (plan.backend == FKDA_BACKEND_GPU) {
+    for (const Located& l : located) {
+      const std::string name = l.name;
+      bool vector_rows = name == "q" || name == "k" || name == "v" || name == "g" || name == "out" ||
+                         name == "initial_state" || name == "final_state" || name == "dt_bias";
+      if (vector_rows && l.tensor->data != nullptr) check_gpu_alignment(*l.tensor, l.name);
+    }
+  } else if (present(a.cu_seqlens)) {
+    check_cu_seqlens_contents(a.cu_seqlens, T);
+  }
+
+  const size_t required = plan.workspace_size(B * T, N);
+  if (workspace_bytes < required) {
+    fail(FKDA_ERROR_WORKSPACE_TOO_SMALL,
+         "workspace_bytes: " + std::to_string(workspace_bytes) + " bytes given, " +
+             std::to_string(required) + " needed for " + std::to_string(B * T) + " tokens in " +
+             std::to_string(N) + " sequences (fkda_plan_workspace_size)");
+  }
+  if (required > 0 && workspace == nullptr) invalid("workspace: NULL, but " + std::to_string(required) + " bytes are needed");
+  if (required > 0 && reinterpret_cast<uintptr_t>(workspace) % 256 != 0) {
+    invalid("workspace: must be 256-byte aligned (as cudaMalloc returns)");
+  }
+
+  FwdProblem p;
+  p.batch = B;
+  p.seq_len = T;
+  p.num_seqs = N;
+  p.num_heads = plan.num_heads;
+  p.head_dim_k = plan.head_dim_k;
+  p.head_dim_v = plan.head_dim_v;
+  p.q = act_view(a.q);
+  p.k = act_view(a.k);
+  p.v = act_view(a.v);
+  p.g = act_view(a.g);
+  p.beta = act_view(a.beta);
+  p.out = act_view(a.out);
+  p.A_log = static_cast<const float*>(a.A_log.data);
+  p.dt_bias = static_cast<const float*>(a.dt_bias.data);
+  p.initial_state = present(a.initial_state) ? a.initial_state.data : nullptr;
+  p.final_state = present(a.final_state) ? a.final_state.data : nullptr;
+  p.state_dtype = plan.state_dtype;
+  p.state_layout = plan.state_layout;
+  if (present(a.cu_seqlens)) {
+    p.cu_seqlens = a.cu_seqlens.data;
+    p.cu_seqlens_dtype = a.cu_seqlens.dtype;
+    p.cu_seqlens_stride = a.cu_seqlens.strides[0];
+  }
+  p.scale = a.scale;
+  p.lower_bound = plan.lower_bound.load();
+  return p;
+}
+
+}  // namespace fkda

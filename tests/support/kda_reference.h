@@ -1,0 +1,74 @@
+// Host-side support shared by the tests, fkda-demo and fkda-bench: random
+// KDA problems, bf16 conversions, the fp64 token-by-token recurrence of
+// DESIGN §1 (the accuracy reference), and fkda_tensor builders.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flashkda.h"
+
+namespace fkda_test {
+
+uint16_t to_bf16(float x);    // round to nearest even; NaN stays NaN
+float from_bf16(uint16_t bits);
+uint16_t to_f16(float x);     // round to nearest even, saturating to ±65504
+float from_f16(uint16_t bits);
+
+// One problem on the host. Activations are bf16 bit patterns, contiguous
+// [B, T, H, D]; with cu_seqlens, B == 1 and T is the packed total.
+struct Problem {
+  int64_t B = 1, T = 0, H = 1;
+  int64_t K = 128, V = 128;
+  std::vector<int64_t> cu_seqlens;  // empty: one sequence per batch row
+  std::vector<uint16_t> q, k, v, g, beta;
+  std::vector<float> A_log, dt_bias;
+  std::vector<float> initial_state;  // empty: absent (zeros); else [N, H, V, K] in f32
+  float scale = 0.08838834764831845f;
+  float lower_bound = -5.f;
+
+  int64_t num_seqs() const { return cu_seqlens.empty() ? B : int64_t(cu_seqlens.size()) - 1; }
+  int64_t state_elems() const { return num_seqs() * H * V * K; }
+};
+
+// The shape of a random problem. lengths non-empty means varlen (B = 1).
+struct ProblemShape {
+  int64_t B = 1, T = 0, H = 1;
+  std::vector<int64_t> lengths;
+  bool with_initial_state = true;
+  float lower_bound = -5.f;
+};
+
+// q, k, v, g, beta ~ N(0, 1); A_log, dt_bias ~ U(0, 1); initial state
+// ~ 0.1 N(0, 1) (BENCHMARKS.md's accuracy case). Deterministic in seed.
+Problem random_problem(const ProblemShape& shape, uint64_t seed);
+
+// The fp64 token-by-token recurrence of DESIGN §1 on the bf16 inputs.
+// out: [B, T, H, V]; final_state: [N, H, V, K] (V-first).
+struct Reference {
+  std::vector<double> out;
+  std::vector<double> final_state;
+};
+Reference reference_recurrence(const Problem& p);
+
+// ‖a − b‖ / ‖b‖; infinity when a holds a NaN or infinity.
+double rel_l2(const std::vector<float>& a, const std::vector<double>& b);
+
+std::vector<float> bf16_to_float(const std::vector<uint16_t>& bits);
+
+// Contiguous fkda_tensor over `data` with this dtype and shape.
+fkda_tensor tensor(void* data, fkda_dtype dtype, std::vector<int64_t> shape);
+
+// fkda_fwd_args over the given buffers (host or device pointers alike):
+// q, k, v, g, beta, out are [B, T, H, D]; states [N, H, V, K] in state_dtype;
+// cu_seqlens i64 when non-null. Null optional pointers leave that tensor absent.
+struct Buffers {
+  void *q, *k, *v, *g, *beta, *A_log, *dt_bias, *out;
+  void* initial_state = nullptr;
+  void* final_state = nullptr;
+  void* cu_seqlens = nullptr;
+};
+fkda_fwd_args make_args(const Problem& p, const Buffers& buffers, fkda_dtype state_dtype);
+
+}  // namespace fkda_test
