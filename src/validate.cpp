@@ -319,8 +319,8 @@ FwdProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const void*
              std::to_string(N) + " sequences (fkda_plan_workspace_size)");
   }
   if (required > 0 && workspace == nullptr) invalid("workspace: NULL, but " + std::to_string(required) + " bytes are needed");
-  if (required > 0 && reinterpret_cast<uintptr_t>(workspace) % 256 != 0) {
-    invalid("workspace: must be 256-byte aligned (as cudaMalloc returns)");
+  if (required > 0 && reinterpret_cast<uintptr_t>(workspace) % 16 != 0) {
+    invalid("workspace: must be 16-byte aligned");
   }
 
   FwdProblem p;

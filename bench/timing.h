@@ -1,0 +1,38 @@
+// Timing of one prefill case on the GPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "bench_support.h"
+#include "cases.h"
+
+namespace fkda_bench {
+
+struct TimingOptions {
+  fkda_dtype state_dtype = FKDA_DTYPE_BF16;
+  int warmup = 10;
+  int iters = 100;
+  float lower_bound = -5.f;
+  uint64_t seed = 1;
+};
+
+struct TimingResult {
+  double median_ms = 0, min_ms = 0, max_ms = 0;
+  double bytes_moved = 0;
+  double gbps = 0;  // bytes_moved / median
+  size_t workspace_bytes = 0;
+  int input_sets = 0;
+  size_t input_set_bytes = 0;
+  double setup_seconds = 0;  // host fill and upload of every input set
+};
+
+// Runs `c` with random inputs (never zeros) in several input sets whose total
+// size is many times the L2 cache, rotating among them so that no call finds
+// its inputs cached by the previous one. Each call is bracketed by CUDA
+// events after the warm-up. Outputs are poisoned with NaN before the first
+// call and checked afterwards, so a kernel that skips elements fails here.
+TimingResult time_case(const BenchCase& c, const TimingOptions& options,
+                       const DeviceContext& device);
+
+}  // namespace fkda_bench

@@ -1,0 +1,156 @@
+"""ctypes mirrors of include/flashkda.h: constants, structs and prototypes.
+
+Everything here follows the header field for field; tests/test_abi.py compares
+the layouts with a compiled C program and the prototypes with the header.
+"""
+
+import ctypes
+import enum
+
+MAX_RANK = 6
+
+# C enums are passed as int.
+c_enum = ctypes.c_int
+
+
+class Status(enum.IntEnum):
+    SUCCESS = 0
+    INVALID_ARGUMENT = 1
+    UNSUPPORTED = 2
+    NO_DEVICE = 3
+    DRIVER = 4
+    UNSUPPORTED_ARCH = 5
+    WORKSPACE_TOO_SMALL = 6
+    LAUNCH_FAILED = 7
+    OUT_OF_MEMORY = 8
+    INTERNAL = 9
+
+
+class Dtype(enum.IntEnum):
+    INVALID = 0
+    BF16 = 1
+    F16 = 2
+    F32 = 3
+    I32 = 4
+    I64 = 5
+
+
+class Backend(enum.IntEnum):
+    AUTO = 0
+    CPU = 1
+    GPU = 2
+
+
+class StateLayout(enum.IntEnum):
+    VK = 0
+    KV = 1
+
+
+class FkdaTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("dtype", ctypes.c_int32),
+        ("rank", ctypes.c_int32),
+        ("shape", ctypes.c_int64 * MAX_RANK),
+        ("strides", ctypes.c_int64 * MAX_RANK),
+    ]
+
+
+class FkdaPlanDesc(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("num_heads", ctypes.c_int32),
+        ("head_dim_k", ctypes.c_int32),
+        ("head_dim_v", ctypes.c_int32),
+        ("state_dtype", ctypes.c_int32),
+        ("state_layout", ctypes.c_int32),
+        ("backend", ctypes.c_int32),
+        ("lower_bound", ctypes.c_float),
+    ]
+
+    @classmethod
+    def initialized(cls):
+        """The values of FKDA_PLAN_DESC_INIT."""
+        return cls(
+            struct_size=ctypes.sizeof(cls),
+            num_heads=0,
+            head_dim_k=128,
+            head_dim_v=128,
+            state_dtype=Dtype.F32,
+            state_layout=StateLayout.VK,
+            backend=Backend.AUTO,
+            lower_bound=-5.0,
+        )
+
+
+FWD_TENSOR_FIELDS = (
+    "q", "k", "v", "g", "beta", "A_log", "dt_bias", "out",
+    "initial_state", "final_state", "cu_seqlens",
+)
+
+
+class FkdaFwdArgs(ctypes.Structure):
+    _fields_ = (
+        [("struct_size", ctypes.c_size_t)]
+        + [(name, FkdaTensor) for name in FWD_TENSOR_FIELDS]
+        + [("scale", ctypes.c_float)]
+    )
+
+    @classmethod
+    def initialized(cls):
+        """The values of FKDA_FWD_ARGS_INIT: every tensor absent."""
+        return cls(struct_size=ctypes.sizeof(cls), scale=0.08838834764831845)
+
+
+class FkdaDeviceInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("driver_loaded", ctypes.c_int32),
+        ("driver_version", ctypes.c_int32),
+        ("device_count", ctypes.c_int32),
+        ("device", ctypes.c_int32),
+        ("cc_major", ctypes.c_int32),
+        ("cc_minor", ctypes.c_int32),
+        ("has_kernels", ctypes.c_int32),
+        ("name", ctypes.c_char * 256),
+    ]
+
+    @classmethod
+    def initialized(cls):
+        """The values of FKDA_DEVICE_INFO_INIT."""
+        return cls(struct_size=ctypes.sizeof(cls), device=-1)
+
+
+plan_handle = ctypes.c_void_p
+stream_handle = ctypes.c_void_p
+
+# name -> (restype, argtypes), in header order.
+PROTOTYPES = {
+    "fkda_status_string": (ctypes.c_char_p, [c_enum]),
+    "fkda_last_error": (ctypes.c_char_p, []),
+    "fkda_version": (ctypes.c_uint32, []),
+    "fkda_version_string": (ctypes.c_char_p, []),
+    "fkda_plan_create": (c_enum, [ctypes.POINTER(FkdaPlanDesc), ctypes.POINTER(plan_handle)]),
+    "fkda_plan_destroy": (c_enum, [plan_handle]),
+    "fkda_plan_get_backend": (c_enum, [plan_handle, ctypes.POINTER(c_enum)]),
+    "fkda_set_lower_bound": (c_enum, [plan_handle, ctypes.c_float]),
+    "fkda_get_lower_bound": (c_enum, [plan_handle, ctypes.POINTER(ctypes.c_float)]),
+    "fkda_plan_workspace_size": (
+        c_enum,
+        [plan_handle, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "fkda_fwd": (
+        c_enum,
+        [plan_handle, ctypes.POINTER(FkdaFwdArgs), ctypes.c_void_p, ctypes.c_size_t, stream_handle],
+    ),
+    "fkda_query_device": (c_enum, [ctypes.c_int32, ctypes.POINTER(FkdaDeviceInfo)]),
+}
+
+
+def declare(cdll):
+    """Sets restype and argtypes of every function on a loaded CDLL."""
+    for name, (restype, argtypes) in PROTOTYPES.items():
+        function = getattr(cdll, name)
+        function.restype = restype
+        function.argtypes = argtypes
+    return cdll

@@ -1,0 +1,465 @@
+// The CPU backend follows docs/NUMERICS.md step by step; each step of the
+// contract is one function below, named after it. It exists so that every
+// machine can run the library, and so that the GPU kernels have a partner
+// that rounds at the same points and can be compared with them tightly.
+
+#include "cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "cpu/cpu_rounding.h"
+#include "flashkda.h"
+
+namespace fkda::cpu {
+namespace {
+
+constexpr int kChunk = 16;
+constexpr float kLog2e = 1.44269504088896340736f;
+
+// One (sequence, head) pair: the unit of work, since the recurrence is a
+// sequential chain over the chunks of one sequence and one head.
+struct HeadTask {
+  int64_t seq;
+  int32_t head;
+  int64_t batch_row;
+  int64_t begin;  // tokens [begin, end) of batch_row
+  int64_t end;
+};
+
+// Everything one worker needs for one chunk, allocated before any thread
+// starts so that nothing inside a worker can throw.
+struct ChunkScratch {
+  int K = 0, V = 0;
+  int len = 0;  // tokens of this chunk (the last chunk of a sequence may be partial)
+
+  // The chunk's inputs widened to f32, [kChunk][K] or [kChunk][V]; rows >= len are zero.
+  std::vector<float> q, k, g, v;
+  float beta[kChunk] = {};
+
+  // Step 1 and 2.
+  std::vector<float> gate_cumsum;  // c, [kChunk][K]
+  std::vector<float> decay;        // 2^c_last, [K]
+  float rq[kChunk] = {}, rk[kChunk] = {}, b[kChunk] = {};
+
+  // Step 3: bf16 operands of the 16x16 products, [kChunk][K].
+  std::vector<float> kd_bf16, ki_bf16, qd_bf16;
+  // Step 3: f16 operands of the recurrence. Kd and Qd are stored K-major,
+  // [K][kChunk], so that the products with the state run along the 16 tokens.
+  std::vector<float> kd_f16_kmajor, qd_f16_kmajor;
+  std::vector<float> kr_f16;  // [kChunk][K]
+
+  // Steps 4 and 5.
+  float L[kChunk][kChunk] = {};
+  float Mqk[kChunk][kChunk] = {};
+  float W[kChunk][kChunk] = {};
+
+  // Step 6.
+  std::vector<float> state;      // S, [V][K], f32 for the whole sequence
+  std::vector<float> state_f16;  // Sh, [V][K]
+  std::vector<float> X_vmajor, Oi_vmajor;  // [V][kChunk]
+  std::vector<float> Y, Uh;                 // [kChunk][V]
+  std::vector<float> out_f32;               // one output row, [V]
+
+  ChunkScratch(int head_dim_k, int head_dim_v) : K(head_dim_k), V(head_dim_v) {
+    const size_t rows_k = size_t(kChunk) * K, rows_v = size_t(kChunk) * V;
+    q.resize(rows_k);
+    k.resize(rows_k);
+    g.resize(rows_k);
+    v.resize(rows_v);
+    gate_cumsum.resize(rows_k);
+    decay.resize(K);
+    kd_bf16.resize(rows_k);
+    ki_bf16.resize(rows_k);
+    qd_bf16.resize(rows_k);
+    kd_f16_kmajor.resize(rows_k);
+    qd_f16_kmajor.resize(rows_k);
+    kr_f16.resize(rows_k);
+    state.resize(size_t(V) * K);
+    state_f16.resize(size_t(V) * K);
+    X_vmajor.resize(rows_v);
+    Oi_vmajor.resize(rows_v);
+    Y.resize(rows_v);
+    Uh.resize(rows_v);
+    out_f32.resize(V);
+  }
+};
+
+// ----------------------------------------------------------- addressing ---
+
+const uint16_t* token_row(const ActView& view, const HeadTask& task, int64_t token) {
+  return static_cast<const uint16_t*>(view.data) + task.batch_row * view.stride_b +
+         token * view.stride_t + int64_t(task.head) * view.stride_h;
+}
+
+uint16_t* out_row(const FwdProblem& p, const HeadTask& task, int64_t token) {
+  // The out view's data is writable; ActView only carries it as const.
+  return const_cast<uint16_t*>(token_row(p.out, task, token));
+}
+
+int64_t cu_seqlens_at(const FwdProblem& p, int64_t index) {
+  const int64_t offset = index * p.cu_seqlens_stride;
+  if (p.cu_seqlens_dtype == FKDA_DTYPE_I32) return static_cast<const int32_t*>(p.cu_seqlens)[offset];
+  return static_cast<const int64_t*>(p.cu_seqlens)[offset];
+}
+
+std::vector<HeadTask> head_tasks(const FwdProblem& p) {
+  std::vector<HeadTask> tasks;
+  tasks.reserve(size_t(p.num_seqs) * p.num_heads);
+  for (int64_t n = 0; n < p.num_seqs; ++n) {
+    int64_t row = n, begin = 0, end = p.seq_len;
+    if (p.cu_seqlens != nullptr) {
+      row = 0;
+      begin = std::clamp<int64_t>(cu_seqlens_at(p, n), 0, p.seq_len);
+      end = std::clamp<int64_t>(cu_seqlens_at(p, n + 1), begin, p.seq_len);
+    }
+    for (int32_t h = 0; h < p.num_heads; ++h) tasks.push_back({n, h, row, begin, end});
+  }
+  // Longest first, so that the last task a worker picks up is a short one.
+  std::stable_sort(tasks.begin(), tasks.end(), [](const HeadTask& a, const HeadTask& b) {
+    return a.end - a.begin > b.end - b.begin;
+  });
+  return tasks;
+}
+
+// ------------------------------------------------------- state (step 7) ---
+
+size_t state_offset(const FwdProblem& p, const HeadTask& task) {
+  return (size_t(task.seq) * p.num_heads + task.head) * size_t(p.head_dim_v) * p.head_dim_k;
+}
+
+// Index of S[e, k] in the caller's layout.
+size_t state_index(const FwdProblem& p, int e, int k) {
+  return p.state_layout == FKDA_STATE_LAYOUT_KV ? size_t(k) * p.head_dim_v + e
+                                                : size_t(e) * p.head_dim_k + k;
+}
+
+void load_initial_state(const FwdProblem& p, const HeadTask& task, ChunkScratch& s) {
+  if (p.initial_state == nullptr) {
+    std::fill(s.state.begin(), s.state.end(), 0.f);
+    return;
+  }
+  const size_t base = state_offset(p, task);
+  for (int e = 0; e < s.V; ++e) {
+    for (int k = 0; k < s.K; ++k) {
+      const size_t index = base + state_index(p, e, k);
+      s.state[size_t(e) * s.K + k] =
+          p.state_dtype == FKDA_DTYPE_BF16
+              ? float_of_bf16(static_cast<const uint16_t*>(p.initial_state)[index])
+              : static_cast<const float*>(p.initial_state)[index];
+    }
+  }
+}
+
+void store_final_state(const FwdProblem& p, const HeadTask& task, const ChunkScratch& s) {
+  if (p.final_state == nullptr) return;
+  const size_t base = state_offset(p, task);
+  for (int e = 0; e < s.V; ++e) {
+    for (int k = 0; k < s.K; ++k) {
+      const size_t index = base + state_index(p, e, k);
+      const float value = s.state[size_t(e) * s.K + k];
+      if (p.state_dtype == FKDA_DTYPE_BF16)
+        static_cast<uint16_t*>(p.final_state)[index] = bf16_bits_of(value);
+      else
+        static_cast<float*>(p.final_state)[index] = value;
+    }
+  }
+}
+
+// ------------------------------------------------------- chunk steps 1-5 ---
+
+void load_chunk(const FwdProblem& p, const HeadTask& task, int64_t first_token, ChunkScratch& s) {
+  const int K = s.K, V = s.V;
+  for (int i = 0; i < kChunk; ++i) {
+    float* q = &s.q[size_t(i) * K];
+    float* k = &s.k[size_t(i) * K];
+    float* g = &s.g[size_t(i) * K];
+    float* v = &s.v[size_t(i) * V];
+    if (i >= s.len) {
+      // Rows past the end of a partial chunk are zero in every operand.
+      std::fill(q, q + K, 0.f);
+      std::fill(k, k + K, 0.f);
+      std::fill(g, g + K, 0.f);
+      std::fill(v, v + V, 0.f);
+      s.beta[i] = 0.f;
+      continue;
+    }
+    const int64_t token = first_token + i;
+    const uint16_t* q_in = token_row(p.q, task, token);
+    const uint16_t* k_in = token_row(p.k, task, token);
+    const uint16_t* g_in = token_row(p.g, task, token);
+    const uint16_t* v_in = token_row(p.v, task, token);
+    for (int c = 0; c < K; ++c) {
+      q[c] = float_of_bf16(q_in[c]);
+      k[c] = float_of_bf16(k_in[c]);
+      g[c] = float_of_bf16(g_in[c]);
+    }
+    for (int e = 0; e < V; ++e) v[e] = float_of_bf16(v_in[e]);
+    s.beta[i] = float_of_bf16(*token_row(p.beta, task, token));
+  }
+}
+
+float sigmoid(float x) { return 1.f / (1.f + std::exp2(-x * kLog2e)); }
+
+// Step 1: the gate in base 2 and its running sum over the chunk's tokens.
+void gate_cumsum(const FwdProblem& p, const HeadTask& task, ChunkScratch& s) {
+  const int K = s.K;
+  const float gate_scale = p.lower_bound * kLog2e;
+  const float a_scale = std::exp(p.A_log[task.head]);
+  const float* dt_bias = p.dt_bias + size_t(task.head) * K;
+  for (int c = 0; c < K; ++c) {
+    float running = 0.f;
+    for (int i = 0; i < s.len; ++i) {
+      running += gate_scale * sigmoid(a_scale * (s.g[size_t(i) * K + c] + dt_bias[c]));
+      s.gate_cumsum[size_t(i) * K + c] = running;
+    }
+    for (int i = s.len; i < kChunk; ++i) s.gate_cumsum[size_t(i) * K + c] = 0.f;
+    s.decay[c] = std::exp2(running);
+  }
+}
+
+// Step 2: inverse L2 norms of q and k, and b = sigmoid(beta).
+void norms_and_beta(ChunkScratch& s) {
+  const int K = s.K;
+  for (int i = 0; i < kChunk; ++i) {
+    if (i >= s.len) {
+      s.rq[i] = s.rk[i] = s.b[i] = 0.f;
+      continue;
+    }
+    float sum_q = 0.f, sum_k = 0.f;
+    for (int c = 0; c < K; ++c) {
+      sum_q += s.q[size_t(i) * K + c] * s.q[size_t(i) * K + c];
+      sum_k += s.k[size_t(i) * K + c] * s.k[size_t(i) * K + c];
+    }
+    s.rq[i] = 1.f / std::sqrt(sum_q + 1e-6f);
+    s.rk[i] = 1.f / std::sqrt(sum_k + 1e-6f);
+    s.b[i] = sigmoid(s.beta[i]);
+  }
+}
+
+// Step 3: the gated operands. Ki spans up to 2^115, so the 16x16 products use
+// bf16 (f32's exponent range); the recurrence's operands are all at most 1 (or
+// |scale|) in magnitude and use f16 for its finer mantissa.
+void chunk_operands(float scale, ChunkScratch& s) {
+  const int K = s.K;
+  for (int i = 0; i < kChunk; ++i) {
+    for (int c = 0; c < K; ++c) {
+      const size_t at = size_t(i) * K + c;
+      const size_t at_kmajor = size_t(c) * kChunk + i;
+      if (i >= s.len) {
+        s.kd_bf16[at] = s.ki_bf16[at] = s.qd_bf16[at] = s.kr_f16[at] = 0.f;
+        s.kd_f16_kmajor[at_kmajor] = s.qd_f16_kmajor[at_kmajor] = 0.f;
+        continue;
+      }
+      const float cumsum = s.gate_cumsum[at];
+      const float cumsum_last = s.gate_cumsum[size_t(s.len - 1) * K + c];
+      const float k_unit = s.k[at] * s.rk[i];
+      const float q_scaled = s.q[at] * s.rq[i] * scale;
+      const float k_decayed = k_unit * std::exp2(cumsum);
+      const float q_decayed = q_scaled * std::exp2(cumsum);
+      s.kd_bf16[at] = round_to_bf16(k_decayed);
+      s.ki_bf16[at] = round_to_bf16(k_unit * std::exp2(-cumsum));
+      s.qd_bf16[at] = round_to_bf16(q_decayed);
+      s.kd_f16_kmajor[at_kmajor] = round_to_f16_satfinite(k_decayed);
+      s.qd_f16_kmajor[at_kmajor] = round_to_f16_satfinite(q_decayed);
+      s.kr_f16[at] = round_to_f16_satfinite(k_unit * std::exp2(cumsum_last - cumsum));
+    }
+  }
+}
+
+float dot(const float* a, const float* b, int n) {
+  float sum = 0.f;
+  for (int c = 0; c < n; ++c) sum += a[c] * b[c];
+  return sum;
+}
+
+// Step 4: L = strict_lower(Kd Kiᵀ) with row i scaled by b_i, and
+// Mqk = lower_incl_diag(Qd Kiᵀ) rounded to f16.
+void intra_chunk_products(ChunkScratch& s) {
+  const int K = s.K;
+  for (int i = 0; i < kChunk; ++i) {
+    for (int j = 0; j < kChunk; ++j) {
+      s.L[i][j] = 0.f;
+      s.Mqk[i][j] = 0.f;
+      if (i >= s.len || j > i) continue;
+      const float* ki = &s.ki_bf16[size_t(j) * K];
+      if (j < i) s.L[i][j] = s.b[i] * dot(&s.kd_bf16[size_t(i) * K], ki, K);
+      s.Mqk[i][j] = round_to_f16_satfinite(dot(&s.qd_bf16[size_t(i) * K], ki, K));
+    }
+  }
+}
+
+using Tile = float[kChunk][kChunk];
+
+void multiply(const Tile& a, const Tile& b, Tile& product) {
+  for (int i = 0; i < kChunk; ++i) {
+    for (int j = 0; j < kChunk; ++j) product[i][j] = 0.f;
+    for (int m = 0; m < kChunk; ++m)
+      for (int j = 0; j < kChunk; ++j) product[i][j] += a[i][m] * b[m][j];
+  }
+}
+
+void identity_plus(const Tile& a, float sign, Tile& result) {
+  for (int i = 0; i < kChunk; ++i)
+    for (int j = 0; j < kChunk; ++j) result[i][j] = (i == j ? 1.f : 0.f) + sign * a[i][j];
+}
+
+// Step 5: L is strictly lower triangular, so L^16 = 0 and
+// (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8) exactly; then W = f16(INV diag(b)).
+void invert_unit_lower(ChunkScratch& s) {
+  Tile power, next_power, factor, inverse, partial;
+  identity_plus(s.L, -1.f, inverse);
+  multiply(s.L, s.L, power);  // L^2
+  for (int step = 0; step < 3; ++step) {
+    identity_plus(power, 1.f, factor);
+    multiply(inverse, factor, partial);
+    std::copy(&partial[0][0], &partial[0][0] + kChunk * kChunk, &inverse[0][0]);
+    if (step < 2) {
+      multiply(power, power, next_power);  // L^4, then L^8
+      std::copy(&next_power[0][0], &next_power[0][0] + kChunk * kChunk, &power[0][0]);
+    }
+  }
+  for (int i = 0; i < kChunk; ++i)
+    for (int j = 0; j < kChunk; ++j) s.W[i][j] = round_to_f16_satfinite(inverse[i][j] * s.b[j]);
+}
+
+// ---------------------------------------------------- recurrence (step 6) ---
+
+// X = Kd Shᵀ and Oi = Qd Shᵀ, both kept V-major so the inner loop runs along
+// the 16 tokens and every state element is read once.
+void project_state(ChunkScratch& s) {
+  const int K = s.K, V = s.V;
+  for (size_t at = 0; at < s.state.size(); ++at) s.state_f16[at] = round_to_f16_satfinite(s.state[at]);
+  for (int e = 0; e < V; ++e) {
+    float* x = &s.X_vmajor[size_t(e) * kChunk];
+    float* o = &s.Oi_vmajor[size_t(e) * kChunk];
+    std::fill(x, x + kChunk, 0.f);
+    std::fill(o, o + kChunk, 0.f);
+    const float* sh = &s.state_f16[size_t(e) * K];
+    for (int c = 0; c < K; ++c) {
+      const float* kd = &s.kd_f16_kmajor[size_t(c) * kChunk];
+      const float* qd = &s.qd_f16_kmajor[size_t(c) * kChunk];
+      const float state_value = sh[c];
+      for (int i = 0; i < kChunk; ++i) {
+        x[i] += kd[i] * state_value;
+        o[i] += qd[i] * state_value;
+      }
+    }
+  }
+}
+
+// Y = f16(v - X), then Uh = f16(W Y): the chunk's corrections to the state.
+void delta_updates(ChunkScratch& s) {
+  const int V = s.V;
+  for (int i = 0; i < kChunk; ++i) {
+    float* y = &s.Y[size_t(i) * V];
+    for (int e = 0; e < V; ++e)
+      y[e] = i < s.len ? round_to_f16_satfinite(s.v[size_t(i) * V + e] - s.X_vmajor[size_t(e) * kChunk + i])
+                       : 0.f;
+  }
+  for (int i = 0; i < kChunk; ++i) {
+    float* u = &s.Uh[size_t(i) * V];
+    std::fill(u, u + V, 0.f);
+    // W is lower triangular and zero past len.
+    for (int j = 0; j <= i && j < s.len; ++j) {
+      const float w = s.W[i][j];
+      const float* y = &s.Y[size_t(j) * V];
+      for (int e = 0; e < V; ++e) u[e] += w * y[e];
+    }
+    for (int e = 0; e < V; ++e) u[e] = round_to_f16_satfinite(u[e]);
+  }
+}
+
+// O = Oi + Mqk Uh, written as bf16 for the chunk's real tokens.
+void write_output(const FwdProblem& p, const HeadTask& task, int64_t first_token, ChunkScratch& s) {
+  const int V = s.V;
+  float* o = s.out_f32.data();
+  for (int i = 0; i < s.len; ++i) {
+    for (int e = 0; e < V; ++e) o[e] = s.Oi_vmajor[size_t(e) * kChunk + i];
+    for (int j = 0; j <= i; ++j) {
+      const float m = s.Mqk[i][j];
+      const float* u = &s.Uh[size_t(j) * V];
+      for (int e = 0; e < V; ++e) o[e] += m * u[e];
+    }
+    uint16_t* out = out_row(p, task, first_token + i);
+    for (int e = 0; e < V; ++e) out[e] = bf16_bits_of(o[e]);
+  }
+}
+
+// S <- S diag(decay) + Uhᵀ Kr.
+void advance_state(ChunkScratch& s) {
+  const int K = s.K, V = s.V;
+  for (int e = 0; e < V; ++e) {
+    float* state_row = &s.state[size_t(e) * K];
+    for (int c = 0; c < K; ++c) state_row[c] *= s.decay[c];
+    for (int i = 0; i < s.len; ++i) {
+      const float u = s.Uh[size_t(i) * V + e];
+      const float* kr = &s.kr_f16[size_t(i) * K];
+      for (int c = 0; c < K; ++c) state_row[c] += u * kr[c];
+    }
+  }
+}
+
+// ------------------------------------------------------------- drivers ---
+
+void run_head(const FwdProblem& p, const HeadTask& task, ChunkScratch& s) {
+  load_initial_state(p, task, s);
+  for (int64_t first = task.begin; first < task.end; first += kChunk) {
+    s.len = static_cast<int>(std::min<int64_t>(kChunk, task.end - first));
+    load_chunk(p, task, first, s);
+    gate_cumsum(p, task, s);
+    norms_and_beta(s);
+    chunk_operands(p.scale, s);
+    intra_chunk_products(s);
+    invert_unit_lower(s);
+    project_state(s);
+    delta_updates(s);
+    write_output(p, task, first, s);
+    advance_state(s);
+  }
+  store_final_state(p, task, s);
+}
+
+// Below about this many chunks in all, starting a thread costs more than it saves.
+constexpr int64_t kChunksPerExtraThread = 8;
+
+}  // namespace
+
+void fwd(const FwdProblem& problem) {
+  const std::vector<HeadTask> tasks = head_tasks(problem);
+  if (tasks.empty()) return;
+
+  int64_t total_chunks = 0;
+  for (const HeadTask& task : tasks) total_chunks += (task.end - task.begin + kChunk - 1) / kChunk;
+  const int64_t hardware = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t workers = std::clamp<int64_t>(
+      std::min<int64_t>(int64_t(tasks.size()), total_chunks / kChunksPerExtraThread), 1, hardware);
+
+  std::vector<ChunkScratch> scratch;
+  scratch.reserve(size_t(workers));
+  for (int64_t w = 0; w < workers; ++w) scratch.emplace_back(problem.head_dim_k, problem.head_dim_v);
+
+  std::atomic<size_t> next_task{0};
+  auto work = [&](ChunkScratch& s) {
+    for (size_t t = next_task++; t < tasks.size(); t = next_task++) run_head(problem, tasks[t], s);
+  };
+
+  std::vector<std::thread> threads;
+  threads.reserve(size_t(workers - 1));
+  for (int64_t w = 1; w < workers; ++w) {
+    try {
+      threads.emplace_back(work, std::ref(scratch[size_t(w)]));
+    } catch (...) {
+      break;  // no thread to spare: the calling thread does the remaining work
+    }
+  }
+  work(scratch[0]);
+  for (std::thread& thread : threads) thread.join();
+}
+
+}  // namespace fkda::cpu

@@ -1,0 +1,240 @@
+// The accuracy reference. It shares no code with the library on purpose: it
+// runs DESIGN §1 token by token in fp64, with its own bf16/f16 conversions,
+// so that a mistake in the backends cannot hide in a helper both use.
+
+#include "kda_reference.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <stdexcept>
+
+namespace fkda_test {
+
+// ---------------------------------------------------------- conversions ---
+
+uint16_t to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  uint32_t upper = bits >> 16;
+  if (std::isnan(x)) return static_cast<uint16_t>(upper | 0x0040u);  // quiet, sign kept
+  const uint32_t dropped = bits & 0xFFFFu;
+  const bool round_up = dropped > 0x8000u || (dropped == 0x8000u && (upper & 1u) != 0);
+  if (round_up) ++upper;  // a carry into the exponent is the correct next value
+  return static_cast<uint16_t>(upper);
+}
+
+float from_bf16(uint16_t bits) {
+  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float x;
+  std::memcpy(&x, &widened, sizeof x);
+  return x;
+}
+
+uint16_t to_f16(float x) {
+  const uint16_t sign = std::signbit(x) ? 0x8000u : 0u;
+  if (std::isnan(x)) return static_cast<uint16_t>(sign | 0x7E00u);
+  const double magnitude = std::fabs(static_cast<double>(x));
+  if (magnitude >= 65504.0) return static_cast<uint16_t>(sign | 0x7BFFu);  // satfinite
+  if (magnitude == 0.0) return sign;
+  // The spacing of f16 values around `magnitude`: 2^-24 among the subnormals
+  // (below 2^-14), else 2^(exponent - 10).
+  const int exponent = std::ilogb(magnitude);
+  const double spacing = std::ldexp(1.0, (exponent < -14 ? -14 : exponent) - 10);
+  const double units = std::nearbyint(magnitude / spacing);  // ties to even
+  const double rounded = units * spacing;
+  if (rounded == 0.0) return sign;
+  if (rounded < std::ldexp(1.0, -14)) return static_cast<uint16_t>(sign | static_cast<uint16_t>(units));
+  const int rounded_exponent = std::ilogb(rounded);  // may have carried up by one
+  const double mantissa = rounded / std::ldexp(1.0, rounded_exponent - 10) - 1024.0;
+  return static_cast<uint16_t>(sign | ((rounded_exponent + 15) << 10) | static_cast<uint16_t>(mantissa));
+}
+
+float from_f16(uint16_t bits) {
+  const double sign = (bits & 0x8000u) ? -1.0 : 1.0;
+  const int exponent_field = (bits >> 10) & 0x1F;
+  const int mantissa = bits & 0x3FF;
+  if (exponent_field == 0x1F)
+    return mantissa == 0 ? static_cast<float>(sign * std::numeric_limits<double>::infinity())
+                         : std::numeric_limits<float>::quiet_NaN();
+  if (exponent_field == 0) return static_cast<float>(sign * std::ldexp(mantissa, -24));
+  return static_cast<float>(sign * std::ldexp(1024 + mantissa, exponent_field - 25));
+}
+
+std::vector<float> bf16_to_float(const std::vector<uint16_t>& bits) {
+  std::vector<float> values(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) values[i] = from_bf16(bits[i]);
+  return values;
+}
+
+// ------------------------------------------------------- random problems ---
+
+Problem random_problem(const ProblemShape& shape, uint64_t seed) {
+  if (shape.H <= 0) throw std::invalid_argument("random_problem: H must be positive");
+  Problem p;
+  p.H = shape.H;
+  p.lower_bound = shape.lower_bound;
+  if (!shape.lengths.empty()) {
+    p.B = 1;
+    p.cu_seqlens.push_back(0);
+    for (int64_t length : shape.lengths) {
+      if (length < 0) throw std::invalid_argument("random_problem: negative sequence length");
+      p.cu_seqlens.push_back(p.cu_seqlens.back() + length);
+    }
+    p.T = p.cu_seqlens.back();
+  } else {
+    p.B = shape.B;
+    p.T = shape.T;
+  }
+  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.K)));
+
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_real_distribution<float> uniform(0.f, 1.f);
+  auto bf16_normals = [&](size_t count) {
+    std::vector<uint16_t> values(count);
+    for (uint16_t& value : values) value = to_bf16(normal(rng));
+    return values;
+  };
+
+  const size_t tokens = static_cast<size_t>(p.B * p.T * p.H);
+  p.q = bf16_normals(tokens * p.K);
+  p.k = bf16_normals(tokens * p.K);
+  p.v = bf16_normals(tokens * p.V);
+  p.g = bf16_normals(tokens * p.K);
+  p.beta = bf16_normals(tokens);
+  p.A_log.resize(static_cast<size_t>(p.H));
+  for (float& value : p.A_log) value = uniform(rng);
+  p.dt_bias.resize(static_cast<size_t>(p.H * p.K));
+  for (float& value : p.dt_bias) value = uniform(rng);
+  if (shape.with_initial_state) {
+    p.initial_state.resize(static_cast<size_t>(p.state_elems()));
+    for (float& value : p.initial_state) value = 0.1f * normal(rng);
+  }
+  return p;
+}
+
+// ------------------------------------------------ the fp64 recurrence ---
+
+namespace {
+
+double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+// x / sqrt(Σ x² + 1e-6) of one token's bf16 row.
+void unit_vector(const uint16_t* bits, int64_t n, std::vector<double>& unit) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    unit[i] = from_bf16(bits[i]);
+    sum += unit[i] * unit[i];
+  }
+  const double inverse_norm = 1.0 / std::sqrt(sum + 1e-6);
+  for (int64_t i = 0; i < n; ++i) unit[i] *= inverse_norm;
+}
+
+}  // namespace
+
+Reference reference_recurrence(const Problem& p) {
+  const int64_t N = p.num_seqs(), H = p.H, K = p.K, V = p.V;
+  const bool varlen = !p.cu_seqlens.empty();
+  Reference ref;
+  ref.out.assign(static_cast<size_t>(p.B * p.T * H * V), 0.0);
+  ref.final_state.assign(static_cast<size_t>(N * H * V * K), 0.0);
+
+  std::vector<double> state(static_cast<size_t>(V * K));  // S[e][c], V-first
+  std::vector<double> q_unit(K), k_unit(K), decay(K);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t row = varlen ? 0 : n;
+    const int64_t begin = varlen ? p.cu_seqlens[n] : 0;
+    const int64_t end = varlen ? p.cu_seqlens[n + 1] : p.T;
+    for (int64_t h = 0; h < H; ++h) {
+      const size_t state_base = static_cast<size_t>((n * H + h) * V * K);
+      for (size_t i = 0; i < state.size(); ++i)
+        state[i] = p.initial_state.empty() ? 0.0 : static_cast<double>(p.initial_state[state_base + i]);
+      const double a_scale = std::exp(static_cast<double>(p.A_log[h]));
+
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t token = (row * p.T + t) * H + h;
+        unit_vector(&p.q[token * K], K, q_unit);
+        unit_vector(&p.k[token * K], K, k_unit);
+        for (int64_t c = 0; c < K; ++c) {
+          const double gate = from_bf16(p.g[token * K + c]) + static_cast<double>(p.dt_bias[h * K + c]);
+          decay[c] = std::exp(static_cast<double>(p.lower_bound) * sigmoid(a_scale * gate));
+        }
+        const double b = sigmoid(from_bf16(p.beta[token]));
+        const uint16_t* v = &p.v[token * V];
+
+        for (int64_t e = 0; e < V; ++e) {
+          double* s_row = &state[e * K];
+          double predicted = 0.0;
+          for (int64_t c = 0; c < K; ++c) {
+            s_row[c] *= decay[c];
+            predicted += s_row[c] * k_unit[c];
+          }
+          const double correction = b * (from_bf16(v[e]) - predicted);
+          double output = 0.0;
+          for (int64_t c = 0; c < K; ++c) {
+            s_row[c] += correction * k_unit[c];
+            output += s_row[c] * q_unit[c];
+          }
+          ref.out[token * V + e] = static_cast<double>(p.scale) * output;
+        }
+      }
+      std::copy(state.begin(), state.end(), ref.final_state.begin() + static_cast<std::ptrdiff_t>(state_base));
+    }
+  }
+  return ref;
+}
+
+double rel_l2(const std::vector<float>& a, const std::vector<double>& b) {
+  const double infinity = std::numeric_limits<double>::infinity();
+  if (a.size() != b.size()) return infinity;
+  double error = 0.0, norm = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return infinity;
+    const double difference = static_cast<double>(a[i]) - b[i];
+    error += difference * difference;
+    norm += b[i] * b[i];
+  }
+  if (norm == 0.0) return error == 0.0 ? 0.0 : infinity;
+  return std::sqrt(error / norm);
+}
+
+// ------------------------------------------------------------ arguments ---
+
+fkda_tensor tensor(void* data, fkda_dtype dtype, std::vector<int64_t> shape) {
+  if (shape.size() > FKDA_MAX_RANK) throw std::invalid_argument("tensor: rank above FKDA_MAX_RANK");
+  fkda_tensor t = FKDA_TENSOR_NONE;
+  t.data = data;
+  t.dtype = dtype;
+  t.rank = static_cast<int32_t>(shape.size());
+  int64_t stride = 1;
+  for (int i = t.rank - 1; i >= 0; --i) {
+    t.shape[i] = shape[static_cast<size_t>(i)];
+    t.strides[i] = stride;
+    stride *= shape[static_cast<size_t>(i)];
+  }
+  return t;
+}
+
+fkda_fwd_args make_args(const Problem& p, const Buffers& buffers, fkda_dtype state_dtype) {
+  fkda_fwd_args args = FKDA_FWD_ARGS_INIT;
+  const int64_t N = p.num_seqs();
+  args.q = tensor(buffers.q, FKDA_DTYPE_BF16, {p.B, p.T, p.H, p.K});
+  args.k = tensor(buffers.k, FKDA_DTYPE_BF16, {p.B, p.T, p.H, p.K});
+  args.v = tensor(buffers.v, FKDA_DTYPE_BF16, {p.B, p.T, p.H, p.V});
+  args.g = tensor(buffers.g, FKDA_DTYPE_BF16, {p.B, p.T, p.H, p.K});
+  args.beta = tensor(buffers.beta, FKDA_DTYPE_BF16, {p.B, p.T, p.H});
+  args.A_log = tensor(buffers.A_log, FKDA_DTYPE_F32, {p.H});
+  args.dt_bias = tensor(buffers.dt_bias, FKDA_DTYPE_F32, {p.H, p.K});
+  args.out = tensor(buffers.out, FKDA_DTYPE_BF16, {p.B, p.T, p.H, p.V});
+  if (buffers.initial_state != nullptr)
+    args.initial_state = tensor(buffers.initial_state, state_dtype, {N, p.H, p.V, p.K});
+  if (buffers.final_state != nullptr)
+    args.final_state = tensor(buffers.final_state, state_dtype, {N, p.H, p.V, p.K});
+  if (buffers.cu_seqlens != nullptr) args.cu_seqlens = tensor(buffers.cu_seqlens, FKDA_DTYPE_I64, {N + 1});
+  args.scale = p.scale;
+  return args;
+}
+
+}  // namespace fkda_test

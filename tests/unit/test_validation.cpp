@@ -1,0 +1,283 @@
+// Every bad call gets a status and a message naming the argument, before any
+// work starts; nothing is written.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <thread>
+#include <string>
+#include <vector>
+
+#include "flashkda.h"
+#include "kda_reference.h"
+
+namespace {
+
+constexpr int64_t kB = 2, kT = 20, kH = 2, kD = 128;
+
+// Host buffers for a valid CPU call with B = 2, T = 20, H = 2 and f32
+// states; varlen calls reuse them as one row of 40 tokens.
+struct Fixture {
+  std::vector<uint16_t> q, k, v, g, beta, out;
+  std::vector<float> A_log, dt_bias, initial_state, final_state;
+  std::vector<int64_t> cu_seqlens = {0, 10, 25, 40};
+  std::vector<uint8_t> workspace;
+  fkda_plan_t plan = nullptr;
+
+  Fixture() {
+    const size_t act = kB * kT * kH * kD;
+    q.assign(act, fkda_test::to_bf16(0.5f));
+    k.assign(act, fkda_test::to_bf16(-0.25f));
+    v.assign(act, fkda_test::to_bf16(1.5f));
+    g.assign(act, fkda_test::to_bf16(0.75f));
+    out.assign(act, 0xFFFF);
+    beta.assign(kB * kT * kH, fkda_test::to_bf16(0.3f));
+    A_log.assign(kH, 0.2f);
+    dt_bias.assign(kH * kD, 0.1f);
+    initial_state.assign(3 * kH * kD * kD, 0.01f);
+    final_state.assign(3 * kH * kD * kD, -7.f);
+    fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+    desc.num_heads = kH;
+    desc.backend = FKDA_BACKEND_CPU;
+    REQUIRE(fkda_plan_create(&desc, &plan) == FKDA_SUCCESS);
+    size_t bytes = 0;
+    REQUIRE(fkda_plan_workspace_size(plan, kB * kT, 3, &bytes) == FKDA_SUCCESS);
+    workspace.assign(bytes + 256, 0);
+  }
+  ~Fixture() { fkda_plan_destroy(plan); }
+
+  fkda_fwd_args batched() {
+    fkda_fwd_args a = FKDA_FWD_ARGS_INIT;
+    a.q = fkda_test::tensor(q.data(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    a.k = fkda_test::tensor(k.data(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    a.v = fkda_test::tensor(v.data(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    a.g = fkda_test::tensor(g.data(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    a.beta = fkda_test::tensor(beta.data(), FKDA_DTYPE_BF16, {kB, kT, kH});
+    a.A_log = fkda_test::tensor(A_log.data(), FKDA_DTYPE_F32, {kH});
+    a.dt_bias = fkda_test::tensor(dt_bias.data(), FKDA_DTYPE_F32, {kH, kD});
+    a.out = fkda_test::tensor(out.data(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    a.initial_state = fkda_test::tensor(initial_state.data(), FKDA_DTYPE_F32, {kB, kH, kD, kD});
+    a.final_state = fkda_test::tensor(final_state.data(), FKDA_DTYPE_F32, {kB, kH, kD, kD});
+    a.scale = 0.1f;
+    return a;
+  }
+
+  fkda_fwd_args varlen() {
+    fkda_fwd_args a = batched();
+    for (fkda_tensor* t : {&a.q, &a.k, &a.v, &a.g, &a.out}) {
+      *t = fkda_test::tensor(t->data, FKDA_DTYPE_BF16, {1, kB * kT, kH, kD});
+    }
+    a.beta = fkda_test::tensor(beta.data(), FKDA_DTYPE_BF16, {1, kB * kT, kH});
+    a.initial_state = fkda_test::tensor(initial_state.data(), FKDA_DTYPE_F32, {3, kH, kD, kD});
+    a.final_state = fkda_test::tensor(final_state.data(), FKDA_DTYPE_F32, {3, kH, kD, kD});
+    a.cu_seqlens = fkda_test::tensor(cu_seqlens.data(), FKDA_DTYPE_I64, {4});
+    return a;
+  }
+
+  fkda_status run(const fkda_fwd_args& a) { return fkda_fwd(plan, &a, workspace.data(), workspace.size(), nullptr); }
+};
+
+struct BadCall {
+  const char* what;
+  std::function<void(fkda_fwd_args&, Fixture&)> break_it;
+  fkda_status expected;
+  const char* message_start;
+  bool varlen = false;
+};
+
+void set_strides(fkda_tensor& t, std::initializer_list<int64_t> strides) {
+  int i = 0;
+  for (int64_t s : strides) t.strides[i++] = s;
+}
+
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+const float kInf = std::numeric_limits<float>::infinity();
+
+std::vector<BadCall> bad_fwd_calls() {
+  const fkda_status BAD = FKDA_ERROR_INVALID_ARGUMENT;
+  return {
+      {"struct_size zero", [](fkda_fwd_args& a, Fixture&) { a.struct_size = 0; }, BAD, "args: struct_size is 0"},
+      {"struct_size from a newer header", [](fkda_fwd_args& a, Fixture&) { a.struct_size += 8; }, BAD, "args: struct_size"},
+      {"q missing", [](fkda_fwd_args& a, Fixture&) { a.q = FKDA_TENSOR_NONE; }, BAD, "q: required tensor is missing"},
+      {"q data NULL", [](fkda_fwd_args& a, Fixture&) { a.q.data = nullptr; }, BAD, "q: data is NULL"},
+      {"q f32", [](fkda_fwd_args& a, Fixture&) { a.q.dtype = FKDA_DTYPE_F32; }, BAD, "q: expected dtype bf16, got f32"},
+      {"q unknown dtype", [](fkda_fwd_args& a, Fixture&) { a.q.dtype = 42; }, BAD, "q: expected dtype bf16, got invalid dtype (42)"},
+      {"q rank 3", [](fkda_fwd_args& a, Fixture&) { a.q.rank = 3; }, BAD, "q: expected rank 4, got 3"},
+      {"q heads differ from plan", [](fkda_fwd_args& a, Fixture&) { a.q.shape[2] = 3; }, BAD, "q: expected 2 heads"},
+      {"q head dim 64", [](fkda_fwd_args& a, Fixture&) { a.q.shape[3] = 64; }, BAD, "q: expected head dim 128"},
+      {"q negative extent", [](fkda_fwd_args& a, Fixture&) { a.q.shape[1] = -4; }, BAD, "q: negative extent"},
+      {"q negative stride", [](fkda_fwd_args& a, Fixture&) { a.q.strides[1] = -256; }, BAD, "q: negative strides"},
+      {"q last axis strided", [](fkda_fwd_args& a, Fixture&) { a.q.strides[3] = 2; }, BAD, "q: the last axis must be contiguous"},
+      {"k missing", [](fkda_fwd_args& a, Fixture&) { a.k = FKDA_TENSOR_NONE; }, BAD, "k: required tensor is missing"},
+      {"k f16", [](fkda_fwd_args& a, Fixture&) { a.k.dtype = FKDA_DTYPE_F16; }, BAD, "k: expected dtype bf16, got f16"},
+      {"k T mismatch", [](fkda_fwd_args& a, Fixture&) { a.k.shape[1] = kT - 1; }, BAD, "k: expected shape [2, 20, 2, 128], got [2, 19, 2, 128]"},
+      {"v head dim 64", [](fkda_fwd_args& a, Fixture&) { a.v.shape[3] = 64; }, BAD, "v: expected shape"},
+      {"v data NULL", [](fkda_fwd_args& a, Fixture&) { a.v.data = nullptr; }, BAD, "v: data is NULL"},
+      {"g batch mismatch", [](fkda_fwd_args& a, Fixture&) { a.g.shape[0] = 1; }, BAD, "g: expected shape"},
+      {"beta rank 4", [](fkda_fwd_args& a, Fixture&) { a.beta.rank = 4; a.beta.shape[3] = 1; }, BAD, "beta: expected rank 3, got 4"},
+      {"beta f32", [](fkda_fwd_args& a, Fixture&) { a.beta.dtype = FKDA_DTYPE_F32; }, BAD, "beta: expected dtype bf16, got f32"},
+      {"beta missing", [](fkda_fwd_args& a, Fixture&) { a.beta = FKDA_TENSOR_NONE; }, BAD, "beta: required tensor is missing"},
+      {"A_log too long", [](fkda_fwd_args& a, Fixture&) { a.A_log.shape[0] = 3; }, BAD, "A_log: expected shape [2], got [3]"},
+      {"A_log bf16", [](fkda_fwd_args& a, Fixture&) { a.A_log.dtype = FKDA_DTYPE_BF16; }, BAD, "A_log: expected dtype f32, got bf16"},
+      {"A_log strided", [](fkda_fwd_args& a, Fixture&) { a.A_log.strides[0] = 2; }, BAD, "A_log: the last axis must be contiguous"},
+      {"dt_bias rank 1", [](fkda_fwd_args& a, Fixture&) { a.dt_bias.rank = 1; a.dt_bias.shape[0] = kH * kD; }, BAD, "dt_bias: expected rank 2, got 1"},
+      {"dt_bias padded rows", [](fkda_fwd_args& a, Fixture&) { set_strides(a.dt_bias, {256, 1}); }, BAD, "dt_bias: expected contiguous strides [128, 1], got [256, 1]"},
+      {"dt_bias missing", [](fkda_fwd_args& a, Fixture&) { a.dt_bias = FKDA_TENSOR_NONE; }, BAD, "dt_bias: required tensor is missing"},
+      {"out f32", [](fkda_fwd_args& a, Fixture&) { a.out.dtype = FKDA_DTYPE_F32; }, BAD, "out: expected dtype bf16, got f32"},
+      {"out shape", [](fkda_fwd_args& a, Fixture&) { a.out.shape[2] = 1; }, BAD, "out: expected shape"},
+      {"out tokens overlap", [](fkda_fwd_args& a, Fixture&) { a.out.strides[1] = 0; }, BAD, "out: strides"},
+      {"out heads overlap", [](fkda_fwd_args& a, Fixture&) { a.out.strides[2] = 64; }, BAD, "out: strides"},
+      {"out missing", [](fkda_fwd_args& a, Fixture&) { a.out = FKDA_TENSOR_NONE; }, BAD, "out: required tensor is missing"},
+      {"initial_state bf16 on an f32 plan", [](fkda_fwd_args& a, Fixture&) { a.initial_state.dtype = FKDA_DTYPE_BF16; }, BAD, "initial_state: expected dtype f32 (the plan's state_dtype), got bf16"},
+      {"initial_state N mismatch", [](fkda_fwd_args& a, Fixture&) { a.initial_state.shape[0] = 3; }, BAD, "initial_state: expected shape [2, 2, 128, 128], got [3, 2, 128, 128]"},
+      {"initial_state data NULL", [](fkda_fwd_args& a, Fixture&) { a.initial_state.data = nullptr; }, BAD, "initial_state: data is NULL"},
+      {"final_state transposed", [](fkda_fwd_args& a, Fixture&) { std::swap(a.final_state.strides[2], a.final_state.strides[3]); }, BAD, "final_state: the last axis must be contiguous"},
+      {"final_state padded", [](fkda_fwd_args& a, Fixture&) { a.final_state.strides[0] *= 2; }, BAD, "final_state: expected contiguous strides"},
+      {"final_state rank 3", [](fkda_fwd_args& a, Fixture&) { a.final_state.rank = 3; }, BAD, "final_state: expected rank 4, got 3"},
+      {"scale NaN", [](fkda_fwd_args& a, Fixture&) { a.scale = kNaN; }, BAD, "scale: must be finite"},
+      {"scale infinite", [](fkda_fwd_args& a, Fixture&) { a.scale = -kInf; }, BAD, "scale: must be finite"},
+      {"cu_seqlens with B = 2", [](fkda_fwd_args& a, Fixture& f) { a.cu_seqlens = fkda_test::tensor(f.cu_seqlens.data(), FKDA_DTYPE_I64, {4}); }, BAD, "cu_seqlens: varlen input packs all sequences into one row, so q's batch size must be 1, got 2"},
+      {"cu_seqlens f32", [](fkda_fwd_args& a, Fixture&) { a.cu_seqlens.dtype = FKDA_DTYPE_F32; }, BAD, "cu_seqlens: expected dtype i64 or i32, got f32", true},
+      {"cu_seqlens rank 2", [](fkda_fwd_args& a, Fixture&) { a.cu_seqlens.rank = 2; a.cu_seqlens.shape[1] = 1; }, BAD, "cu_seqlens: expected rank 1, got 2", true},
+      {"cu_seqlens one offset", [](fkda_fwd_args& a, Fixture&) { a.cu_seqlens.shape[0] = 1; }, BAD, "cu_seqlens: needs N + 1 >= 2 offsets, got 1", true},
+      {"cu_seqlens unsorted", [](fkda_fwd_args&, Fixture& f) { f.cu_seqlens = {0, 25, 10, 40}; }, BAD, "cu_seqlens: must be non-decreasing, but cu_seqlens[2] = 10 < cu_seqlens[1] = 25", true},
+      {"cu_seqlens negative", [](fkda_fwd_args&, Fixture& f) { f.cu_seqlens = {0, -5, 25, 40}; }, BAD, "cu_seqlens: must be non-decreasing", true},
+      {"cu_seqlens not from 0", [](fkda_fwd_args&, Fixture& f) { f.cu_seqlens = {3, 10, 25, 40}; }, BAD, "cu_seqlens: must start at 0, got cu_seqlens[0] = 3", true},
+      {"cu_seqlens past T", [](fkda_fwd_args&, Fixture& f) { f.cu_seqlens = {0, 10, 25, 41}; }, BAD, "cu_seqlens: must end at T = 40", true},
+      {"cu_seqlens short of T", [](fkda_fwd_args&, Fixture& f) { f.cu_seqlens = {0, 10, 25, 39}; }, BAD, "cu_seqlens: must end at T = 40", true},
+      {"cu_seqlens data NULL", [](fkda_fwd_args& a, Fixture&) { a.cu_seqlens.data = nullptr; }, BAD, "cu_seqlens: data is NULL", true},
+      {"varlen state N mismatch", [](fkda_fwd_args& a, Fixture&) { a.final_state.shape[0] = 2; }, BAD, "final_state: expected shape [3, 2, 128, 128]", true},
+  };
+}
+
+void check_failure(fkda_status status, fkda_status expected, const std::string& message_start) {
+  CHECK(status == expected);
+  std::string message = fkda_last_error();
+  INFO("message: " << message);
+  CHECK(message.rfind(message_start, 0) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("bad fwd calls are rejected with a message naming the argument", "[validation]") {
+  for (const BadCall& bad : bad_fwd_calls()) {
+    SECTION(bad.what) {
+      Fixture f;
+      fkda_fwd_args args = bad.varlen ? f.varlen() : f.batched();
+      REQUIRE(f.run(args) == FKDA_SUCCESS);  // the unbroken call is valid
+      std::fill(f.out.begin(), f.out.end(), uint16_t(0xFFFF));
+      std::fill(f.final_state.begin(), f.final_state.end(), -7.f);
+      bad.break_it(args, f);
+      check_failure(f.run(args), bad.expected, bad.message_start);
+      for (uint16_t o : f.out) REQUIRE(o == 0xFFFF);         // nothing written
+      for (float s : f.final_state) REQUIRE(s == -7.f);
+    }
+  }
+}
+
+TEST_CASE("bad plan handles and arguments", "[validation]") {
+  Fixture f;
+  fkda_fwd_args args = f.batched();
+  size_t bytes = 0;
+  float lower = 0;
+
+  check_failure(fkda_fwd(f.plan, nullptr, nullptr, 0, nullptr), FKDA_ERROR_INVALID_ARGUMENT, "args: NULL");
+  check_failure(fkda_fwd(nullptr, &args, nullptr, 0, nullptr), FKDA_ERROR_INVALID_ARGUMENT, "plan: NULL");
+  check_failure(fkda_plan_workspace_size(f.plan, -1, 1, &bytes), FKDA_ERROR_INVALID_ARGUMENT, "total_tokens: must be >= 0");
+  check_failure(fkda_plan_workspace_size(f.plan, 16, -1, &bytes), FKDA_ERROR_INVALID_ARGUMENT, "num_seqs: must be >= 0");
+  check_failure(fkda_plan_workspace_size(f.plan, 16, 1, nullptr), FKDA_ERROR_INVALID_ARGUMENT, "bytes: NULL");
+  check_failure(fkda_get_lower_bound(f.plan, nullptr), FKDA_ERROR_INVALID_ARGUMENT, "lower_bound: NULL");
+  check_failure(fkda_plan_get_backend(f.plan, nullptr), FKDA_ERROR_INVALID_ARGUMENT, "backend: NULL");
+  check_failure(fkda_plan_create(nullptr, nullptr), FKDA_ERROR_INVALID_ARGUMENT, "plan: NULL");
+
+  SECTION("a destroyed plan is detected, not dereferenced") {
+    fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+    desc.num_heads = kH;
+    desc.backend = FKDA_BACKEND_CPU;
+    fkda_plan_t dead = nullptr;
+    REQUIRE(fkda_plan_create(&desc, &dead) == FKDA_SUCCESS);
+    REQUIRE(fkda_plan_destroy(dead) == FKDA_SUCCESS);
+    check_failure(fkda_fwd(dead, &args, nullptr, 0, nullptr), FKDA_ERROR_INVALID_ARGUMENT, "plan: not a live plan");
+    check_failure(fkda_set_lower_bound(dead, -1.f), FKDA_ERROR_INVALID_ARGUMENT, "plan: not a live plan");
+    check_failure(fkda_get_lower_bound(dead, &lower), FKDA_ERROR_INVALID_ARGUMENT, "plan: not a live plan");
+    check_failure(fkda_plan_workspace_size(dead, 1, 1, &bytes), FKDA_ERROR_INVALID_ARGUMENT, "plan: not a live plan");
+    check_failure(fkda_plan_destroy(dead), FKDA_ERROR_INVALID_ARGUMENT, "plan: not a live plan");
+    CHECK(fkda_plan_destroy(nullptr) == FKDA_SUCCESS);
+  }
+
+  SECTION("lower_bound outside [-5, 0], NaN or infinite") {
+    for (float bad : {-5.0001f, -6.f, 0.001f, 1.f, kNaN, kInf, -kInf}) {
+      INFO("lower_bound " << bad);
+      CHECK(fkda_set_lower_bound(f.plan, bad) == FKDA_ERROR_INVALID_ARGUMENT);
+      CHECK(std::string(fkda_last_error()).rfind("lower_bound: ", 0) == 0);
+      REQUIRE(fkda_get_lower_bound(f.plan, &lower) == FKDA_SUCCESS);
+      CHECK(lower == -5.f);  // unchanged
+    }
+    check_failure(fkda_set_lower_bound(f.plan, -5.6f), FKDA_ERROR_INVALID_ARGUMENT, "lower_bound: -5.6");
+    CHECK(std::string(fkda_last_error()).find("overflows bf16") != std::string::npos);
+    for (float good : {-5.f, -2.5f, -1e-8f, 0.f}) {
+      REQUIRE(fkda_set_lower_bound(f.plan, good) == FKDA_SUCCESS);
+      REQUIRE(fkda_get_lower_bound(f.plan, &lower) == FKDA_SUCCESS);
+      CHECK(lower == good);
+      CHECK(std::string(fkda_last_error()).empty());
+    }
+  }
+
+  SECTION("workspace too small or missing") {
+    size_t needed = 0;
+    REQUIRE(fkda_plan_workspace_size(f.plan, kB * kT, kB, &needed) == FKDA_SUCCESS);
+    REQUIRE(needed > 0);
+    check_failure(fkda_fwd(f.plan, &args, f.workspace.data(), needed - 1, nullptr),
+                  FKDA_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes: " + std::to_string(needed - 1) + " bytes given");
+    check_failure(fkda_fwd(f.plan, &args, nullptr, needed, nullptr), FKDA_ERROR_INVALID_ARGUMENT, "workspace: NULL");
+    CHECK(fkda_fwd(f.plan, &args, f.workspace.data(), needed, nullptr) == FKDA_SUCCESS);
+  }
+}
+
+TEST_CASE("bad plan descriptions", "[validation]") {
+  auto expect = [](std::function<void(fkda_plan_desc&)> change, fkda_status status, const std::string& start) {
+    fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+    desc.num_heads = 4;
+    desc.backend = FKDA_BACKEND_CPU;
+    change(desc);
+    fkda_plan_t plan = reinterpret_cast<fkda_plan_t>(uintptr_t(1));
+    check_failure(fkda_plan_create(&desc, &plan), status, start);
+    CHECK(plan == nullptr);
+  };
+  const fkda_status BAD = FKDA_ERROR_INVALID_ARGUMENT;
+  expect([](fkda_plan_desc& d) { d.struct_size = 0; }, BAD, "desc: struct_size is 0");
+  expect([](fkda_plan_desc& d) { d.struct_size = 4096; }, BAD, "desc: struct_size is 4096");
+  expect([](fkda_plan_desc& d) { d.num_heads = 0; }, BAD, "desc.num_heads: must be > 0, got 0");
+  expect([](fkda_plan_desc& d) { d.num_heads = -3; }, BAD, "desc.num_heads: must be > 0, got -3");
+  expect([](fkda_plan_desc& d) { d.head_dim_k = 64; }, FKDA_ERROR_UNSUPPORTED, "desc.head_dim_k: only 128 is supported, got 64");
+  expect([](fkda_plan_desc& d) { d.head_dim_v = 256; }, FKDA_ERROR_UNSUPPORTED, "desc.head_dim_v: only 128 is supported, got 256");
+  expect([](fkda_plan_desc& d) { d.state_dtype = FKDA_DTYPE_F16; }, BAD, "desc.state_dtype: expected bf16 or f32, got f16");
+  expect([](fkda_plan_desc& d) { d.state_layout = 7; }, BAD, "desc.state_layout:");
+  expect([](fkda_plan_desc& d) { d.backend = 9; }, BAD, "desc.backend: expected FKDA_BACKEND_AUTO, _CPU or _GPU, got 9");
+  expect([](fkda_plan_desc& d) { d.lower_bound = -6.f; }, BAD, "desc.lower_bound: -6");
+  expect([](fkda_plan_desc& d) { d.lower_bound = kNaN; }, BAD, "desc.lower_bound: must be a finite number");
+}
+
+TEST_CASE("bad device queries", "[validation]") {
+  fkda_device_info info = FKDA_DEVICE_INFO_INIT;
+  check_failure(fkda_query_device(-1, nullptr), FKDA_ERROR_INVALID_ARGUMENT, "info: NULL");
+  info.struct_size = 8;
+  check_failure(fkda_query_device(-1, &info), FKDA_ERROR_INVALID_ARGUMENT, "info: struct_size is 8");
+  info.struct_size = sizeof info;
+  check_failure(fkda_query_device(-2, &info), FKDA_ERROR_INVALID_ARGUMENT, "device: expected an ordinal >= 0 or -1");
+}
+
+TEST_CASE("the last error is per thread and cleared by a successful call", "[validation]") {
+  REQUIRE(fkda_set_lower_bound(nullptr, -1.f) == FKDA_ERROR_INVALID_ARGUMENT);
+  std::string here = fkda_last_error();
+  CHECK(here == "plan: NULL");
+  std::string there = "untouched";
+  std::thread([&] { there = fkda_last_error(); }).join();
+  CHECK(there.empty());
+  fkda_device_info info = FKDA_DEVICE_INFO_INIT;
+  REQUIRE(fkda_query_device(-1, &info) == FKDA_SUCCESS);
+  CHECK(std::string(fkda_last_error()).empty());
+}
