@@ -69,7 +69,36 @@ Stream::~Stream() {
                  cudaGetErrorString(error));
 }
 
+namespace {
+
+// The library's own account of why it cannot serve a GPU plan, if it gives one.
+std::string gpu_refusal_reason() {
+  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+  desc.num_heads = 1;
+  desc.backend = FKDA_BACKEND_GPU;
+  fkda_plan_t plan = nullptr;
+  std::string reason;
+  if (fkda_plan_create(&desc, &plan) != FKDA_SUCCESS) reason = fkda_last_error();
+  fkda_plan_destroy(plan);
+  return reason;
+}
+
+}  // namespace
+
 DeviceContext open_device() {
+  // Ask the library first: it says plainly when the driver is missing,
+  // where cudart would only report an "insufficient" driver version.
+  fkda_device_info probe = FKDA_DEVICE_INFO_INIT;
+  FKDA_BENCH_FKDA(fkda_query_device(0, &probe));
+  if (!probe.driver_loaded || probe.device_count <= 0) {
+    const std::string reason = gpu_refusal_reason();
+    throw BenchError("no usable GPU: " +
+                         (!reason.empty()           ? reason
+                          : !probe.driver_loaded ? std::string("the CUDA driver could not be loaded")
+                                                 : std::string("no CUDA device")),
+                     kExitNoGpu);
+  }
+
   int device_count = 0;
   const cudaError_t count_error = cudaGetDeviceCount(&device_count);
   if (count_error != cudaSuccess)
@@ -93,8 +122,6 @@ DeviceContext open_device() {
   device.name = info.name;
   device.cc_major = info.cc_major;
   device.cc_minor = info.cc_minor;
-  if (!info.driver_loaded)
-    throw BenchError("no usable GPU: libflashkda could not load the CUDA driver", kExitNoGpu);
   if (!info.has_kernels)
     throw BenchError("no usable GPU: this build of libflashkda has no kernels for " + device.name +
                          " (sm_" + std::to_string(info.cc_major) + std::to_string(info.cc_minor) +

@@ -19,6 +19,9 @@ struct TimingOptions {
 
 struct TimingResult {
   double median_ms = 0, min_ms = 0, max_ms = 0;
+  // (last stop - first start) / iters. Above the median when the host cannot
+  // queue calls as fast as the GPU runs them.
+  double back_to_back_mean_ms = 0;
   double bytes_moved = 0;
   double gbps = 0;  // bytes_moved / median
   size_t workspace_bytes = 0;

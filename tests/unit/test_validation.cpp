@@ -2,6 +2,7 @@
 // work starts; nothing is written.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -172,8 +173,9 @@ TEST_CASE("bad fwd calls are rejected with a message naming the argument", "[val
       std::fill(f.final_state.begin(), f.final_state.end(), -7.f);
       bad.break_it(args, f);
       check_failure(f.run(args), bad.expected, bad.message_start);
-      for (uint16_t o : f.out) REQUIRE(o == 0xFFFF);         // nothing written
-      for (float s : f.final_state) REQUIRE(s == -7.f);
+      // nothing written
+      CHECK(std::all_of(f.out.begin(), f.out.end(), [](uint16_t o) { return o == 0xFFFF; }));
+      CHECK(std::all_of(f.final_state.begin(), f.final_state.end(), [](float s) { return s == -7.f; }));
     }
   }
 }

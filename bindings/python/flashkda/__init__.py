@@ -1,0 +1,46 @@
+"""Python bindings of libflashkda: Kimi Delta Attention forward passes.
+
+A thin ctypes layer over the C ABI of include/flashkda.h. Host arrays (numpy,
+torch CPU tensors) run on the CPU reference backend; CUDA tensors (torch,
+CuPy, __cuda_array_interface__, DLPack) run on the GPU backend. numpy has no
+bf16 dtype: uint16 arrays are taken as bf16 bit patterns (see to_bf16 and
+from_bf16), and ml_dtypes.bfloat16 arrays are accepted as they are.
+"""
+
+from ._abi import Backend, Dtype, StateLayout, Status
+from ._api import (
+    DeviceInfo,
+    Plan,
+    fwd,
+    last_error,
+    query_device,
+    status_string,
+    version,
+    version_number,
+)
+from ._errors import FlashKDAError
+from ._library import LIBRARY_ENV, load_library, library_path
+from .bf16 import from_bf16, to_bf16
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "DeviceInfo",
+    "Dtype",
+    "FlashKDAError",
+    "LIBRARY_ENV",
+    "Plan",
+    "StateLayout",
+    "Status",
+    "from_bf16",
+    "fwd",
+    "last_error",
+    "library_path",
+    "load_library",
+    "query_device",
+    "status_string",
+    "to_bf16",
+    "version",
+    "version_number",
+]

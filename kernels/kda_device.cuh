@@ -1,0 +1,145 @@
+// Device primitives shared by the prefill kernels: the conversions whose
+// rounding docs/NUMERICS.md fixes, warp-level matrix products
+// (mma.sync.m16n8k16, the same instruction on sm_80 and sm_90a), ldmatrix,
+// cp.async, and the sequence bounds both kernels must agree on.
+#pragma once
+
+#include <stdint.h>
+
+#include "kda_params.h"
+
+namespace fkda_dev {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x by the hardware's approximation (about 2 ulp), as the contract allows.
+__device__ __forceinline__ float exp2_fast(float x) {
+  float y;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// sigmoid(x) = 1 / (1 + 2^(-x log2 e)), with an IEEE division.
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + exp2_fast(-x * kLog2e)); }
+
+// Two floats to f16x2 (lo in bits 0..15), round to nearest even, saturating
+// to +-65504 so that no step makes an infinity.
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Two floats to bf16x2 (lo in bits 0..15), round to nearest even.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ uint16_t to_bf16(float x) {
+  uint16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t pair) { return __uint_as_float(pair << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t pair) { return __uint_as_float(pair & 0xffff0000u); }
+__device__ __forceinline__ float bf16_bits(uint16_t bits) { return __uint_as_float(uint32_t(bits) << 16); }
+
+// d += a * b for a 16x16 (row) by 16x8 (col) tile, f32 accumulate.
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Four 8x8 16-bit matrices; lane l names row (l % 8) of matrix (l / 8).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// As ldmatrix_x4, each matrix transposed on the way.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// 16 bytes global -> shared without a register round trip; with
+// src_bytes == 0 nothing is read and the destination is zero-filled.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int Pending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(Pending) : "memory");
+}
+
+// ------------------------------------------------------------ sequences ---
+// Device-side offsets are never trusted: each is clamped into [0, T] and an
+// end below its begin becomes an empty sequence, so a bad cu_seqlens can give
+// wrong numbers but never an access outside the tensors or the workspace.
+struct Sequence {
+  int64_t row;        // batch row of its tokens
+  int64_t begin;      // first token along the row
+  int64_t end;        // one past the last
+  int64_t slot_base;  // first workspace slot of its chunks
+};
+
+__device__ __forceinline__ int64_t load_offset(const FkdaPrefillParams& p, int64_t i) {
+  const int64_t at = i * p.cu_seqlens_stride;
+  int64_t value = p.cu_seqlens_is_i64 ? __ldg(static_cast<const long long*>(p.cu_seqlens) + at)
+                                      : int64_t(__ldg(static_cast<const int*>(p.cu_seqlens) + at));
+  return value < 0 ? 0 : (value > p.seq_len ? p.seq_len : value);
+}
+
+__device__ __forceinline__ int64_t slot_base_of(const FkdaPrefillParams& p, int64_t n) {
+  const int64_t start = p.cu_seqlens ? load_offset(p, n) : n * p.seq_len;
+  return start / FKDA_CHUNK + n;
+}
+
+__device__ __forceinline__ Sequence sequence_of(const FkdaPrefillParams& p, int64_t n) {
+  Sequence s;
+  if (p.cu_seqlens == nullptr) {
+    s.row = n;
+    s.begin = 0;
+    s.end = p.seq_len;
+    s.slot_base = (n * p.seq_len) / FKDA_CHUNK + n;
+  } else {
+    s.row = 0;
+    s.begin = load_offset(p, n);
+    const int64_t end = load_offset(p, n + 1);
+    s.end = end < s.begin ? s.begin : end;
+    s.slot_base = s.begin / FKDA_CHUNK + n;
+  }
+  return s;
+}
+
+__device__ __forceinline__ int64_t num_chunks(const Sequence& s) {
+  return (s.end - s.begin + FKDA_CHUNK - 1) / FKDA_CHUNK;
+}
+
+__device__ __forceinline__ unsigned char* record_of(const FkdaPrefillParams& p, int64_t slot, int head) {
+  return p.workspace + (slot * p.num_heads + head) * int64_t(FKDA_WS_RECORD_BYTES);
+}
+
+}  // namespace fkda_dev

@@ -1,0 +1,118 @@
+/* Parameters of the prefill kernels, shared by the launch code in
+ * src/gpu_backend.cpp and the device code in kernels/. Plain C with fixed-width
+ * types and no CUDA types, so that host translation units include it as is.
+ * The struct is passed by value as the single kernel argument. */
+#ifndef FLASHKDA_KERNELS_KDA_PARAMS_H
+#define FLASHKDA_KERNELS_KDA_PARAMS_H
+
+#include <stdint.h>
+
+/* The size helpers below are used by the launch code and the kernels alike. */
+#if defined(__CUDACC__)
+#define FKDA_HOST_DEVICE __host__ __device__
+#else
+#define FKDA_HOST_DEVICE
+#endif
+
+/* Tokens per chunk and the one head dimension (K = V) the kernels support. */
+#define FKDA_CHUNK 16
+#define FKDA_HEAD_DIM 128
+
+/* The workspace holds one record per (chunk slot, head), written by the
+ * preparation kernel and read by the recurrence kernel (byte offsets):
+ *   Kd, Qd, Kr   f16 [16][128] each (token-major)
+ *   decay        f32 [128]
+ *   W, Mqk       f16 [16][16] each (row-major)
+ * Every field starts on a 16-byte boundary so both kernels move it in
+ * 16-byte pieces. */
+#define FKDA_WS_KD_OFFSET 0
+#define FKDA_WS_QD_OFFSET 4096
+#define FKDA_WS_KR_OFFSET 8192
+#define FKDA_WS_DECAY_OFFSET 12288
+#define FKDA_WS_W_OFFSET 12800
+#define FKDA_WS_MQK_OFFSET 13312
+#define FKDA_WS_RECORD_BYTES 13824
+
+/* Sequence n's chunks occupy slots [slot_base(n), slot_base(n) + ceil(len/16))
+ * with slot_base(n) = floor(start_n / 16) + n, start_n its first token in the
+ * packed token order. Slots never overlap for sorted offsets, and the count
+ * below bounds them without reading the offsets. */
+static inline FKDA_HOST_DEVICE int64_t fkda_num_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
+  return total_tokens / FKDA_CHUNK + num_seqs + 1;
+}
+
+/* The recurrence kernel: one block per (sequence, head, V slice); a warp owns
+ * 16 rows of V, so a block has 8 / vsplit warps. Its dynamic shared memory is
+ * a ring of FKDA_RECURRENCE_STAGES chunk stages plus one output tile a warp. */
+#define FKDA_RECURRENCE_STAGES 4
+#define FKDA_TILE_PITCH_BYTES 272   /* a 128-wide f16 row plus 16 bytes against bank conflicts */
+#define FKDA_SMALL_PITCH_BYTES 48   /* a 16-wide f16 row plus 16 bytes */
+#define FKDA_STAGE_KD 0
+#define FKDA_STAGE_QD (FKDA_STAGE_KD + FKDA_CHUNK * FKDA_TILE_PITCH_BYTES)
+#define FKDA_STAGE_KR (FKDA_STAGE_QD + FKDA_CHUNK * FKDA_TILE_PITCH_BYTES)
+#define FKDA_STAGE_W (FKDA_STAGE_KR + FKDA_CHUNK * FKDA_TILE_PITCH_BYTES)
+#define FKDA_STAGE_MQK (FKDA_STAGE_W + FKDA_CHUNK * FKDA_SMALL_PITCH_BYTES)
+#define FKDA_STAGE_DECAY (FKDA_STAGE_MQK + FKDA_CHUNK * FKDA_SMALL_PITCH_BYTES)
+#define FKDA_STAGE_V (FKDA_STAGE_DECAY + FKDA_HEAD_DIM * 4)
+#define FKDA_OUT_TILE_BYTES (FKDA_CHUNK * FKDA_SMALL_PITCH_BYTES)
+
+static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_warps(int32_t vsplit) { return 8 / vsplit; }
+static inline FKDA_HOST_DEVICE int32_t fkda_v_tile_pitch_bytes(int32_t vsplit) {
+  return (FKDA_HEAD_DIM / vsplit) * 2 + 16;
+}
+static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_stage_bytes(int32_t vsplit) {
+  return FKDA_STAGE_V + FKDA_CHUNK * fkda_v_tile_pitch_bytes(vsplit);
+}
+static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_smem_bytes(int32_t vsplit) {
+  return FKDA_RECURRENCE_STAGES * fkda_recurrence_stage_bytes(vsplit) +
+         fkda_recurrence_warps(vsplit) * FKDA_OUT_TILE_BYTES;
+}
+
+/* The preparation kernel: one block of this many threads per (slot, head). */
+#define FKDA_PREPARE_THREADS 128
+
+/* An activation [B, T, H, D] (or [B, T, H] for beta): element strides of the
+ * batch, token and head axes; the D axis is contiguous. */
+typedef struct FkdaActivation {
+  const void* data;
+  int64_t stride_b;
+  int64_t stride_t;
+  int64_t stride_h;
+} FkdaActivation;
+
+typedef struct FkdaOutput {
+  void* data;
+  int64_t stride_b;
+  int64_t stride_t;
+  int64_t stride_h;
+} FkdaOutput;
+
+typedef struct FkdaPrefillParams {
+  FkdaActivation q, k, v, g, beta; /* bf16 */
+  FkdaOutput out;                  /* bf16 */
+  const float* A_log;              /* [H] */
+  const float* dt_bias;            /* [H, K] */
+
+  const void* initial_state; /* NULL: zeros */
+  void* final_state;         /* NULL: not written */
+  int32_t state_is_bf16;     /* else f32 */
+  int32_t state_is_kv;       /* [N, H, K, V]; else [N, H, V, K] */
+
+  const void* cu_seqlens; /* NULL: sequence n is batch row n */
+  int64_t cu_seqlens_stride;
+  int32_t cu_seqlens_is_i64; /* else i32 */
+  int32_t num_heads;
+
+  int64_t seq_len;  /* T: tokens per row (the packed total with cu_seqlens) */
+  int64_t num_seqs; /* N */
+
+  unsigned char* workspace; /* num_slots * num_heads records */
+  int64_t num_slots;
+
+  float scale;
+  float gate_scale; /* lower_bound * log2(e) */
+  int32_t vsplit;   /* 1, 2, 4 or 8 blocks share one head's V rows */
+  int32_t reserved;
+} FkdaPrefillParams;
+
+#endif /* FLASHKDA_KERNELS_KDA_PARAMS_H */

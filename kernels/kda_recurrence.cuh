@@ -1,0 +1,325 @@
+// Kernel 2 of the prefill: the recurrence over the chunks of each sequence.
+//
+// What it computes, per (sequence n, head h), as the CPU backend would
+// (docs/NUMERICS.md steps 6 and 7; the record of chunk c comes from kernel 1):
+//
+//   S = initial_state[n][h] widened to f32 (V x K), or zeros
+//   for each chunk c, with its tokens' v (rows >= len are zero):
+//     Sh = f16(S)
+//     X  = Kd Sh^T,  Oi = Qd Sh^T                 (16 x V, f32 sums)
+//     Y  = f16(v - X)
+//     U  = W Y,  Uh = f16(U)
+//     O  = Oi + Mqk Uh    -> out = bf16(O) for rows < len
+//     S  = S diag(decay) + Uh^T Kr
+//   final_state[n][h] = S rounded to the state dtype
+//
+// The V rows of S evolve independently, so block (n, h, z) of the grid
+// (N, H, vsplit) takes rows [z 128/vsplit, (z + 1) 128/vsplit) and each of its
+// warps 16 of them, with all 128 K columns, as f32 mma accumulators (64
+// registers). Warps never exchange state. Every product is computed
+// transposed, with the warp's 16 V rows as the M dimension:
+//   X^T = Sh Kd^T, Oi^T = Sh Qd^T    A = Sh: the accumulators, converted in
+//                                    registers (accumulator and A fragments
+//                                    share their layout); B = Kd, Qd rows
+//   U^T = Y^T W^T,  O^T += Uh^T Mqk^T
+//   S  += Uh^T Kr                    B = Kr through ldmatrix.trans
+// The chunk records and v tiles stream through a ring of shared-memory
+// stages filled by cp.async several chunks ahead of the one in use.
+#pragma once
+
+#include "kda_device.cuh"
+
+namespace fkda_dev {
+
+struct StateAccess {
+  const void* initial;
+  void* final;
+  bool bf16;
+  bool kv;
+  int64_t base;  // element offset of this (n, h) matrix
+};
+
+// S[e][k] for the warp's rows e0 + g, e0 + g + 8 and columns nt*8 + 2t, +1:
+// s[nt][0..1] row g, s[nt][2..3] row g + 8 (the m16n8 accumulator layout).
+__device__ __forceinline__ void load_state(const StateAccess& st, int e0, int g, int t, float (&s)[16][4]) {
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t e = e0 + g + 8 * half;
+      const int64_t k = nt * 8 + 2 * t;
+      float v0 = 0.f, v1 = 0.f;
+      if (st.initial != nullptr) {
+        if (!st.kv) {
+          const int64_t at = st.base + e * FKDA_HEAD_DIM + k;
+          if (st.bf16) {
+            const uint32_t pair = __ldg(reinterpret_cast<const unsigned int*>(
+                static_cast<const uint16_t*>(st.initial) + at));
+            v0 = bf16_lo(pair);
+            v1 = bf16_hi(pair);
+          } else {
+            const float2 pair = __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(st.initial) + at));
+            v0 = pair.x;
+            v1 = pair.y;
+          }
+        } else {
+          const int64_t at = st.base + k * FKDA_HEAD_DIM + e;
+          if (st.bf16) {
+            const uint16_t* src = static_cast<const uint16_t*>(st.initial);
+            v0 = bf16_bits(__ldg(src + at));
+            v1 = bf16_bits(__ldg(src + at + FKDA_HEAD_DIM));
+          } else {
+            const float* src = static_cast<const float*>(st.initial);
+            v0 = __ldg(src + at);
+            v1 = __ldg(src + at + FKDA_HEAD_DIM);
+          }
+        }
+      }
+      s[nt][2 * half] = v0;
+      s[nt][2 * half + 1] = v1;
+    }
+  }
+}
+
+__device__ __forceinline__ void store_state(const StateAccess& st, int e0, int g, int t, const float (&s)[16][4]) {
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t e = e0 + g + 8 * half;
+      const int64_t k = nt * 8 + 2 * t;
+      const float v0 = s[nt][2 * half], v1 = s[nt][2 * half + 1];
+      if (!st.kv) {
+        const int64_t at = st.base + e * FKDA_HEAD_DIM + k;
+        if (st.bf16) {
+          *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(st.final) + at) = pack_bf16x2(v0, v1);
+        } else {
+          *reinterpret_cast<float2*>(static_cast<float*>(st.final) + at) = make_float2(v0, v1);
+        }
+      } else {
+        const int64_t at = st.base + k * FKDA_HEAD_DIM + e;
+        if (st.bf16) {
+          uint16_t* dst = static_cast<uint16_t*>(st.final);
+          dst[at] = to_bf16(v0);
+          dst[at + FKDA_HEAD_DIM] = to_bf16(v1);
+        } else {
+          float* dst = static_cast<float*>(st.final);
+          dst[at] = v0;
+          dst[at + FKDA_HEAD_DIM] = v1;
+        }
+      }
+    }
+  }
+}
+
+// Issues the copies of chunk `chunk`'s record and v tile into one stage; the
+// whole block shares the work. v rows past the sequence's end are zero-filled.
+__device__ __forceinline__ void stage_chunk(uint32_t stage, const unsigned char* record, const uint16_t* v_first,
+                                            int64_t v_stride_t, int len, int v_cols, int v_pitch) {
+  constexpr int kTilePieces = FKDA_CHUNK * FKDA_HEAD_DIM * 2 / 16;  // 256 per 16x128 f16 tile
+  constexpr int kSmallPieces = FKDA_CHUNK * FKDA_CHUNK * 2 / 16;    // 32 per 16x16 f16 tile
+  constexpr int kRecordPieces = 3 * kTilePieces + 3 * kSmallPieces;
+  for (int piece = threadIdx.x; piece < kRecordPieces; piece += blockDim.x) {
+    uint32_t dst;
+    const unsigned char* src;
+    if (piece < 3 * kTilePieces) {
+      const int tile = piece >> 8, within = piece & 255;
+      // Kd, Qd, Kr follow each other in the record and in the stage.
+      src = record + FKDA_WS_KD_OFFSET + piece * 16;
+      dst = stage + FKDA_STAGE_KD + tile * (FKDA_CHUNK * FKDA_TILE_PITCH_BYTES) +
+            (within >> 4) * FKDA_TILE_PITCH_BYTES + (within & 15) * 16;
+    } else if (piece < 3 * kTilePieces + kSmallPieces) {
+      const int q = piece - 3 * kTilePieces;
+      src = record + FKDA_WS_W_OFFSET + q * 16;
+      dst = stage + FKDA_STAGE_W + (q >> 1) * FKDA_SMALL_PITCH_BYTES + (q & 1) * 16;
+    } else if (piece < 3 * kTilePieces + 2 * kSmallPieces) {
+      const int q = piece - 3 * kTilePieces - kSmallPieces;
+      src = record + FKDA_WS_MQK_OFFSET + q * 16;
+      dst = stage + FKDA_STAGE_MQK + (q >> 1) * FKDA_SMALL_PITCH_BYTES + (q & 1) * 16;
+    } else {
+      const int q = piece - 3 * kTilePieces - 2 * kSmallPieces;
+      src = record + FKDA_WS_DECAY_OFFSET + q * 16;
+      dst = stage + FKDA_STAGE_DECAY + q * 16;
+    }
+    cp_async_16(dst, src, 16);
+  }
+  const int row_pieces = v_cols >> 3;
+  const int shift = 31 - __clz(row_pieces);
+  for (int piece = threadIdx.x; piece < FKDA_CHUNK * row_pieces; piece += blockDim.x) {
+    const int row = piece >> shift, col = piece & (row_pieces - 1);
+    const bool valid = row < len;
+    const uint16_t* src = v_first + (valid ? row * v_stride_t + col * 8 : 0);
+    cp_async_16(stage + FKDA_STAGE_V + row * v_pitch + col * 16, src, valid ? 16 : 0);
+  }
+}
+
+}  // namespace fkda_dev
+
+extern "C" __global__ void __launch_bounds__(256)
+    fkda_prefill_chunk_recurrence(const FkdaPrefillParams p) {
+  using namespace fkda_dev;
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  const int64_t n = blockIdx.x;
+  const int head = blockIdx.y;
+  const int v_cols = FKDA_HEAD_DIM / p.vsplit;
+  const int v_pitch = fkda_v_tile_pitch_bytes(p.vsplit);
+  const int stage_bytes = fkda_recurrence_stage_bytes(p.vsplit);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int v_block = blockIdx.z * v_cols;  // first V row of this block
+  const int e0 = v_block + warp * 16;       // first V row of this warp
+
+  const Sequence seq = sequence_of(p, n);
+  int64_t chunks = num_chunks(seq);
+  // Only reachable with unsorted offsets; keeps every record read inside the workspace.
+  if (seq.slot_base + chunks > p.num_slots) chunks = p.num_slots - seq.slot_base;
+  if (chunks < 0) chunks = 0;
+
+  StateAccess state;
+  state.initial = p.initial_state;
+  state.final = p.final_state;
+  state.bf16 = p.state_is_bf16 != 0;
+  state.kv = p.state_is_kv != 0;
+  state.base = (n * p.num_heads + head) * int64_t(FKDA_HEAD_DIM * FKDA_HEAD_DIM);
+  float S[16][4];
+  load_state(state, e0, g, t, S);
+
+  const uint16_t* v_row = static_cast<const uint16_t*>(p.v.data) + seq.row * p.v.stride_b +
+                          int64_t(head) * p.v.stride_h + v_block;
+  uint16_t* out_row = static_cast<uint16_t*>(p.out.data) + seq.row * p.out.stride_b +
+                      int64_t(head) * p.out.stride_h + e0;
+  const uint32_t stages = smem_address(smem);
+  unsigned char* out_tile_ptr = smem + FKDA_RECURRENCE_STAGES * stage_bytes + warp * FKDA_OUT_TILE_BYTES;
+
+  auto issue = [&](int64_t chunk) {
+    if (chunk < chunks) {
+      const int64_t first = seq.begin + chunk * FKDA_CHUNK;
+      const int64_t left = seq.end - first;
+      stage_chunk(stages + int(chunk % FKDA_RECURRENCE_STAGES) * stage_bytes,
+                  record_of(p, seq.slot_base + chunk, head), v_row + first * p.v.stride_t, p.v.stride_t,
+                  int(left < FKDA_CHUNK ? left : FKDA_CHUNK), v_cols, v_pitch);
+    }
+    // Always one group per chunk index, so wait_group counts stay aligned.
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < FKDA_RECURRENCE_STAGES - 1; ++s) issue(s);
+
+  // Per-lane ldmatrix offsets (bytes). Kd, Qd, W, Mqk: matrices (rows 0-7,
+  // cols 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15) give the B fragments of
+  // both 8-row n-tiles. Kr and v through .trans: (rows 0-7, cols 0-7),
+  // (8-15, 0-7), (0-7, 8-15), (8-15, 8-15).
+  const int row_a = (lane >> 4) * 8 + (lane & 7), col_a = ((lane >> 3) & 1) * 8;
+  const uint32_t kd_lane = FKDA_STAGE_KD + row_a * FKDA_TILE_PITCH_BYTES + col_a * 2;
+  const uint32_t qd_lane = FKDA_STAGE_QD + row_a * FKDA_TILE_PITCH_BYTES + col_a * 2;
+  const uint32_t w_lane = FKDA_STAGE_W + row_a * FKDA_SMALL_PITCH_BYTES + col_a * 2;
+  const uint32_t mqk_lane = FKDA_STAGE_MQK + row_a * FKDA_SMALL_PITCH_BYTES + col_a * 2;
+  const uint32_t v_lane = FKDA_STAGE_V + row_a * v_pitch + (warp * 16 + col_a) * 2;
+  const int row_t = ((lane >> 3) & 1) * 8 + (lane & 7), col_t = (lane >> 4) * 8;
+  const uint32_t kr_lane = FKDA_STAGE_KR + row_t * FKDA_TILE_PITCH_BYTES + col_t * 2;
+
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    cp_async_wait<FKDA_RECURRENCE_STAGES - 2>();
+    // The chunk's stage is complete for every thread, and every warp is done
+    // with the stage that the next issue overwrites (the one of chunk - 1).
+    __syncthreads();
+    issue(chunk + FKDA_RECURRENCE_STAGES - 1);
+    const uint32_t stage = stages + int(chunk % FKDA_RECURRENCE_STAGES) * stage_bytes;
+
+    // Sh = f16(S) as A fragments: k-step ks covers columns 16 ks .. 16 ks + 15.
+    uint32_t sh[8][4];
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      sh[ks][0] = pack_f16x2(S[2 * ks][0], S[2 * ks][1]);
+      sh[ks][1] = pack_f16x2(S[2 * ks][2], S[2 * ks][3]);
+      sh[ks][2] = pack_f16x2(S[2 * ks + 1][0], S[2 * ks + 1][1]);
+      sh[ks][3] = pack_f16x2(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+    }
+
+    // X^T and Oi^T (16 V rows x 16 tokens, two n-tiles each). X is on the
+    // chain to the next chunk: two partial sums halve its dependent mmas.
+    float x_even[2][4] = {}, x_odd[2][4] = {}, o[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      uint32_t kd[4], qd[4];
+      ldmatrix_x4(kd, stage + kd_lane + ks * 32);
+      ldmatrix_x4(qd, stage + qd_lane + ks * 32);
+      float(&x)[2][4] = (ks & 1) ? x_odd : x_even;
+      mma_f16(x[0], sh[ks], kd[0], kd[1]);
+      mma_f16(x[1], sh[ks], kd[2], kd[3]);
+      mma_f16(o[0], sh[ks], qd[0], qd[1]);
+      mma_f16(o[1], sh[ks], qd[2], qd[3]);
+    }
+
+    // Y^T = f16(v^T - X^T), straight into A-fragment order (k = tokens).
+    uint32_t v[4];
+    ldmatrix_x4_trans(v, stage + v_lane);
+    uint32_t y[4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      y[2 * nt] = pack_f16x2(bf16_lo(v[2 * nt]) - (x_even[nt][0] + x_odd[nt][0]),
+                             bf16_hi(v[2 * nt]) - (x_even[nt][1] + x_odd[nt][1]));
+      y[2 * nt + 1] = pack_f16x2(bf16_lo(v[2 * nt + 1]) - (x_even[nt][2] + x_odd[nt][2]),
+                                 bf16_hi(v[2 * nt + 1]) - (x_even[nt][3] + x_odd[nt][3]));
+    }
+
+    // U^T = Y^T W^T, Uh^T = f16(U^T).
+    uint32_t w[4];
+    ldmatrix_x4(w, stage + w_lane);
+    float u[2][4] = {};
+    mma_f16(u[0], y, w[0], w[1]);
+    mma_f16(u[1], y, w[2], w[3]);
+    uint32_t uh[4];
+    uh[0] = pack_f16x2(u[0][0], u[0][1]);
+    uh[1] = pack_f16x2(u[0][2], u[0][3]);
+    uh[2] = pack_f16x2(u[1][0], u[1][1]);
+    uh[3] = pack_f16x2(u[1][2], u[1][3]);
+
+    // S = S diag(decay) + Uh^T Kr.
+    const float* decay = reinterpret_cast<const float*>(smem + (stage - stages) + FKDA_STAGE_DECAY);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      uint32_t kr[4];
+      ldmatrix_x4_trans(kr, stage + kr_lane + j * 32);
+#pragma unroll
+      for (int hn = 0; hn < 2; ++hn) {
+        const int nt = 2 * j + hn;
+        const float2 d = *reinterpret_cast<const float2*>(decay + nt * 8 + 2 * t);
+        S[nt][0] *= d.x;
+        S[nt][1] *= d.y;
+        S[nt][2] *= d.x;
+        S[nt][3] *= d.y;
+        mma_f16(S[nt], uh, kr[2 * hn], kr[2 * hn + 1]);
+      }
+    }
+
+    // O^T = Oi^T + Uh^T Mqk^T, then out = bf16(O) through the warp's tile
+    // (token-major) so that each lane writes one 16-byte piece.
+    uint32_t mqk[4];
+    ldmatrix_x4(mqk, stage + mqk_lane);
+    mma_f16(o[0], uh, mqk[0], mqk[1]);
+    mma_f16(o[1], uh, mqk[2], mqk[3]);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int token = nt * 8 + 2 * t + (r & 1);
+        const int col = g + 8 * (r >> 1);
+        *reinterpret_cast<uint16_t*>(out_tile_ptr + token * FKDA_SMALL_PITCH_BYTES + col * 2) =
+            to_bf16(o[nt][r]);
+      }
+    }
+    __syncwarp();
+    const int64_t first = seq.begin + chunk * FKDA_CHUNK;
+    const int token = lane >> 1, piece = lane & 1;
+    if (first + token < seq.end) {
+      const uint4 value = *reinterpret_cast<const uint4*>(out_tile_ptr + token * FKDA_SMALL_PITCH_BYTES + piece * 16);
+      *reinterpret_cast<uint4*>(out_row + (first + token) * p.out.stride_t + piece * 8) = value;
+    }
+  }
+  // Drain the empty trailing groups before the block's shared memory goes away.
+  cp_async_wait<0>();
+
+  if (p.final_state != nullptr) store_state(state, e0, g, t, S);
+}

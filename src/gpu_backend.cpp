@@ -1,0 +1,240 @@
+// The CUDA backend's host side: the embedded fatbin is loaded once per
+// process through the driver (no cudart), kernels are fetched by name for the
+// current context and launched on the caller's stream. The launch path
+// allocates nothing, never synchronises and never changes the current
+// context, so a call can be captured in a CUDA graph.
+#include "gpu_backend.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cuda_driver.h"
+#include "error.h"
+#include "kda_params.h"
+
+extern "C" {
+// The fatbin's bytes, placed in .rodata by cmake/embed_fatbin.S.in.
+extern const unsigned char flashkda_embedded_fatbin[];
+extern const unsigned char flashkda_embedded_fatbin_end[];
+}
+
+namespace fkda::gpu {
+namespace {
+
+constexpr const char* kPrepareKernel = "fkda_prefill_prepare_chunks";
+constexpr const char* kRecurrenceKernel = "fkda_prefill_chunk_recurrence";
+constexpr int kMaxVsplit = 8;
+
+std::string arch_message(int major, int minor) {
+  return "compute capability " + std::to_string(major) + "." + std::to_string(minor) +
+         ": this build has kernels for the sm_80 family and sm_90 (and later, through PTX)";
+}
+
+struct Kernels {
+  CUkernel prepare = nullptr;
+  CUkernel recurrence = nullptr;
+};
+
+Kernels load_kernels(const cuda::Driver& d) {
+  CUlibrary library = nullptr;
+  // Never unloaded: launches may still be in flight on any stream at exit.
+  CUresult result = d.cuLibraryLoadData(&library, flashkda_embedded_fatbin, nullptr, nullptr, 0, nullptr,
+                                        nullptr, 0);
+  if (result != CUDA_SUCCESS) {
+    fail(FKDA_ERROR_DRIVER, "cuLibraryLoadData (the embedded kernels) failed: " + cuda::describe(result));
+  }
+  Kernels kernels;
+  for (auto [slot, name] : {std::pair{&kernels.prepare, kPrepareKernel}, std::pair{&kernels.recurrence, kRecurrenceKernel}}) {
+    result = d.cuLibraryGetKernel(slot, library, name);
+    if (result != CUDA_SUCCESS) {
+      fail(FKDA_ERROR_DRIVER, std::string("cuLibraryGetKernel(") + name + ") failed: " + cuda::describe(result));
+    }
+  }
+  return kernels;
+}
+
+// Loaded on first use; a failed load throws and is tried again next call.
+const Kernels& kernels(const cuda::Driver& d) {
+  static const Kernels loaded = load_kernels(d);
+  return loaded;
+}
+
+// What the launch code needs to know about a device, read once per device.
+struct DeviceFacts {
+  int cc_major = 0;
+  int cc_minor = 0;
+  int sm_count = 0;
+  int max_dynamic_smem = 0;  // opt-in limit per block
+};
+
+int attribute(const cuda::Driver& d, CUdevice device, CUdevice_attribute which) {
+  int value = 0;
+  cuda::check(d.cuDeviceGetAttribute(&value, which, device), "cuDeviceGetAttribute");
+  return value;
+}
+
+const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Kernels& k) {
+  static std::mutex mutex;
+  static std::vector<std::pair<CUdevice, DeviceFacts>> known;  // never shrinks: references stay valid
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& entry : known) {
+    if (entry.first == device) return entry.second;
+  }
+  DeviceFacts facts;
+  facts.cc_major = attribute(d, device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
+  facts.cc_minor = attribute(d, device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
+  if (!has_kernels_for(facts.cc_major, facts.cc_minor)) {
+    fail(FKDA_ERROR_UNSUPPORTED_ARCH, arch_message(facts.cc_major, facts.cc_minor));
+  }
+  facts.sm_count = attribute(d, device, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
+  facts.max_dynamic_smem = attribute(d, device, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN);
+  // The recurrence needs more than the default 48 KB; allow the largest
+  // configuration this device can hold, once.
+  int needed = 0;
+  for (int vsplit = 1; vsplit <= kMaxVsplit; vsplit *= 2) {
+    const int bytes = fkda_recurrence_smem_bytes(vsplit);
+    if (bytes <= facts.max_dynamic_smem && bytes > needed) needed = bytes;
+  }
+  if (needed == 0) {
+    fail(FKDA_ERROR_UNSUPPORTED_ARCH, "device allows " + std::to_string(facts.max_dynamic_smem) +
+                                          " bytes of shared memory per block; the recurrence kernel needs " +
+                                          std::to_string(fkda_recurrence_smem_bytes(kMaxVsplit)));
+  }
+  CUresult result = d.cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, needed,
+                                           k.recurrence, device);
+  if (result != CUDA_SUCCESS) {
+    fail(FKDA_ERROR_DRIVER, "cuKernelSetAttribute(max dynamic shared memory) failed: " + cuda::describe(result));
+  }
+  known.emplace_back(device, facts);
+  return known.back().second;
+}
+
+// FKDA_VSPLIT=1|2|4|8 forces the V split of the recurrence. A testing
+// override, read once per process; anything else is ignored.
+int forced_vsplit() {
+  static const int forced = [] {
+    const char* text = std::getenv("FKDA_VSPLIT");
+    if (text == nullptr) return 0;
+    const int value = std::atoi(text);
+    return (value == 1 || value == 2 || value == 4 || value == 8) ? value : 0;
+  }();
+  return forced;
+}
+
+// Enough blocks to fill the GPU: the largest power of two <= 8 with
+// N * H * vsplit <= 2 * SMs, at least 1, and within the shared memory limit.
+int choose_vsplit(int64_t seqs_times_heads, const DeviceFacts& facts) {
+  int vsplit = forced_vsplit();
+  if (vsplit == 0) {
+    vsplit = kMaxVsplit;
+    while (vsplit > 1 && seqs_times_heads * vsplit > 2 * int64_t(facts.sm_count)) vsplit /= 2;
+  }
+  while (vsplit < kMaxVsplit && fkda_recurrence_smem_bytes(vsplit) > facts.max_dynamic_smem) vsplit *= 2;
+  return vsplit;
+}
+
+CUfunction function_for_context(const cuda::Driver& d, CUkernel kernel, const char* name,
+                                const DeviceFacts& facts) {
+  CUfunction function = nullptr;
+  CUresult result = d.cuKernelGetFunction(&function, kernel);
+  if (result == CUDA_ERROR_NO_BINARY_FOR_GPU || result == CUDA_ERROR_INVALID_PTX ||
+      result == CUDA_ERROR_UNSUPPORTED_PTX_VERSION) {
+    fail(FKDA_ERROR_UNSUPPORTED_ARCH, arch_message(facts.cc_major, facts.cc_minor) + " (" + name +
+                                          ": " + cuda::describe(result) + ")");
+  }
+  if (result != CUDA_SUCCESS) {
+    fail(FKDA_ERROR_DRIVER, std::string("cuKernelGetFunction(") + name + ") failed: " + cuda::describe(result));
+  }
+  return function;
+}
+
+void launch(const cuda::Driver& d, CUfunction function, const char* name, unsigned grid_x, unsigned grid_y,
+            unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, FkdaPrefillParams& params) {
+  void* args[] = {&params};
+  CUresult result = d.cuLaunchKernel(function, grid_x, grid_y, grid_z, threads, 1, 1, smem, stream, args, nullptr);
+  if (result != CUDA_SUCCESS) {
+    fail(FKDA_ERROR_LAUNCH_FAILED, std::string("launch of ") + name + " failed: " + cuda::describe(result));
+  }
+}
+
+FkdaActivation kernel_view(const ActView& view) {
+  return FkdaActivation{view.data, view.stride_b, view.stride_t, view.stride_h};
+}
+
+}  // namespace
+
+size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads) {
+  if (total_tokens < 0 || num_seqs < 0 || num_heads <= 0) return 0;
+  const int64_t slots = fkda_num_chunk_slots(total_tokens, num_seqs);
+  const int64_t per_slot = int64_t(num_heads) * FKDA_WS_RECORD_BYTES;
+  if (slots > std::numeric_limits<int64_t>::max() / per_slot) {
+    fail(FKDA_ERROR_UNSUPPORTED, "workspace for " + std::to_string(total_tokens) + " tokens and " +
+                                     std::to_string(num_heads) + " heads exceeds the address space");
+  }
+  return size_t(slots * per_slot);
+}
+
+// sm_80 machine code runs on every 8.x device, sm_90a on 9.0, and the
+// compute_90 PTX is compiled by the driver for anything newer.
+bool has_kernels_for(int cc_major, int /*cc_minor*/) { return cc_major >= 8; }
+
+void fwd(const FwdProblem& problem, void* workspace, size_t /*workspace_bytes*/, CUstream stream) {
+  const CUdevice device = cuda::current_device();  // throws FKDA_ERROR_NO_DEVICE without a context
+  const cuda::Driver& d = *cuda::driver();
+  const Kernels& k = kernels(d);
+  const DeviceFacts& facts = device_facts(d, device, k);
+
+  const int64_t total_tokens = problem.batch * problem.seq_len;
+  const int64_t slots = fkda_num_chunk_slots(total_tokens, problem.num_seqs);
+  const int64_t max_grid_x = std::numeric_limits<int32_t>::max();
+  if (problem.num_heads > 65535 || slots > max_grid_x || problem.num_seqs > max_grid_x) {
+    fail(FKDA_ERROR_UNSUPPORTED, "problem too large for one launch: " + std::to_string(problem.num_seqs) +
+                                     " sequences, " + std::to_string(total_tokens) + " tokens, " +
+                                     std::to_string(problem.num_heads) + " heads");
+  }
+
+  FkdaPrefillParams params;
+  std::memset(&params, 0, sizeof(params));
+  params.q = kernel_view(problem.q);
+  params.k = kernel_view(problem.k);
+  params.v = kernel_view(problem.v);
+  params.g = kernel_view(problem.g);
+  params.beta = kernel_view(problem.beta);
+  params.out = FkdaOutput{const_cast<void*>(problem.out.data), problem.out.stride_b, problem.out.stride_t,
+                          problem.out.stride_h};
+  params.A_log = problem.A_log;
+  params.dt_bias = problem.dt_bias;
+  params.initial_state = problem.initial_state;
+  params.final_state = problem.final_state;
+  params.state_is_bf16 = problem.state_dtype == FKDA_DTYPE_BF16;
+  params.state_is_kv = problem.state_layout == FKDA_STATE_LAYOUT_KV;
+  params.cu_seqlens = problem.cu_seqlens;
+  params.cu_seqlens_stride = problem.cu_seqlens_stride;
+  params.cu_seqlens_is_i64 = problem.cu_seqlens_dtype == FKDA_DTYPE_I64;
+  params.num_heads = problem.num_heads;
+  params.seq_len = problem.seq_len;
+  params.num_seqs = problem.num_seqs;
+  params.workspace = static_cast<unsigned char*>(workspace);
+  params.num_slots = slots;
+  params.scale = problem.scale;
+  params.gate_scale = problem.lower_bound * 1.4426950408889634f;  // NUMERICS step 1, in f32
+  params.vsplit = choose_vsplit(problem.num_seqs * problem.num_heads, facts);
+
+  const unsigned heads = unsigned(problem.num_heads);
+  if (total_tokens > 0) {
+    CUfunction prepare = function_for_context(d, k.prepare, kPrepareKernel, facts);
+    launch(d, prepare, kPrepareKernel, unsigned(slots), heads, 1, FKDA_PREPARE_THREADS, 0, stream, params);
+  }
+  // Launched even without tokens: zero-length sequences still copy their
+  // initial state (or zeros) to the final state.
+  CUfunction recurrence = function_for_context(d, k.recurrence, kRecurrenceKernel, facts);
+  launch(d, recurrence, kRecurrenceKernel, unsigned(problem.num_seqs), heads, unsigned(params.vsplit),
+         unsigned(32 * fkda_recurrence_warps(params.vsplit)), unsigned(fkda_recurrence_smem_bytes(params.vsplit)),
+         stream, params);
+}
+
+}  // namespace fkda::gpu

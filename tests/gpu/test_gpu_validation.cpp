@@ -1,0 +1,126 @@
+// Checks that need a GPU: where memory lives, alignment for the kernels'
+// 16-byte accesses, and the device workspace size.
+#include <catch2/catch.hpp>
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flashkda.h"
+#include "kda_reference.h"
+
+namespace {
+
+constexpr int64_t kB = 1, kT = 40, kH = 2, kD = 128;
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  explicit DeviceBuffer(size_t bytes) { REQUIRE(cudaMalloc(&ptr, bytes) == cudaSuccess); }
+  ~DeviceBuffer() { cudaFree(ptr); }
+};
+
+fkda_plan_t make_plan(fkda_backend backend) {
+  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+  desc.num_heads = kH;
+  desc.backend = backend;
+  fkda_plan_t plan = nullptr;
+  REQUIRE(fkda_plan_create(&desc, &plan) == FKDA_SUCCESS);
+  return plan;
+}
+
+// Valid device-side arguments; each section breaks one thing.
+struct DeviceCall {
+  size_t act_bytes = size_t(kB * kT * kH * kD) * 2 + 64;  // room for misaligned views
+  DeviceBuffer q{act_bytes}, k{act_bytes}, v{act_bytes}, g{act_bytes}, out{act_bytes};
+  DeviceBuffer beta{size_t(kB * kT * kH) * 2}, A_log{kH * 4}, dt_bias{kH * kD * 4};
+  fkda_fwd_args args = FKDA_FWD_ARGS_INIT;
+
+  DeviceCall() {
+    for (void* p : {q.ptr, k.ptr, v.ptr, g.ptr, out.ptr}) REQUIRE(cudaMemset(p, 0x3c, act_bytes) == cudaSuccess);
+    REQUIRE(cudaMemset(beta.ptr, 0x3c, size_t(kB * kT * kH) * 2) == cudaSuccess);
+    REQUIRE(cudaMemset(A_log.ptr, 0, kH * 4) == cudaSuccess);
+    REQUIRE(cudaMemset(dt_bias.ptr, 0, kH * kD * 4) == cudaSuccess);
+    args.q = fkda_test::tensor(q.ptr, FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    args.k = fkda_test::tensor(k.ptr, FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    args.v = fkda_test::tensor(v.ptr, FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    args.g = fkda_test::tensor(g.ptr, FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    args.out = fkda_test::tensor(out.ptr, FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    args.beta = fkda_test::tensor(beta.ptr, FKDA_DTYPE_BF16, {kB, kT, kH});
+    args.A_log = fkda_test::tensor(A_log.ptr, FKDA_DTYPE_F32, {kH});
+    args.dt_bias = fkda_test::tensor(dt_bias.ptr, FKDA_DTYPE_F32, {kH, kD});
+  }
+};
+
+void expect_invalid(fkda_status status, const std::string& message_start) {
+  CHECK(status == FKDA_ERROR_INVALID_ARGUMENT);
+  std::string message = fkda_last_error();
+  INFO("message: " << message);
+  CHECK(message.rfind(message_start, 0) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("GPU plans reject host memory, CPU plans reject device memory", "[gpu][validation]") {
+  DeviceCall call;
+  fkda_plan_t gpu = make_plan(FKDA_BACKEND_GPU);
+  fkda_plan_t cpu = make_plan(FKDA_BACKEND_CPU);
+  size_t bytes = 0;
+  REQUIRE(fkda_plan_workspace_size(gpu, kB * kT, kB, &bytes) == FKDA_SUCCESS);
+  DeviceBuffer workspace(bytes);
+
+  REQUIRE(fkda_fwd(gpu, &call.args, workspace.ptr, bytes, nullptr) == FKDA_SUCCESS);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+
+  std::vector<uint16_t> host_q(size_t(kB * kT * kH * kD), 0x3c00);
+  fkda_fwd_args with_host_q = call.args;
+  with_host_q.q.data = host_q.data();
+  expect_invalid(fkda_fwd(gpu, &with_host_q, workspace.ptr, bytes, nullptr),
+                 "q: host memory passed to a GPU plan");
+
+  expect_invalid(fkda_fwd(cpu, &call.args, nullptr, 0, nullptr), "q: device memory passed to a CPU plan");
+
+  fkda_plan_destroy(gpu);
+  fkda_plan_destroy(cpu);
+}
+
+TEST_CASE("GPU plans need 16-byte aligned rows and enough workspace", "[gpu][validation]") {
+  DeviceCall call;
+  fkda_plan_t gpu = make_plan(FKDA_BACKEND_GPU);
+  size_t bytes = 0;
+  REQUIRE(fkda_plan_workspace_size(gpu, kB * kT, kB, &bytes) == FKDA_SUCCESS);
+  REQUIRE(bytes > 0);
+  DeviceBuffer workspace(bytes);
+
+  fkda_fwd_args misaligned = call.args;
+  misaligned.v.data = static_cast<char*>(call.v.ptr) + 2;
+  expect_invalid(fkda_fwd(gpu, &misaligned, workspace.ptr, bytes, nullptr), "v: GPU plans need 16-byte aligned data");
+
+  fkda_fwd_args odd_stride = call.args;
+  odd_stride.k.shape[1] = kT / 2;
+  odd_stride.k.strides[1] = kH * kD + 4;  // rows 8 bytes apart from a 16-byte boundary
+  for (fkda_tensor* t : {&odd_stride.q, &odd_stride.v, &odd_stride.g, &odd_stride.out}) t->shape[1] = kT / 2;
+  odd_stride.beta.shape[1] = kT / 2;
+  expect_invalid(fkda_fwd(gpu, &odd_stride, workspace.ptr, bytes, nullptr),
+                 "k: GPU plans need strides that are multiples of 8 elements");
+
+  CHECK(fkda_fwd(gpu, &call.args, workspace.ptr, bytes - 1, nullptr) == FKDA_ERROR_WORKSPACE_TOO_SMALL);
+  CHECK(std::string(fkda_last_error()).rfind("workspace_bytes: ", 0) == 0);
+  expect_invalid(fkda_fwd(gpu, &call.args, nullptr, bytes, nullptr), "workspace: NULL");
+
+  fkda_plan_destroy(gpu);
+}
+
+TEST_CASE("device queries describe the current device", "[gpu]") {
+  fkda_device_info info = FKDA_DEVICE_INFO_INIT;
+  REQUIRE(fkda_query_device(-1, &info) == FKDA_SUCCESS);
+  CHECK(info.driver_loaded == 1);
+  CHECK(info.device_count >= 1);
+  CHECK(info.device == 0);
+  CHECK(info.cc_major >= 8);
+  CHECK(info.has_kernels == 1);
+  CHECK(std::string(info.name).size() > 0);
+  CHECK(fkda_query_device(info.device_count, &info) == FKDA_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(fkda_last_error()).rfind("device: ordinal", 0) == 0);
+}

@@ -1,0 +1,599 @@
+// The CPU backend through the public API only, against the fp64 token-by-token
+// recurrence on random inputs. Every run poisons its outputs first and checks
+// that every element was written and nothing outside the views was touched.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "flashkda.h"
+#include "kda_reference.h"
+
+namespace {
+
+using namespace fkda_test;
+
+// bf16 and f32 quiet NaNs with a payload no computation produces.
+constexpr uint16_t kPoisonBf16 = 0x7FC1;
+constexpr uint32_t kPoisonF32 = 0x7FC00001u;
+
+struct Tolerance {
+  double out;
+  double state;
+};
+// shared/BENCHMARKS.md, relative L2 error against the fp64 recurrence.
+constexpr Tolerance kBf16StateTargets{6.0e-3, 5.0e-3};
+constexpr Tolerance kF32StateTargets{4.0e-3, 2.9e-3};
+
+enum class Layout { contiguous, padded, head_major };
+
+struct RunOptions {
+  fkda_dtype state_dtype = FKDA_DTYPE_F32;
+  fkda_state_layout state_layout = FKDA_STATE_LAYOUT_VK;
+  bool pass_initial = true;  // pass the problem's initial state (when it has one)
+  bool want_final = true;
+  bool in_place_state = false;  // final_state is the initial_state buffer
+  Layout layout = Layout::contiguous;
+  fkda_dtype cu_dtype = FKDA_DTYPE_I64;
+  int64_t cu_stride = 1;
+  bool set_lower_bound_after_create = false;  // through fkda_set_lower_bound
+};
+
+std::string describe(const RunOptions& o) {
+  std::ostringstream s;
+  s << "state " << (o.state_dtype == FKDA_DTYPE_BF16 ? "bf16" : "f32") << ", layout "
+    << (o.state_layout == FKDA_STATE_LAYOUT_KV ? "KV" : "VK") << ", initial " << o.pass_initial << ", final "
+    << o.want_final << ", in place " << o.in_place_state << ", activations "
+    << (o.layout == Layout::contiguous ? "contiguous" : o.layout == Layout::padded ? "padded" : "head-major")
+    << ", cu_seqlens " << (o.cu_dtype == FKDA_DTYPE_I32 ? "i32" : "i64") << " stride " << o.cu_stride;
+  return s.str();
+}
+
+struct RunResult {
+  std::vector<float> out;          // [B, T, H, V], contiguous
+  std::vector<float> final_state;  // [N, H, V, K] V-first; empty when not requested
+};
+
+bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+bool is_poison(uint16_t bits) { return bits == kPoisonBf16; }
+
+// An activation [B, T, H, D] (D = 1 for beta) placed in memory with the
+// chosen strides; the gaps hold NaNs, so reading them would show in the output.
+struct Placed {
+  std::vector<uint16_t> storage;
+  std::vector<size_t> offsets;  // storage offset of element i of the contiguous tensor
+  int64_t stride_b = 0, stride_t = 0, stride_h = 0;
+  std::vector<int64_t> shape;
+
+  fkda_tensor view() {
+    fkda_tensor t = tensor(storage.data(), FKDA_DTYPE_BF16, shape);
+    t.strides[0] = stride_b;
+    t.strides[1] = stride_t;
+    t.strides[2] = stride_h;
+    return t;
+  }
+};
+
+Placed place(const std::vector<uint16_t>& contiguous, int64_t B, int64_t T, int64_t H, int64_t D, Layout layout,
+             uint16_t gap_fill) {
+  Placed placed;
+  placed.shape = D == 1 ? std::vector<int64_t>{B, T, H} : std::vector<int64_t>{B, T, H, D};
+  size_t size = 0;
+  switch (layout) {
+    case Layout::contiguous:
+      placed.stride_h = D;
+      placed.stride_t = H * D;
+      placed.stride_b = T * H * D;
+      size = size_t(B * T * H * D);
+      break;
+    case Layout::padded:  // gaps between heads, tokens and batch rows
+      placed.stride_h = D + (D == 1 ? 2 : 8);
+      placed.stride_t = H * placed.stride_h + 24;
+      placed.stride_b = T * placed.stride_t + 40;
+      size = size_t(B * placed.stride_b + 16);
+      break;
+    case Layout::head_major:  // memory is [B, H, T, D], viewed as [B, T, H, D]
+      placed.stride_t = D;
+      placed.stride_h = T * D;
+      placed.stride_b = H * T * D;
+      size = size_t(B * T * H * D);
+      break;
+  }
+  placed.storage.assign(size, gap_fill);
+  placed.offsets.reserve(contiguous.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d) {
+          const size_t at = size_t(b * placed.stride_b + t * placed.stride_t + h * placed.stride_h + d);
+          placed.storage[at] = contiguous[placed.offsets.size()];
+          placed.offsets.push_back(at);
+        }
+  return placed;
+}
+
+// The state [N, H, V, K] (V-first, f32 values) in the caller's dtype and layout.
+struct StateBuffer {
+  std::vector<float> f32;
+  std::vector<uint16_t> bf16;
+  fkda_dtype dtype;
+  void* data() { return dtype == FKDA_DTYPE_BF16 ? static_cast<void*>(bf16.data()) : f32.data(); }
+};
+
+size_t layout_index(fkda_state_layout layout, size_t head_base, int64_t e, int64_t k, int64_t V, int64_t K) {
+  return head_base + size_t(layout == FKDA_STATE_LAYOUT_KV ? k * V + e : e * K + k);
+}
+
+StateBuffer state_buffer(const Problem& p, const std::vector<float>* values_vk, fkda_dtype dtype,
+                         fkda_state_layout layout) {
+  StateBuffer buffer{{}, {}, dtype};
+  const size_t count = size_t(p.state_elems());
+  float poison_f32;
+  std::memcpy(&poison_f32, &kPoisonF32, sizeof poison_f32);
+  if (dtype == FKDA_DTYPE_BF16)
+    buffer.bf16.assign(count, kPoisonBf16);
+  else
+    buffer.f32.assign(count, poison_f32);
+  if (values_vk == nullptr) return buffer;
+  size_t not_bf16 = 0;
+  for (int64_t head = 0; head < p.num_seqs() * p.H; ++head) {
+    const size_t base = size_t(head * p.V * p.K);
+    for (int64_t e = 0; e < p.V; ++e)
+      for (int64_t k = 0; k < p.K; ++k) {
+        const float value = (*values_vk)[base + size_t(e * p.K + k)];
+        const size_t at = layout_index(layout, base, e, k, p.V, p.K);
+        if (dtype == FKDA_DTYPE_BF16) {
+          if (from_bf16(to_bf16(value)) != value) ++not_bf16;
+          buffer.bf16[at] = to_bf16(value);
+        } else {
+          buffer.f32[at] = value;
+        }
+      }
+  }
+  // The reference must see the state the backend sees: tests round bf16 states up front.
+  REQUIRE(not_bf16 == 0);
+  return buffer;
+}
+
+// Every element finite (written), returned V-first in f32.
+std::vector<float> read_state(const Problem& p, const StateBuffer& buffer, fkda_state_layout layout) {
+  std::vector<float> values(size_t(p.state_elems()));
+  size_t unwritten = 0;
+  for (int64_t head = 0; head < p.num_seqs() * p.H; ++head) {
+    const size_t base = size_t(head * p.V * p.K);
+    for (int64_t e = 0; e < p.V; ++e)
+      for (int64_t k = 0; k < p.K; ++k) {
+        const size_t at = layout_index(layout, base, e, k, p.V, p.K);
+        const float value = buffer.dtype == FKDA_DTYPE_BF16 ? from_bf16(buffer.bf16[at]) : buffer.f32[at];
+        if (!std::isfinite(value)) ++unwritten;
+        values[base + size_t(e * p.K + k)] = value;
+      }
+  }
+  CHECK(unwritten == 0);
+  return values;
+}
+
+void round_initial_state_to_bf16(Problem& p) {
+  for (float& value : p.initial_state) value = from_bf16(to_bf16(value));
+}
+
+struct PlanHandle {
+  fkda_plan_t plan = nullptr;
+  ~PlanHandle() { fkda_plan_destroy(plan); }
+};
+
+// Runs `p` on a CPU plan through the public API and checks what every run
+// must satisfy: success, every output element written, nothing outside the
+// output views touched, inputs unchanged.
+RunResult run_cpu(const Problem& p, const RunOptions& o) {
+  INFO(describe(o));
+  const int64_t N = p.num_seqs();
+  const bool has_initial = o.pass_initial && !p.initial_state.empty();
+
+  PlanHandle handle;
+  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+  desc.num_heads = static_cast<int32_t>(p.H);
+  desc.state_dtype = o.state_dtype;
+  desc.state_layout = o.state_layout;
+  desc.backend = FKDA_BACKEND_CPU;
+  desc.lower_bound = o.set_lower_bound_after_create ? -5.f : p.lower_bound;
+  REQUIRE(fkda_plan_create(&desc, &handle.plan) == FKDA_SUCCESS);
+  fkda_backend backend = FKDA_BACKEND_AUTO;
+  REQUIRE(fkda_plan_get_backend(handle.plan, &backend) == FKDA_SUCCESS);
+  REQUIRE(backend == FKDA_BACKEND_CPU);
+  if (o.set_lower_bound_after_create) {
+    REQUIRE(fkda_set_lower_bound(handle.plan, p.lower_bound) == FKDA_SUCCESS);
+    float lower_bound = 1.f;
+    REQUIRE(fkda_get_lower_bound(handle.plan, &lower_bound) == FKDA_SUCCESS);
+    REQUIRE(lower_bound == p.lower_bound);
+  }
+
+  Placed q = place(p.q, p.B, p.T, p.H, p.K, o.layout, kPoisonBf16);
+  Placed k = place(p.k, p.B, p.T, p.H, p.K, o.layout, kPoisonBf16);
+  Placed v = place(p.v, p.B, p.T, p.H, p.V, o.layout, kPoisonBf16);
+  Placed g = place(p.g, p.B, p.T, p.H, p.K, o.layout, kPoisonBf16);
+  Placed beta = place(p.beta, p.B, p.T, p.H, 1, o.layout, kPoisonBf16);
+  Placed out = place(std::vector<uint16_t>(p.B * p.T * p.H * p.V, kPoisonBf16), p.B, p.T, p.H, p.V, o.layout,
+                     kPoisonBf16);
+  const std::vector<uint16_t> q_before = q.storage, k_before = k.storage, v_before = v.storage,
+                              g_before = g.storage, beta_before = beta.storage;
+  std::vector<float> A_log = p.A_log, dt_bias = p.dt_bias;
+
+  StateBuffer initial = state_buffer(p, has_initial ? &p.initial_state : nullptr, o.state_dtype, o.state_layout);
+  StateBuffer separate_final = state_buffer(p, nullptr, o.state_dtype, o.state_layout);
+  StateBuffer& final_state = o.in_place_state ? initial : separate_final;
+
+  Buffers buffers{q.storage.data(), k.storage.data(), v.storage.data(), g.storage.data(),
+                  beta.storage.data(), A_log.data(), dt_bias.data(), out.storage.data()};
+  if (has_initial) buffers.initial_state = initial.data();
+  if (o.want_final) buffers.final_state = final_state.data();
+  fkda_fwd_args args = make_args(p, buffers, o.state_dtype);
+  args.q = q.view();
+  args.k = k.view();
+  args.v = v.view();
+  args.g = g.view();
+  args.beta = beta.view();
+  args.out = out.view();
+
+  // cu_seqlens in the requested dtype and stride, gaps filled with offsets
+  // that would be out of range if they were read.
+  std::vector<int64_t> cu_i64;
+  std::vector<int32_t> cu_i32;
+  if (!p.cu_seqlens.empty()) {
+    const size_t count = p.cu_seqlens.size(), slots = (count - 1) * size_t(o.cu_stride) + 1;
+    if (o.cu_dtype == FKDA_DTYPE_I32) {
+      cu_i32.assign(slots, 1 << 30);
+      for (size_t i = 0; i < count; ++i) cu_i32[i * size_t(o.cu_stride)] = int32_t(p.cu_seqlens[i]);
+      args.cu_seqlens = tensor(cu_i32.data(), FKDA_DTYPE_I32, {int64_t(count)});
+    } else {
+      cu_i64.assign(slots, int64_t(1) << 40);
+      for (size_t i = 0; i < count; ++i) cu_i64[i * size_t(o.cu_stride)] = p.cu_seqlens[i];
+      args.cu_seqlens = tensor(cu_i64.data(), FKDA_DTYPE_I64, {int64_t(count)});
+    }
+    args.cu_seqlens.strides[0] = o.cu_stride;
+  }
+
+  size_t workspace_bytes = 0;
+  REQUIRE(fkda_plan_workspace_size(handle.plan, p.B * p.T, N, &workspace_bytes) == FKDA_SUCCESS);
+  std::vector<unsigned char> workspace(workspace_bytes + 16);
+  const fkda_status status = fkda_fwd(handle.plan, &args, workspace.data(), workspace_bytes, nullptr);
+  INFO("fkda_last_error: " << fkda_last_error());
+  REQUIRE(status == FKDA_SUCCESS);
+
+  RunResult result;
+  result.out.resize(out.offsets.size());
+  size_t unwritten = 0, touched_gaps = 0;
+  std::vector<bool> in_view(out.storage.size(), false);
+  for (size_t i = 0; i < out.offsets.size(); ++i) {
+    const uint16_t bits = out.storage[out.offsets[i]];
+    in_view[out.offsets[i]] = true;
+    result.out[i] = from_bf16(bits);
+    if (!std::isfinite(result.out[i])) ++unwritten;
+  }
+  for (size_t at = 0; at < out.storage.size(); ++at)
+    if (!in_view[at] && !is_poison(out.storage[at])) ++touched_gaps;
+  CHECK(unwritten == 0);
+  CHECK(touched_gaps == 0);
+
+  CHECK(q.storage == q_before);
+  CHECK(k.storage == k_before);
+  CHECK(v.storage == v_before);
+  CHECK(g.storage == g_before);
+  CHECK(beta.storage == beta_before);
+  CHECK(A_log == p.A_log);
+  CHECK(dt_bias == p.dt_bias);
+  if (has_initial && !o.in_place_state) {
+    const StateBuffer untouched = state_buffer(p, &p.initial_state, o.state_dtype, o.state_layout);
+    CHECK(initial.f32 == untouched.f32);  // f32 values are finite, so == is exact here
+    CHECK(initial.bf16 == untouched.bf16);
+  }
+  if (o.want_final) result.final_state = read_state(p, final_state, o.state_layout);
+  return result;
+}
+
+struct Errors {
+  double out = 0;
+  double state = 0;
+};
+
+Errors check_accuracy(const Problem& p, const RunOptions& o, const RunResult& r, Tolerance tolerance) {
+  Problem as_run = p;
+  if (!o.pass_initial) as_run.initial_state.clear();
+  const Reference ref = reference_recurrence(as_run);
+  Errors errors;
+  errors.out = rel_l2(r.out, ref.out);
+  INFO(describe(o));
+  INFO("out rel L2 " << errors.out << " (target " << tolerance.out << ")");
+  CHECK(errors.out <= tolerance.out);
+  if (o.want_final) {
+    errors.state = rel_l2(r.final_state, ref.final_state);
+    INFO("final state rel L2 " << errors.state << " (target " << tolerance.state << ")");
+    CHECK(errors.state <= tolerance.state);
+  }
+  return errors;
+}
+
+// The final state of sequence n, V-first.
+std::vector<float> sequence_state(const Problem& p, const std::vector<float>& state, int64_t n) {
+  const size_t per_sequence = size_t(p.H * p.V * p.K);
+  return std::vector<float>(state.begin() + std::ptrdiff_t(n * per_sequence),
+                            state.begin() + std::ptrdiff_t((n + 1) * per_sequence));
+}
+
+// Tokens [begin, end) of a single-row problem as a problem of their own.
+Problem token_slice(const Problem& p, int64_t begin, int64_t end) {
+  REQUIRE(p.B == 1);
+  REQUIRE(p.cu_seqlens.empty());
+  Problem slice = p;
+  slice.T = end - begin;
+  auto cut = [&](const std::vector<uint16_t>& all, int64_t per_token) {
+    return std::vector<uint16_t>(all.begin() + std::ptrdiff_t(begin * per_token),
+                                 all.begin() + std::ptrdiff_t(end * per_token));
+  };
+  slice.q = cut(p.q, p.H * p.K);
+  slice.k = cut(p.k, p.H * p.K);
+  slice.v = cut(p.v, p.H * p.V);
+  slice.g = cut(p.g, p.H * p.K);
+  slice.beta = cut(p.beta, p.H);
+  return slice;
+}
+
+}  // namespace
+
+TEST_CASE("CPU backend meets the f32-state accuracy targets on the benchmark case", "[cpu][accuracy]") {
+  ProblemShape shape;
+  shape.H = 4;
+  SECTION("B=1 T=1024 H=4") {
+    shape.T = 1024;
+  }
+  SECTION("varlen [300, 77, 700] H=4") {
+    shape.lengths = {300, 77, 700};
+  }
+  const Problem p = random_problem(shape, 20261130);
+  RunOptions o;
+  o.state_dtype = FKDA_DTYPE_F32;
+  check_accuracy(p, o, run_cpu(p, o), kF32StateTargets);
+}
+
+TEST_CASE("CPU backend meets the bf16-state accuracy targets on the benchmark case", "[cpu][accuracy]") {
+  ProblemShape shape;
+  shape.H = 4;
+  SECTION("B=1 T=1024 H=4") {
+    shape.T = 1024;
+  }
+  SECTION("varlen [300, 77, 700] H=4") {
+    shape.lengths = {300, 77, 700};
+  }
+  Problem p = random_problem(shape, 20261130);
+  round_initial_state_to_bf16(p);
+  RunOptions o;
+  o.state_dtype = FKDA_DTYPE_BF16;
+  check_accuracy(p, o, run_cpu(p, o), kBf16StateTargets);
+}
+
+TEST_CASE("CPU backend: batched rows of lengths around the chunk size", "[cpu][batched]") {
+  for (int64_t T : {1, 15, 16, 17, 40}) {
+    for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+      CAPTURE(T);
+      ProblemShape shape;
+      shape.B = 3;
+      shape.T = T;
+      shape.H = 2;
+      Problem p = random_problem(shape, 100 + uint64_t(T));
+      if (dtype == FKDA_DTYPE_BF16) round_initial_state_to_bf16(p);
+      RunOptions o;
+      o.state_dtype = dtype;
+      o.state_layout = T % 2 ? FKDA_STATE_LAYOUT_KV : FKDA_STATE_LAYOUT_VK;
+      check_accuracy(p, o, run_cpu(p, o), kBf16StateTargets);
+    }
+  }
+}
+
+TEST_CASE("CPU backend: varlen with empty, single-token and chunk-edge sequences", "[cpu][varlen]") {
+  ProblemShape shape;
+  shape.H = 8;
+  shape.lengths = {0, 1, 15, 16, 17, 0, 33, 5};
+  Problem p = random_problem(shape, 77);
+  round_initial_state_to_bf16(p);  // serves both state dtypes
+  for (fkda_dtype cu_dtype : {FKDA_DTYPE_I64, FKDA_DTYPE_I32}) {
+    for (int64_t cu_stride : {1, 3}) {
+      for (fkda_dtype state_dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+        RunOptions o;
+        o.cu_dtype = cu_dtype;
+        o.cu_stride = cu_stride;
+        o.state_dtype = state_dtype;
+        const RunResult r = run_cpu(p, o);
+        check_accuracy(p, o, r, kBf16StateTargets);
+        // An empty sequence hands its initial state through unchanged.
+        for (int64_t n : {0, 5})
+          CHECK(bitwise_equal(sequence_state(p, r.final_state, n), sequence_state(p, p.initial_state, n)));
+      }
+    }
+  }
+}
+
+TEST_CASE("CPU backend: every presence combination of initial and final state", "[cpu][state]") {
+  ProblemShape shape;
+  shape.H = 2;
+  shape.lengths = {17, 0, 40};
+  Problem p = random_problem(shape, 4242);
+  round_initial_state_to_bf16(p);
+  for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+    for (fkda_state_layout layout : {FKDA_STATE_LAYOUT_VK, FKDA_STATE_LAYOUT_KV}) {
+      for (bool pass_initial : {true, false}) {
+        for (bool want_final : {true, false}) {
+          RunOptions o;
+          o.state_dtype = dtype;
+          o.state_layout = layout;
+          o.pass_initial = pass_initial;
+          o.want_final = want_final;
+          const RunResult r = run_cpu(p, o);
+          check_accuracy(p, o, r, kBf16StateTargets);
+          if (want_final) {
+            const std::vector<float> empty_sequence = sequence_state(p, r.final_state, 1);
+            if (pass_initial) {
+              CHECK(bitwise_equal(empty_sequence, sequence_state(p, p.initial_state, 1)));
+            } else {
+              CHECK(bitwise_equal(empty_sequence, std::vector<float>(empty_sequence.size(), 0.f)));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("CPU backend: the K-first state layout is the transpose of the V-first one", "[cpu][state]") {
+  ProblemShape shape;
+  shape.H = 3;
+  shape.lengths = {23, 9};
+  Problem p = random_problem(shape, 31337);
+  round_initial_state_to_bf16(p);
+  for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+    RunOptions v_first, k_first;
+    v_first.state_dtype = k_first.state_dtype = dtype;
+    k_first.state_layout = FKDA_STATE_LAYOUT_KV;
+    // run_cpu writes and reads the K-first buffers transposed; equal results
+    // mean the backend read and wrote them transposed too.
+    const RunResult a = run_cpu(p, v_first), b = run_cpu(p, k_first);
+    CHECK(bitwise_equal(a.out, b.out));
+    CHECK(bitwise_equal(a.final_state, b.final_state));
+  }
+}
+
+TEST_CASE("CPU backend: the final state may overwrite the initial state in place", "[cpu][state]") {
+  ProblemShape shape;
+  shape.H = 2;
+  shape.lengths = {30, 0, 18};
+  Problem p = random_problem(shape, 5150);
+  round_initial_state_to_bf16(p);
+  for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+    RunOptions separate, in_place;
+    separate.state_dtype = in_place.state_dtype = dtype;
+    in_place.in_place_state = true;
+    const RunResult a = run_cpu(p, separate), b = run_cpu(p, in_place);
+    CHECK(bitwise_equal(a.out, b.out));
+    CHECK(bitwise_equal(a.final_state, b.final_state));
+  }
+}
+
+TEST_CASE("CPU backend: strided activation views", "[cpu][strides]") {
+  for (Layout layout : {Layout::padded, Layout::head_major}) {
+    for (bool varlen : {false, true}) {
+      ProblemShape shape;
+      shape.H = 3;
+      if (varlen) {
+        shape.lengths = {5, 0, 29};
+      } else {
+        shape.B = 2;
+        shape.T = 37;
+      }
+      const Problem p = random_problem(shape, 9000 + uint64_t(varlen));
+      RunOptions contiguous, strided;
+      strided.layout = layout;
+      const RunResult r = run_cpu(p, strided);
+      check_accuracy(p, strided, r, kBf16StateTargets);
+      // Strides change where the data lives, not a single bit of the result.
+      const RunResult reference_layout = run_cpu(p, contiguous);
+      CHECK(bitwise_equal(r.out, reference_layout.out));
+      CHECK(bitwise_equal(r.final_state, reference_layout.final_state));
+    }
+  }
+}
+
+TEST_CASE("CPU backend: gate floors from -5 to 0", "[cpu][lower_bound]") {
+  SECTION("given at plan creation") {
+    for (float lower_bound : {-5.f, -2.5f, -0.5f, -1e-6f, 0.f}) {
+      CAPTURE(lower_bound);
+      ProblemShape shape;
+      shape.H = 2;
+      shape.lengths = {20, 45};
+      shape.lower_bound = lower_bound;
+      const Problem p = random_problem(shape, 600);
+      RunOptions o;
+      check_accuracy(p, o, run_cpu(p, o), kBf16StateTargets);
+    }
+  }
+  SECTION("set on an existing plan") {
+    ProblemShape shape;
+    shape.H = 2;
+    shape.lengths = {20, 45};
+    shape.lower_bound = -1.25f;
+    const Problem p = random_problem(shape, 601);
+    RunOptions o;
+    o.set_lower_bound_after_create = true;  // the plan is created at -5
+    check_accuracy(p, o, run_cpu(p, o), kBf16StateTargets);
+  }
+}
+
+TEST_CASE("CPU backend: any finite scale", "[cpu]") {
+  for (float scale : {1.f, 0.02f, -0.5f, 8.f}) {
+    CAPTURE(scale);
+    ProblemShape shape;
+    shape.B = 2;
+    shape.T = 21;
+    shape.H = 2;
+    Problem p = random_problem(shape, 700);
+    p.scale = scale;
+    RunOptions o;
+    check_accuracy(p, o, run_cpu(p, o), kBf16StateTargets);
+  }
+}
+
+TEST_CASE("CPU backend: two halves through final -> initial state equal the whole run", "[cpu][state]") {
+  ProblemShape shape;
+  shape.T = 77;
+  shape.H = 2;
+  const Problem whole = random_problem(shape, 8080);
+  RunOptions o;
+  o.state_dtype = FKDA_DTYPE_F32;
+  const RunResult whole_run = run_cpu(whole, o);
+  check_accuracy(whole, o, whole_run, kBf16StateTargets);
+
+  for (int64_t split : {32, 21}) {
+    CAPTURE(split);
+    Problem first = token_slice(whole, 0, split), second = token_slice(whole, split, whole.T);
+    const RunResult first_run = run_cpu(first, o);
+    second.initial_state = first_run.final_state;
+    const RunResult second_run = run_cpu(second, o);
+
+    std::vector<float> halves_out = first_run.out;
+    halves_out.insert(halves_out.end(), second_run.out.begin(), second_run.out.end());
+    if (split % 16 == 0) {
+      // Same chunks, f32 state carried exactly: the same arithmetic.
+      CHECK(bitwise_equal(halves_out, whole_run.out));
+      CHECK(bitwise_equal(second_run.final_state, whole_run.final_state));
+    } else {
+      // Other chunk boundaries round at other points; within bf16 tolerance.
+      const std::vector<double> whole_out(whole_run.out.begin(), whole_run.out.end());
+      const std::vector<double> whole_state(whole_run.final_state.begin(), whole_run.final_state.end());
+      CHECK(rel_l2(halves_out, whole_out) <= kBf16StateTargets.out);
+      CHECK(rel_l2(second_run.final_state, whole_state) <= kBf16StateTargets.state);
+      CHECK_FALSE(bitwise_equal(halves_out, whole_run.out));  // the split did change the chunking
+    }
+    check_accuracy(second, o, second_run, kBf16StateTargets);
+  }
+}
+
+TEST_CASE("CPU backend: the same inputs give bitwise equal results", "[cpu]") {
+  ProblemShape shape;
+  shape.H = 4;
+  shape.lengths = {100, 3, 64, 31};  // 16 (sequence, head) pairs: all cores take part
+  Problem p = random_problem(shape, 1);
+  round_initial_state_to_bf16(p);
+  for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+    RunOptions o;
+    o.state_dtype = dtype;
+    const RunResult a = run_cpu(p, o), b = run_cpu(p, o);
+    CHECK(bitwise_equal(a.out, b.out));
+    CHECK(bitwise_equal(a.final_state, b.final_state));
+  }
+}
