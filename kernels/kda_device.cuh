@@ -13,9 +13,12 @@ namespace fkda_dev {
 constexpr float kLog2e = 1.4426950408889634f;
 
 // 2^x by the hardware's approximation (about 2 ulp), as the contract allows.
+// Flushing subnormals costs nothing here: every exponent the kernels use lies
+// in [-116, 116], so no result is subnormal, and a subnormal input gives 1
+// either way.
 __device__ __forceinline__ float exp2_fast(float x) {
   float y;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
@@ -92,6 +95,52 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int Pending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(Pending) : "memory");
+}
+
+// Hopper's bulk copies (sm_90 and later): one instruction moves a whole
+// record, completing on an mbarrier that counts the bytes.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FKDA_BULK_COPIES 1
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void mbarrier_expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait_again:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_again;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// Orders this thread's earlier shared-memory accesses (and, through the
+// barrier before it, the block's) before the copy engine writes.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+#else
+#define FKDA_BULK_COPIES 0
+#endif
+
+// ------------------------------------------------------ record layout ---
+// Byte offset of element (row, col) in a record's swizzled tiles
+// (kda_params.h): 16 x 128 f16 (Kd, Qd, Kr) and 16 x 16 f16 (W, Mqk).
+__device__ __forceinline__ int wide_tile_offset(int row, int col) {
+  return row * 256 + (((col >> 3) ^ (row & 7)) << 4) + (col & 7) * 2;
+}
+__device__ __forceinline__ int small_tile_offset(int row, int col) {
+  return row * 32 + (((col >> 3) ^ ((row >> 2) & 1)) << 4) + (col & 7) * 2;
 }
 
 // ------------------------------------------------------------ sequences ---

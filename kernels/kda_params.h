@@ -23,8 +23,10 @@
  *   Kd, Qd, Kr   f16 [16][128] each (token-major)
  *   decay        f32 [128]
  *   W, Mqk       f16 [16][16] each (row-major)
- * Every field starts on a 16-byte boundary so both kernels move it in
- * 16-byte pieces. */
+ * The recurrence copies a record byte for byte into shared memory and reads
+ * it with ldmatrix, so the tiles are stored swizzled, free of bank conflicts
+ * without padding: the 16-byte piece p of row r sits at piece p ^ (r % 8) in a
+ * 128-wide tile, and at p ^ ((r / 4) % 2) in a 16-wide one. */
 #define FKDA_WS_KD_OFFSET 0
 #define FKDA_WS_QD_OFFSET 4096
 #define FKDA_WS_KR_OFFSET 8192
@@ -42,19 +44,14 @@ static inline FKDA_HOST_DEVICE int64_t fkda_num_chunk_slots(int64_t total_tokens
 }
 
 /* The recurrence kernel: one block per (sequence, head, V slice); a warp owns
- * 16 rows of V, so a block has 8 / vsplit warps. Its dynamic shared memory is
- * a ring of FKDA_RECURRENCE_STAGES chunk stages plus one output tile a warp. */
+ * 16 rows of V, so a block has 8 / vsplit warps, and there is one kernel per
+ * vsplit (1, 2, 4, 8). Its dynamic shared memory is a ring of
+ * FKDA_RECURRENCE_STAGES stages, each a chunk's record followed by its v rows
+ * (padded against bank conflicts), one output tile per warp, and barriers. */
 #define FKDA_RECURRENCE_STAGES 4
-#define FKDA_TILE_PITCH_BYTES 272   /* a 128-wide f16 row plus 16 bytes against bank conflicts */
-#define FKDA_SMALL_PITCH_BYTES 48   /* a 16-wide f16 row plus 16 bytes */
-#define FKDA_STAGE_KD 0
-#define FKDA_STAGE_QD (FKDA_STAGE_KD + FKDA_CHUNK * FKDA_TILE_PITCH_BYTES)
-#define FKDA_STAGE_KR (FKDA_STAGE_QD + FKDA_CHUNK * FKDA_TILE_PITCH_BYTES)
-#define FKDA_STAGE_W (FKDA_STAGE_KR + FKDA_CHUNK * FKDA_TILE_PITCH_BYTES)
-#define FKDA_STAGE_MQK (FKDA_STAGE_W + FKDA_CHUNK * FKDA_SMALL_PITCH_BYTES)
-#define FKDA_STAGE_DECAY (FKDA_STAGE_MQK + FKDA_CHUNK * FKDA_SMALL_PITCH_BYTES)
-#define FKDA_STAGE_V (FKDA_STAGE_DECAY + FKDA_HEAD_DIM * 4)
-#define FKDA_OUT_TILE_BYTES (FKDA_CHUNK * FKDA_SMALL_PITCH_BYTES)
+#define FKDA_STAGE_V FKDA_WS_RECORD_BYTES
+#define FKDA_OUT_TILE_PITCH_BYTES 48 /* a 16-wide bf16 row plus 16 bytes */
+#define FKDA_OUT_TILE_BYTES (FKDA_CHUNK * FKDA_OUT_TILE_PITCH_BYTES)
 
 static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_warps(int32_t vsplit) { return 8 / vsplit; }
 static inline FKDA_HOST_DEVICE int32_t fkda_v_tile_pitch_bytes(int32_t vsplit) {
@@ -63,9 +60,14 @@ static inline FKDA_HOST_DEVICE int32_t fkda_v_tile_pitch_bytes(int32_t vsplit) {
 static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_stage_bytes(int32_t vsplit) {
   return FKDA_STAGE_V + FKDA_CHUNK * fkda_v_tile_pitch_bytes(vsplit);
 }
-static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_smem_bytes(int32_t vsplit) {
+/* After the output tiles: one 8-byte mbarrier per stage (used where the
+ * stages are filled by bulk copies, sm_90 and later). */
+static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_barriers_offset(int32_t vsplit) {
   return FKDA_RECURRENCE_STAGES * fkda_recurrence_stage_bytes(vsplit) +
          fkda_recurrence_warps(vsplit) * FKDA_OUT_TILE_BYTES;
+}
+static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_smem_bytes(int32_t vsplit) {
+  return fkda_recurrence_barriers_offset(vsplit) + FKDA_RECURRENCE_STAGES * 8;
 }
 
 /* The preparation kernel: one block of this many threads per (slot, head). */

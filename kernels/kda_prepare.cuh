@@ -16,9 +16,12 @@
 //   INV = (I - L)(I + L^2)(I + L^4)(I + L^8);  W = f16(INV diag(b))                    step 5
 //   write Kd, Qd, Kr, decay, W, Mqk to the slot's workspace record
 //
-// One block of 128 threads per (slot, head). Thread t first owns token t / 8
-// and the 16 channels 16 (t % 8) .. +15 (16-byte loads, the norm reduced over
-// 8 lanes), then channel t for the cumulative sum along the tokens.
+// One block of 128 threads per (slot, head). Thread t owns the channel pair
+// 2 (t % 64), +1 for the 8 tokens 8 (t / 64) .. +7: every global access of a
+// warp is one contiguous 128-byte row segment, and the running sum along the
+// tokens stays in registers (the second half of the tokens continues from the
+// first half's total, so the sum keeps its token order). The 16x16 products
+// run on the tensor cores (bf16 in, f32 out); the inverse is one warp's work.
 #pragma once
 
 #include "kda_device.cuh"
@@ -26,30 +29,66 @@
 namespace fkda_dev {
 
 constexpr int kBf16TilePitch = 136;  // elements: 128 + 8, rows 272 bytes apart
+constexpr int kSmallPitch = 20;      // floats: 16 + 4, keeps 16-byte rows off each other's banks
 
-// out[i][j0], out[i][j0 + 1] of X * Y for 16x16 f32 row-major matrices.
-__device__ __forceinline__ void product_pair(const float* X, const float* Y, int i, int j0, float& r0,
-                                             float& r1) {
-  r0 = 0.f;
-  r1 = 0.f;
+// Sum over the warp of v[r] for the token r = (lane / 4) % 8 this lane ends
+// with: each exchange halves the values a lane carries, so 8 per-token sums
+// cost 9 shuffles instead of 40.
+__device__ __forceinline__ float warp_sum_rows8(const float (&v)[8], int lane) {
+  const bool up16 = lane & 16, up8 = lane & 8, up4 = lane & 4;
+  float four[4], two[2];
 #pragma unroll
-  for (int k = 0; k < 16; ++k) {
-    const float x = X[i * 16 + k];
-    r0 = fmaf(x, Y[k * 16 + j0], r0);
-    r1 = fmaf(x, Y[k * 16 + j0 + 1], r1);
+  for (int j = 0; j < 4; ++j) {
+    const float keep = up16 ? v[j + 4] : v[j], send = up16 ? v[j] : v[j + 4];
+    four[j] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float keep = up8 ? four[j + 2] : four[j], send = up8 ? four[j] : four[j + 2];
+    two[j] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+  }
+  float one = (up4 ? two[1] : two[0]) + __shfl_xor_sync(0xffffffffu, up4 ? two[0] : two[1], 4);
+  one += __shfl_xor_sync(0xffffffffu, one, 2);
+  one += __shfl_xor_sync(0xffffffffu, one, 1);
+  return one;
+}
+
+// Rows 2R, 2R + 1 and columns 4C .. 4C + 3 (R = lane / 4, C = lane % 4) of
+// X * Y for 16x16 f32 matrices with rows kSmallPitch floats apart.
+__device__ __forceinline__ void block_product(const float* X, const float* Y, int lane, float (&out)[2][4]) {
+  const int r0 = (lane >> 2) * 2, c0 = (lane & 3) * 4;
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int b = 0; b < 4; ++b) out[a][b] = 0.f;
+#pragma unroll
+  for (int k4 = 0; k4 < 4; ++k4) {
+    const float4 x0 = *reinterpret_cast<const float4*>(X + r0 * kSmallPitch + 4 * k4);
+    const float4 x1 = *reinterpret_cast<const float4*>(X + (r0 + 1) * kSmallPitch + 4 * k4);
+    const float xs[2][4] = {{x0.x, x0.y, x0.z, x0.w}, {x1.x, x1.y, x1.z, x1.w}};
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const float4 y = *reinterpret_cast<const float4*>(Y + (4 * k4 + kk) * kSmallPitch + c0);
+#pragma unroll
+      for (int a = 0; a < 2; ++a) {
+        out[a][0] = fmaf(xs[a][kk], y.x, out[a][0]);
+        out[a][1] = fmaf(xs[a][kk], y.y, out[a][1]);
+        out[a][2] = fmaf(xs[a][kk], y.z, out[a][2]);
+        out[a][3] = fmaf(xs[a][kk], y.w, out[a][3]);
+      }
+    }
   }
 }
 
-__device__ __forceinline__ void load_row16(const uint16_t* src, bool valid, uint32_t (&w)[8]) {
-  if (valid) {
-    const uint4 a = __ldg(reinterpret_cast<const uint4*>(src));
-    const uint4 b = __ldg(reinterpret_cast<const uint4*>(src) + 1);
-    w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
-    w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
-  } else {
+__device__ __forceinline__ void store_block(float* M, int lane, const float (&v)[2][4]) {
+  const int r0 = (lane >> 2) * 2, c0 = (lane & 3) * 4;
 #pragma unroll
-    for (int x = 0; x < 8; ++x) w[x] = 0u;
-  }
+  for (int a = 0; a < 2; ++a)
+    *reinterpret_cast<float4*>(M + (r0 + a) * kSmallPitch + c0) = make_float4(v[a][0], v[a][1], v[a][2], v[a][3]);
+}
+
+__device__ __forceinline__ float4 load_row4(const float* M, int row, int col) {
+  return *reinterpret_cast<const float4*>(M + row * kSmallPitch + col);
 }
 
 }  // namespace fkda_dev
@@ -57,18 +96,17 @@ __device__ __forceinline__ void load_row16(const uint16_t* src, bool valid, uint
 extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS)
     fkda_prefill_prepare_chunks(const FkdaPrefillParams p) {
   using namespace fkda_dev;
-  __shared__ float cumulative[16][128];  // a2, then its running sum c
-  __shared__ __align__(16) uint16_t kd_b[16][kBf16TilePitch];
-  __shared__ __align__(16) uint16_t ki_b[16][kBf16TilePitch];
-  __shared__ __align__(16) uint16_t qd_b[16][kBf16TilePitch];
-  __shared__ __align__(16) float products[2][16][16];  // A, B
-  __shared__ __align__(16) float L[16][16], L2[16][16], L4[16][16], L8[16][16];
-  __shared__ __align__(16) float P1[16][16], P2[16][16];
-  __shared__ float b_of[16];
+  // Kd_b, Ki_b, Qd_b for the products; afterwards the inverse's work matrices.
+  __shared__ __align__(16) uint16_t tiles[3][FKDA_CHUNK][kBf16TilePitch];
+  __shared__ __align__(16) float products[2][FKDA_CHUNK][FKDA_CHUNK];  // A, B
+  __shared__ float2 carry[64];                                          // c after token 7
+  __shared__ float2 last_sum[64];                                       // c_last
+  __shared__ float norm_parts[2][2][2][8];  // [q, k][token half][warp of the half][token]
+  __shared__ float b_of[FKDA_CHUNK];
 
   const int64_t slot = blockIdx.x;
   const int head = blockIdx.y;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   // The owner of this slot: the last sequence whose slots start at or before it.
   int64_t lo = 0, hi = p.num_seqs - 1;
@@ -81,142 +119,148 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS)
   if (chunk < 0 || chunk >= num_chunks(seq)) return;  // a slot between sequences
   const int64_t t0 = seq.begin + chunk * FKDA_CHUNK;
   const int len = int(seq.end - t0 < FKDA_CHUNK ? seq.end - t0 : FKDA_CHUNK);
-
-  // ---- step 1, 2: gate, norms, beta -------------------------------------
-  const int i = tid >> 3;        // token
-  const int k0 = (tid & 7) * 16; // first of this thread's 16 channels
-  const bool valid = i < len;
-  const int64_t tok = t0 + (valid ? i : 0);
-  auto element = [&](const FkdaActivation& a) {
-    return static_cast<const uint16_t*>(a.data) + seq.row * a.stride_b + tok * a.stride_t +
-           int64_t(head) * a.stride_h;
-  };
-  uint32_t qw[8], kw[8], gw[8];
-  load_row16(element(p.q) + k0, valid, qw);
-  load_row16(element(p.k) + k0, valid, kw);
-  load_row16(element(p.g) + k0, valid, gw);
-
-  float q_sq = 0.f, k_sq = 0.f;
-#pragma unroll
-  for (int x = 0; x < 8; ++x) {
-    const float qa = bf16_lo(qw[x]), qb = bf16_hi(qw[x]);
-    const float ka = bf16_lo(kw[x]), kb = bf16_hi(kw[x]);
-    q_sq = fmaf(qa, qa, q_sq);
-    q_sq = fmaf(qb, qb, q_sq);
-    k_sq = fmaf(ka, ka, k_sq);
-    k_sq = fmaf(kb, kb, k_sq);
-  }
-#pragma unroll
-  for (int offset = 1; offset < 8; offset <<= 1) {
-    q_sq += __shfl_xor_sync(0xffffffffu, q_sq, offset);
-    k_sq += __shfl_xor_sync(0xffffffffu, k_sq, offset);
-  }
-  const float rq = 1.0f / sqrtf(q_sq + 1e-6f);
-  const float rk = 1.0f / sqrtf(k_sq + 1e-6f);
-
-  const float decay_rate = exp2_fast(__ldg(p.A_log + head) * kLog2e);  // exp(A_log[h])
-  const float* dt_bias = p.dt_bias + int64_t(head) * FKDA_HEAD_DIM + k0;
-#pragma unroll
-  for (int x = 0; x < 8; ++x) {
-    float a2_lo = 0.f, a2_hi = 0.f;
-    if (valid) {
-      a2_lo = p.gate_scale * sigmoid(decay_rate * (bf16_lo(gw[x]) + __ldg(dt_bias + 2 * x)));
-      a2_hi = p.gate_scale * sigmoid(decay_rate * (bf16_hi(gw[x]) + __ldg(dt_bias + 2 * x + 1)));
-    }
-    cumulative[i][k0 + 2 * x] = a2_lo;
-    cumulative[i][k0 + 2 * x + 1] = a2_hi;
-  }
-  if ((tid & 7) == 0) {
-    float b = 0.f;
-    if (valid) b = sigmoid(bf16_bits(*(element(p.beta))));
-    b_of[i] = b;
-  }
-  __syncthreads();
-
-  // ---- cumulative gate along the tokens, and the chunk's decay ------------
   unsigned char* record = record_of(p, slot, head);
+
+  const int pair = tid & 63;  // channels 2 pair, 2 pair + 1
+  const int half = tid >> 6;  // tokens 8 half .. 8 half + 7
+  const int first = 8 * half;
+  auto row_of = [&](const FkdaActivation& a) {
+    return static_cast<const uint16_t*>(a.data) + seq.row * a.stride_b + int64_t(head) * a.stride_h;
+  };
+
+  // ---- step 1, 2: loads, gate, norm partial sums, beta ----------------------
+  uint32_t qv[8], kv[8], gv[8];
   {
-    float c = 0.f;
+    const uint16_t* q = row_of(p.q) + 2 * pair;
+    const uint16_t* k = row_of(p.k) + 2 * pair;
+    const uint16_t* g = row_of(p.g) + 2 * pair;
 #pragma unroll
-    for (int r = 0; r < FKDA_CHUNK; ++r) {
-      c += cumulative[r][tid];
-      cumulative[r][tid] = c;
+    for (int r = 0; r < 8; ++r) {
+      qv[r] = kv[r] = gv[r] = 0u;
+      if (first + r < len) {
+        const int64_t tok = t0 + first + r;
+        qv[r] = __ldg(reinterpret_cast<const unsigned int*>(q + tok * p.q.stride_t));
+        kv[r] = __ldg(reinterpret_cast<const unsigned int*>(k + tok * p.k.stride_t));
+        gv[r] = __ldg(reinterpret_cast<const unsigned int*>(g + tok * p.g.stride_t));
+      }
     }
-    reinterpret_cast<float*>(record + FKDA_WS_DECAY_OFFSET)[tid] = exp2_fast(c);
+  }
+  if (tid < FKDA_CHUNK) {
+    float b = 0.f;
+    if (tid < len) b = sigmoid(bf16_bits(*(row_of(p.beta) + (t0 + tid) * p.beta.stride_t)));
+    b_of[tid] = b;
+  }
+  {
+    float q_sq[8], k_sq[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      q_sq[r] = fmaf(bf16_hi(qv[r]), bf16_hi(qv[r]), bf16_lo(qv[r]) * bf16_lo(qv[r]));
+      k_sq[r] = fmaf(bf16_hi(kv[r]), bf16_hi(kv[r]), bf16_lo(kv[r]) * bf16_lo(kv[r]));
+    }
+    const float q_part = warp_sum_rows8(q_sq, lane);
+    const float k_part = warp_sum_rows8(k_sq, lane);
+    if ((lane & 3) == 0) {
+      norm_parts[0][half][warp & 1][(lane >> 2) & 7] = q_part;
+      norm_parts[1][half][warp & 1][(lane >> 2) & 7] = k_part;
+    }
+  }
+  float c[8][2];  // a2, then its running sum
+  {
+    const float decay_rate = exp2_fast(__ldg(p.A_log + head) * kLog2e);  // exp(A_log[h])
+    const float2 dt = __ldg(reinterpret_cast<const float2*>(p.dt_bias + int64_t(head) * FKDA_HEAD_DIM) + pair);
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const bool valid = first + r < len;
+      c[r][0] = valid ? p.gate_scale * sigmoid(decay_rate * (bf16_lo(gv[r]) + dt.x)) : 0.f;
+      c[r][1] = valid ? p.gate_scale * sigmoid(decay_rate * (bf16_hi(gv[r]) + dt.y)) : 0.f;
+    }
+  }
+  if (half == 0) {
+#pragma unroll
+    for (int r = 1; r < 8; ++r) {
+      c[r][0] += c[r - 1][0];
+      c[r][1] += c[r - 1][1];
+    }
+    carry[pair] = make_float2(c[7][0], c[7][1]);
   }
   __syncthreads();
 
-  // ---- step 3: operands -----------------------------------------------------
-  {
-    uint32_t kd[8], qd[8], kr[8], kdb[8], kib[8], qdb[8];
+  float2 c_last = make_float2(0.f, 0.f);
+  if (half == 1) {
+    const float2 before = carry[pair];
+    c[0][0] += before.x;
+    c[0][1] += before.y;
 #pragma unroll
-    for (int x = 0; x < 8; ++x) {
-      float kd2[2], qd2[2], ki2[2], kr2[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int k = k0 + 2 * x + e;
-        const float c = cumulative[i][k];
-        const float c_last = cumulative[FKDA_CHUNK - 1][k];
-        const float kn = (e ? bf16_hi(kw[x]) : bf16_lo(kw[x])) * rk;
-        const float qn = (e ? bf16_hi(qw[x]) : bf16_lo(qw[x])) * rq * p.scale;
-        const float up = exp2_fast(c);
-        kd2[e] = kn * up;
-        qd2[e] = qn * up;
-        ki2[e] = kn * exp2_fast(-c);
-        kr2[e] = kn * exp2_fast(c_last - c);
-      }
-      kd[x] = pack_f16x2(kd2[0], kd2[1]);
-      qd[x] = pack_f16x2(qd2[0], qd2[1]);
-      kr[x] = pack_f16x2(kr2[0], kr2[1]);
-      kdb[x] = pack_bf16x2(kd2[0], kd2[1]);
-      kib[x] = pack_bf16x2(ki2[0], ki2[1]);
-      qdb[x] = pack_bf16x2(qd2[0], qd2[1]);
+    for (int r = 1; r < 8; ++r) {
+      c[r][0] += c[r - 1][0];
+      c[r][1] += c[r - 1][1];
     }
-    const int64_t row_offset = int64_t(i) * FKDA_HEAD_DIM * 2 + k0 * 2;
-    uint4* kd_out = reinterpret_cast<uint4*>(record + FKDA_WS_KD_OFFSET + row_offset);
-    uint4* qd_out = reinterpret_cast<uint4*>(record + FKDA_WS_QD_OFFSET + row_offset);
-    uint4* kr_out = reinterpret_cast<uint4*>(record + FKDA_WS_KR_OFFSET + row_offset);
-    kd_out[0] = make_uint4(kd[0], kd[1], kd[2], kd[3]);
-    kd_out[1] = make_uint4(kd[4], kd[5], kd[6], kd[7]);
-    qd_out[0] = make_uint4(qd[0], qd[1], qd[2], qd[3]);
-    qd_out[1] = make_uint4(qd[4], qd[5], qd[6], qd[7]);
-    kr_out[0] = make_uint4(kr[0], kr[1], kr[2], kr[3]);
-    kr_out[1] = make_uint4(kr[4], kr[5], kr[6], kr[7]);
-    uint4* kdb_s = reinterpret_cast<uint4*>(&kd_b[i][k0]);
-    uint4* kib_s = reinterpret_cast<uint4*>(&ki_b[i][k0]);
-    uint4* qdb_s = reinterpret_cast<uint4*>(&qd_b[i][k0]);
-    kdb_s[0] = make_uint4(kdb[0], kdb[1], kdb[2], kdb[3]);
-    kdb_s[1] = make_uint4(kdb[4], kdb[5], kdb[6], kdb[7]);
-    kib_s[0] = make_uint4(kib[0], kib[1], kib[2], kib[3]);
-    kib_s[1] = make_uint4(kib[4], kib[5], kib[6], kib[7]);
-    qdb_s[0] = make_uint4(qdb[0], qdb[1], qdb[2], qdb[3]);
-    qdb_s[1] = make_uint4(qdb[4], qdb[5], qdb[6], qdb[7]);
+    c_last = make_float2(c[7][0], c[7][1]);
+    last_sum[pair] = c_last;
+    reinterpret_cast<float2*>(record + FKDA_WS_DECAY_OFFSET)[pair] =
+        make_float2(exp2_fast(c_last.x), exp2_fast(c_last.y));
+  }
+
+  // ---- step 3: operands ----------------------------------------------------
+  // Lane l finishes one inverse norm (token l % 8 of this half; q for lanes
+  // 0-7, k for 8-15) and the others fetch theirs by shuffle.
+  float inverse_norm;
+  {
+    const int which = (lane >> 3) & 1, r = lane & 7;
+    inverse_norm = 1.0f / sqrtf(norm_parts[which][half][0][r] + norm_parts[which][half][1][r] + 1e-6f);
+  }
+  float kn[8][2];
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    const int i = first + r;
+    const float rq = __shfl_sync(0xffffffffu, inverse_norm, r);
+    const float rk = __shfl_sync(0xffffffffu, inverse_norm, 8 + r);
+    float kd[2], qd[2], ki[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      kn[r][e] = (e ? bf16_hi(kv[r]) : bf16_lo(kv[r])) * rk;
+      const float qn = (e ? bf16_hi(qv[r]) : bf16_lo(qv[r])) * rq * p.scale;
+      const float up = exp2_fast(c[r][e]);
+      kd[e] = kn[r][e] * up;
+      qd[e] = qn * up;
+      ki[e] = kn[r][e] * exp2_fast(-c[r][e]);
+    }
+    const int at = wide_tile_offset(i, 2 * pair);
+    *reinterpret_cast<uint32_t*>(record + FKDA_WS_KD_OFFSET + at) = pack_f16x2(kd[0], kd[1]);
+    *reinterpret_cast<uint32_t*>(record + FKDA_WS_QD_OFFSET + at) = pack_f16x2(qd[0], qd[1]);
+    *reinterpret_cast<uint32_t*>(&tiles[0][i][2 * pair]) = pack_bf16x2(kd[0], kd[1]);
+    *reinterpret_cast<uint32_t*>(&tiles[1][i][2 * pair]) = pack_bf16x2(ki[0], ki[1]);
+    *reinterpret_cast<uint32_t*>(&tiles[2][i][2 * pair]) = pack_bf16x2(qd[0], qd[1]);
   }
   __syncthreads();
+  if (half == 0) c_last = last_sum[pair];
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    const uint32_t kr = pack_f16x2(kn[r][0] * exp2_fast(c_last.x - c[r][0]), kn[r][1] * exp2_fast(c_last.y - c[r][1]));
+    *reinterpret_cast<uint32_t*>(record + FKDA_WS_KR_OFFSET + wide_tile_offset(first + r, 2 * pair)) = kr;
+  }
 
   // ---- step 4: A = Kd_b Ki_b^T (warps 0, 1) and B = Qd_b Ki_b^T (warps 2, 3),
   // one 8-column half of the 16x16 result a warp.
   {
-    const int warp = tid >> 5, lane = tid & 31;
-    const int which = warp >> 1, half = warp & 1;
-    const uint16_t(*left)[kBf16TilePitch] = which ? qd_b : kd_b;
+    const int which = warp >> 1, part = warp & 1;
     const uint32_t a_base =
-        smem_address(&left[((lane >> 3) & 1) * 8 + (lane & 7)][(lane >> 4) * 8]);
-    const uint32_t b_base = smem_address(&ki_b[half * 8 + (lane & 7)][(lane >> 3) * 8]);
+        smem_address(&tiles[which ? 2 : 0][((lane >> 3) & 1) * 8 + (lane & 7)][(lane >> 4) * 8]);
+    const uint32_t b_base = smem_address(&tiles[1][part * 8 + (lane & 7)][(lane >> 3) * 8]);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int pair = 0; pair < 4; ++pair) {
+    for (int step2 = 0; step2 < 4; ++step2) {
       uint32_t b[4];
-      ldmatrix_x4(b, b_base + pair * 64);
+      ldmatrix_x4(b, b_base + step2 * 64);
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
         uint32_t a[4];
-        ldmatrix_x4(a, a_base + (pair * 2 + kk) * 32);
+        ldmatrix_x4(a, a_base + (step2 * 2 + kk) * 32);
         mma_bf16(acc, a, b[2 * kk], b[2 * kk + 1]);
       }
     }
     const int g = lane >> 2, t = lane & 3;
-    const int j = half * 8 + 2 * t;
+    const int j = part * 8 + 2 * t;
     products[which][g][j] = acc[0];
     products[which][g][j + 1] = acc[1];
     products[which][g + 8][j] = acc[2];
@@ -224,41 +268,73 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS)
   }
   __syncthreads();
 
-  // ---- L, Mqk; step 5: INV by the product form, W -------------------------
-  const int r = tid >> 3, j0 = (tid & 7) * 2;  // this thread's two entries (r, j0), (r, j0 + 1)
+  // ---- Mqk (every thread two entries) ----------------------------------------
   {
-    const float br = b_of[r];
-    L[r][j0] = j0 < r ? br * products[0][r][j0] : 0.f;
-    L[r][j0 + 1] = j0 + 1 < r ? br * products[0][r][j0 + 1] : 0.f;
-    const uint32_t mqk = pack_f16x2(j0 <= r ? products[1][r][j0] : 0.f,
-                                    j0 + 1 <= r ? products[1][r][j0 + 1] : 0.f);
-    reinterpret_cast<uint32_t*>(record + FKDA_WS_MQK_OFFSET)[r * 8 + (tid & 7)] = mqk;
+    const int r = tid >> 3, j0 = (tid & 7) * 2;
+    const uint32_t mqk = pack_f16x2(j0 <= r ? products[1][r][j0] : 0.f, j0 + 1 <= r ? products[1][r][j0 + 1] : 0.f);
+    *reinterpret_cast<uint32_t*>(record + FKDA_WS_MQK_OFFSET + small_tile_offset(r, j0)) = mqk;
   }
-  __syncthreads();
-  float x0, x1, y0, y1;
-  product_pair(&L[0][0], &L[0][0], r, j0, x0, x1);
-  L2[r][j0] = x0;
-  L2[r][j0 + 1] = x1;
-  __syncthreads();
+  if (warp != 0) return;
+
+  // ---- step 5: INV by the product form, in warp 0 (the tiles are free now) --
+  float* L = reinterpret_cast<float*>(&tiles[0][0][0]);
+  float* L2 = L + FKDA_CHUNK * kSmallPitch;
+  float* L4 = L2 + FKDA_CHUNK * kSmallPitch;
+  float* L8 = L4 + FKDA_CHUNK * kSmallPitch;
+  float* P1 = L8 + FKDA_CHUNK * kSmallPitch;
+  float* P2 = P1 + FKDA_CHUNK * kSmallPitch;
+  const int r0 = (lane >> 2) * 2, c0 = (lane & 3) * 4;
+  {
+    float l[2][4];
+#pragma unroll
+    for (int a = 0; a < 2; ++a) {
+      const int i = r0 + a;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) l[a][b] = c0 + b < i ? b_of[i] * products[0][i][c0 + b] : 0.f;
+    }
+    store_block(L, lane, l);
+  }
+  __syncwarp();
+  float x[2][4], y[2][4];
+  block_product(L, L, lane, x);
+  store_block(L2, lane, x);
+  __syncwarp();
   // L4 = L2 L2 and P1 = (I - L)(I + L2) = I - L + L2 - L L2.
-  product_pair(&L2[0][0], &L2[0][0], r, j0, x0, x1);
-  product_pair(&L[0][0], &L2[0][0], r, j0, y0, y1);
-  L4[r][j0] = x0;
-  L4[r][j0 + 1] = x1;
-  P1[r][j0] = float(r == j0) - L[r][j0] + L2[r][j0] - y0;
-  P1[r][j0 + 1] = float(r == j0 + 1) - L[r][j0 + 1] + L2[r][j0 + 1] - y1;
-  __syncthreads();
+  block_product(L2, L2, lane, x);
+  block_product(L, L2, lane, y);
+#pragma unroll
+  for (int a = 0; a < 2; ++a) {
+    const float4 l = load_row4(L, r0 + a, c0), l2 = load_row4(L2, r0 + a, c0);
+    const float ls[4] = {l.x, l.y, l.z, l.w}, l2s[4] = {l2.x, l2.y, l2.z, l2.w};
+#pragma unroll
+    for (int b = 0; b < 4; ++b) y[a][b] = float(r0 + a == c0 + b) - ls[b] + l2s[b] - y[a][b];
+  }
+  store_block(L4, lane, x);
+  store_block(P1, lane, y);
+  __syncwarp();
   // L8 = L4 L4 and P2 = P1 (I + L4).
-  product_pair(&L4[0][0], &L4[0][0], r, j0, x0, x1);
-  product_pair(&P1[0][0], &L4[0][0], r, j0, y0, y1);
-  L8[r][j0] = x0;
-  L8[r][j0 + 1] = x1;
-  P2[r][j0] = P1[r][j0] + y0;
-  P2[r][j0 + 1] = P1[r][j0 + 1] + y1;
-  __syncthreads();
+  block_product(L4, L4, lane, x);
+  block_product(P1, L4, lane, y);
+#pragma unroll
+  for (int a = 0; a < 2; ++a) {
+    const float4 p1 = load_row4(P1, r0 + a, c0);
+    y[a][0] += p1.x;
+    y[a][1] += p1.y;
+    y[a][2] += p1.z;
+    y[a][3] += p1.w;
+  }
+  store_block(L8, lane, x);
+  store_block(P2, lane, y);
+  __syncwarp();
   // INV = P2 (I + L8); W = f16(INV diag(b)).
-  product_pair(&P2[0][0], &L8[0][0], r, j0, y0, y1);
-  const float inv0 = P2[r][j0] + y0, inv1 = P2[r][j0 + 1] + y1;
-  reinterpret_cast<uint32_t*>(record + FKDA_WS_W_OFFSET)[r * 8 + (tid & 7)] =
-      pack_f16x2(inv0 * b_of[j0], inv1 * b_of[j0 + 1]);
+  block_product(P2, L8, lane, x);
+#pragma unroll
+  for (int a = 0; a < 2; ++a) {
+    const int i = r0 + a;
+    const float4 p2 = load_row4(P2, i, c0);
+    const float inv[4] = {p2.x + x[a][0], p2.y + x[a][1], p2.z + x[a][2], p2.w + x[a][3]};
+    const uint2 w = make_uint2(pack_f16x2(inv[0] * b_of[c0], inv[1] * b_of[c0 + 1]),
+                               pack_f16x2(inv[2] * b_of[c0 + 2], inv[3] * b_of[c0 + 3]));
+    *reinterpret_cast<uint2*>(record + FKDA_WS_W_OFFSET + small_tile_offset(i, c0)) = w;
+  }
 }

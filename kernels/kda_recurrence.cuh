@@ -24,7 +24,8 @@
 //   U^T = Y^T W^T,  O^T += Uh^T Mqk^T
 //   S  += Uh^T Kr                    B = Kr through ldmatrix.trans
 // The chunk records and v tiles stream through a ring of shared-memory
-// stages filled by cp.async several chunks ahead of the one in use.
+// stages filled several chunks ahead of the one in use: by bulk copies that
+// complete on an mbarrier on sm_90 and later, by cp.async on sm_80.
 #pragma once
 
 #include "kda_device.cuh"
@@ -112,62 +113,44 @@ __device__ __forceinline__ void store_state(const StateAccess& st, int e0, int g
   }
 }
 
-// Issues the copies of chunk `chunk`'s record and v tile into one stage; the
-// whole block shares the work. v rows past the sequence's end are zero-filled.
+// Issues the copies of one chunk's record and v rows into a stage. The
+// record lands byte for byte (it is stored in its shared-memory layout), so
+// with the thread count fixed at compile time each piece is one instruction
+// with constant offsets. v rows past the sequence's end are zero-filled.
+template <int kThreads, int kVCols>
 __device__ __forceinline__ void stage_chunk(uint32_t stage, const unsigned char* record, const uint16_t* v_first,
-                                            int64_t v_stride_t, int len, int v_cols, int v_pitch) {
-  constexpr int kTilePieces = FKDA_CHUNK * FKDA_HEAD_DIM * 2 / 16;  // 256 per 16x128 f16 tile
-  constexpr int kSmallPieces = FKDA_CHUNK * FKDA_CHUNK * 2 / 16;    // 32 per 16x16 f16 tile
-  constexpr int kRecordPieces = 3 * kTilePieces + 3 * kSmallPieces;
-  for (int piece = threadIdx.x; piece < kRecordPieces; piece += blockDim.x) {
-    uint32_t dst;
-    const unsigned char* src;
-    if (piece < 3 * kTilePieces) {
-      const int tile = piece >> 8, within = piece & 255;
-      // Kd, Qd, Kr follow each other in the record and in the stage.
-      src = record + FKDA_WS_KD_OFFSET + piece * 16;
-      dst = stage + FKDA_STAGE_KD + tile * (FKDA_CHUNK * FKDA_TILE_PITCH_BYTES) +
-            (within >> 4) * FKDA_TILE_PITCH_BYTES + (within & 15) * 16;
-    } else if (piece < 3 * kTilePieces + kSmallPieces) {
-      const int q = piece - 3 * kTilePieces;
-      src = record + FKDA_WS_W_OFFSET + q * 16;
-      dst = stage + FKDA_STAGE_W + (q >> 1) * FKDA_SMALL_PITCH_BYTES + (q & 1) * 16;
-    } else if (piece < 3 * kTilePieces + 2 * kSmallPieces) {
-      const int q = piece - 3 * kTilePieces - kSmallPieces;
-      src = record + FKDA_WS_MQK_OFFSET + q * 16;
-      dst = stage + FKDA_STAGE_MQK + (q >> 1) * FKDA_SMALL_PITCH_BYTES + (q & 1) * 16;
-    } else {
-      const int q = piece - 3 * kTilePieces - 2 * kSmallPieces;
-      src = record + FKDA_WS_DECAY_OFFSET + q * 16;
-      dst = stage + FKDA_STAGE_DECAY + q * 16;
-    }
-    cp_async_16(dst, src, 16);
+                                            int64_t v_stride_t, int len) {
+  constexpr int kRecordPieces = FKDA_WS_RECORD_BYTES / 16;
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int i = 0; i < (kRecordPieces + kThreads - 1) / kThreads; ++i) {
+    const int piece = tid + i * kThreads;
+    if (kRecordPieces % kThreads == 0 || piece < kRecordPieces) cp_async_16(stage + piece * 16, record + piece * 16, 16);
   }
-  const int row_pieces = v_cols >> 3;
-  const int shift = 31 - __clz(row_pieces);
-  for (int piece = threadIdx.x; piece < FKDA_CHUNK * row_pieces; piece += blockDim.x) {
-    const int row = piece >> shift, col = piece & (row_pieces - 1);
-    const bool valid = row < len;
-    const uint16_t* src = v_first + (valid ? row * v_stride_t + col * 8 : 0);
-    cp_async_16(stage + FKDA_STAGE_V + row * v_pitch + col * 16, src, valid ? 16 : 0);
-  }
+  // One 16-byte piece of the v tile per thread: 16 rows of kVCols / 8 pieces.
+  constexpr int kRowPieces = kVCols / 8;
+  static_assert(FKDA_CHUNK * kRowPieces == kThreads, "one v piece per thread");
+  const int row = tid / kRowPieces, col = tid % kRowPieces;
+  const bool valid = row < len;
+  cp_async_16(stage + FKDA_STAGE_V + row * (kVCols * 2 + 16) + col * 16,
+              v_first + (valid ? row * v_stride_t + col * 8 : 0), valid ? 16 : 0);
 }
 
-}  // namespace fkda_dev
-
-extern "C" __global__ void __launch_bounds__(256)
-    fkda_prefill_chunk_recurrence(const FkdaPrefillParams p) {
-  using namespace fkda_dev;
+template <int kVsplit>
+__device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
+  constexpr int kWarps = 8 / kVsplit;
+  constexpr int kThreads = 32 * kWarps;
+  static_assert(kThreads <= 256, "the kernels are launched with at most 256 threads");
+  constexpr int kVCols = FKDA_HEAD_DIM / kVsplit;
+  constexpr int kVPitch = kVCols * 2 + 16;
+  constexpr int kStageBytes = FKDA_STAGE_V + FKDA_CHUNK * kVPitch;
   extern __shared__ __align__(128) unsigned char smem[];
 
   const int64_t n = blockIdx.x;
   const int head = blockIdx.y;
-  const int v_cols = FKDA_HEAD_DIM / p.vsplit;
-  const int v_pitch = fkda_v_tile_pitch_bytes(p.vsplit);
-  const int stage_bytes = fkda_recurrence_stage_bytes(p.vsplit);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int v_block = blockIdx.z * v_cols;  // first V row of this block
+  const int v_block = blockIdx.z * kVCols;  // first V row of this block
   const int e0 = v_block + warp * 16;       // first V row of this warp
 
   const Sequence seq = sequence_of(p, n);
@@ -185,47 +168,88 @@ extern "C" __global__ void __launch_bounds__(256)
   float S[16][4];
   load_state(state, e0, g, t, S);
 
-  const uint16_t* v_row = static_cast<const uint16_t*>(p.v.data) + seq.row * p.v.stride_b +
-                          int64_t(head) * p.v.stride_h + v_block;
+  const uint32_t stages = smem_address(smem);
+  unsigned char* out_tile = smem + FKDA_RECURRENCE_STAGES * kStageBytes + warp * FKDA_OUT_TILE_BYTES;
   uint16_t* out_row = static_cast<uint16_t*>(p.out.data) + seq.row * p.out.stride_b +
                       int64_t(head) * p.out.stride_h + e0;
-  const uint32_t stages = smem_address(smem);
-  unsigned char* out_tile_ptr = smem + FKDA_RECURRENCE_STAGES * stage_bytes + warp * FKDA_OUT_TILE_BYTES;
 
-  auto issue = [&](int64_t chunk) {
-    if (chunk < chunks) {
-      const int64_t first = seq.begin + chunk * FKDA_CHUNK;
-      const int64_t left = seq.end - first;
-      stage_chunk(stages + int(chunk % FKDA_RECURRENCE_STAGES) * stage_bytes,
-                  record_of(p, seq.slot_base + chunk, head), v_row + first * p.v.stride_t, p.v.stride_t,
-                  int(left < FKDA_CHUNK ? left : FKDA_CHUNK), v_cols, v_pitch);
+  // The next chunk to stage, its record and its first v row.
+  int64_t next = 0;
+  const int64_t record_step = int64_t(p.num_heads) * FKDA_WS_RECORD_BYTES;
+  const unsigned char* next_record = record_of(p, seq.slot_base, head);
+  const uint16_t* next_v = static_cast<const uint16_t*>(p.v.data) + seq.row * p.v.stride_b +
+                           int64_t(head) * p.v.stride_h + v_block + seq.begin * p.v.stride_t;
+  const int64_t v_step = FKDA_CHUNK * p.v.stride_t;
+#if FKDA_BULK_COPIES
+  // Stage s is full when its barrier's phase (use count) flips.
+  const uint32_t barriers = stages + fkda_recurrence_barriers_offset(kVsplit);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < FKDA_RECURRENCE_STAGES; ++s) mbarrier_init(barriers + 8 * s, 1);
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+  // Warp 0 fills a stage: lane 0 the record, lane r the v row r (rows past
+  // the sequence's end are left as they are and masked when read).
+  auto issue = [&]() {
+    if (next < chunks && warp == 0) {
+      const int64_t left = seq.end - (seq.begin + next * FKDA_CHUNK);
+      const int rows = int(left < FKDA_CHUNK ? left : FKDA_CHUNK);
+      const uint32_t stage = stages + int(next % FKDA_RECURRENCE_STAGES) * kStageBytes;
+      const uint32_t bar = barriers + 8 * int(next % FKDA_RECURRENCE_STAGES);
+      if (lane == 0) {
+        fence_async_shared();
+        mbarrier_expect_bytes(bar, FKDA_WS_RECORD_BYTES + rows * kVCols * 2);
+        bulk_copy(stage, next_record, FKDA_WS_RECORD_BYTES, bar);
+      }
+      __syncwarp();
+      if (lane < rows) bulk_copy(stage + FKDA_STAGE_V + lane * kVPitch, next_v + lane * p.v.stride_t, kVCols * 2, bar);
     }
+    next_record += record_step;
+    next_v += v_step;
+    ++next;
+  };
+#else
+  auto issue = [&]() {
+    if (next < chunks) {
+      const int64_t left = seq.end - (seq.begin + next * FKDA_CHUNK);
+      stage_chunk<kThreads, kVCols>(stages + int(next % FKDA_RECURRENCE_STAGES) * kStageBytes, next_record, next_v,
+                                    p.v.stride_t, int(left < FKDA_CHUNK ? left : FKDA_CHUNK));
+      next_record += record_step;
+      next_v += v_step;
+    }
+    ++next;
     // Always one group per chunk index, so wait_group counts stay aligned.
     cp_async_commit();
   };
+#endif
 #pragma unroll
-  for (int s = 0; s < FKDA_RECURRENCE_STAGES - 1; ++s) issue(s);
+  for (int s = 0; s < FKDA_RECURRENCE_STAGES - 1; ++s) issue();
 
-  // Per-lane ldmatrix offsets (bytes). Kd, Qd, W, Mqk: matrices (rows 0-7,
-  // cols 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15) give the B fragments of
-  // both 8-row n-tiles. Kr and v through .trans: (rows 0-7, cols 0-7),
-  // (8-15, 0-7), (0-7, 8-15), (8-15, 8-15).
+  // Per-lane ldmatrix offsets (bytes, within a stage). Kd, Qd, W, Mqk:
+  // matrices (rows 0-7, cols 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15)
+  // give the B fragments of both 8-row n-tiles. Kr and v through .trans:
+  // (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15). In the
+  // swizzled tiles, k-step ks moves a lane's piece index by 2 ks, which is an
+  // XOR of its offset with ks << 5.
   const int row_a = (lane >> 4) * 8 + (lane & 7), col_a = ((lane >> 3) & 1) * 8;
-  const uint32_t kd_lane = FKDA_STAGE_KD + row_a * FKDA_TILE_PITCH_BYTES + col_a * 2;
-  const uint32_t qd_lane = FKDA_STAGE_QD + row_a * FKDA_TILE_PITCH_BYTES + col_a * 2;
-  const uint32_t w_lane = FKDA_STAGE_W + row_a * FKDA_SMALL_PITCH_BYTES + col_a * 2;
-  const uint32_t mqk_lane = FKDA_STAGE_MQK + row_a * FKDA_SMALL_PITCH_BYTES + col_a * 2;
-  const uint32_t v_lane = FKDA_STAGE_V + row_a * v_pitch + (warp * 16 + col_a) * 2;
   const int row_t = ((lane >> 3) & 1) * 8 + (lane & 7), col_t = (lane >> 4) * 8;
-  const uint32_t kr_lane = FKDA_STAGE_KR + row_t * FKDA_TILE_PITCH_BYTES + col_t * 2;
+  const uint32_t kd_lane = wide_tile_offset(row_a, col_a);
+  const uint32_t kr_lane = wide_tile_offset(row_t, col_t);
+  const uint32_t w_lane = FKDA_WS_W_OFFSET + small_tile_offset(row_a, col_a);
+  const uint32_t mqk_lane = FKDA_WS_MQK_OFFSET + small_tile_offset(row_a, col_a);
+  const uint32_t v_lane = FKDA_STAGE_V + row_a * kVPitch + (warp * 16 + col_a) * 2;
 
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+#if FKDA_BULK_COPIES
+    mbarrier_wait(barriers + 8 * int(chunk % FKDA_RECURRENCE_STAGES), uint32_t(chunk / FKDA_RECURRENCE_STAGES) & 1u);
+#else
     cp_async_wait<FKDA_RECURRENCE_STAGES - 2>();
+#endif
     // The chunk's stage is complete for every thread, and every warp is done
     // with the stage that the next issue overwrites (the one of chunk - 1).
     __syncthreads();
-    issue(chunk + FKDA_RECURRENCE_STAGES - 1);
-    const uint32_t stage = stages + int(chunk % FKDA_RECURRENCE_STAGES) * stage_bytes;
+    issue();
+    const uint32_t stage = stages + int(chunk % FKDA_RECURRENCE_STAGES) * kStageBytes;
 
     // Sh = f16(S) as A fragments: k-step ks covers columns 16 ks .. 16 ks + 15.
     uint32_t sh[8][4];
@@ -237,24 +261,33 @@ extern "C" __global__ void __launch_bounds__(256)
       sh[ks][3] = pack_f16x2(S[2 * ks + 1][2], S[2 * ks + 1][3]);
     }
 
-    // X^T and Oi^T (16 V rows x 16 tokens, two n-tiles each). X is on the
-    // chain to the next chunk: two partial sums halve its dependent mmas.
-    float x_even[2][4] = {}, x_odd[2][4] = {}, o[2][4] = {};
+    // X^T (16 V rows x 16 tokens, two n-tiles) is on the chain to the next
+    // chunk: two partial sums halve its dependent mmas.
+    float x_even[2][4] = {}, x_odd[2][4] = {};
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
-      uint32_t kd[4], qd[4];
-      ldmatrix_x4(kd, stage + kd_lane + ks * 32);
-      ldmatrix_x4(qd, stage + qd_lane + ks * 32);
+      uint32_t kd[4];
+      ldmatrix_x4(kd, stage + FKDA_WS_KD_OFFSET + (kd_lane ^ (ks << 5)));
       float(&x)[2][4] = (ks & 1) ? x_odd : x_even;
       mma_f16(x[0], sh[ks], kd[0], kd[1]);
       mma_f16(x[1], sh[ks], kd[2], kd[3]);
-      mma_f16(o[0], sh[ks], qd[0], qd[1]);
-      mma_f16(o[1], sh[ks], qd[2], qd[3]);
     }
 
     // Y^T = f16(v^T - X^T), straight into A-fragment order (k = tokens).
+    // v rows past the sequence's end read as zero whatever the stage holds.
+    const int64_t first = seq.begin + chunk * FKDA_CHUNK;
+    const int64_t left = seq.end - first;
     uint32_t v[4];
     ldmatrix_x4_trans(v, stage + v_lane);
+    if (left < FKDA_CHUNK) {
+      const int len = int(left);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint32_t keep = (nt * 8 + 2 * t < len ? 0x0000ffffu : 0u) | (nt * 8 + 2 * t + 1 < len ? 0xffff0000u : 0u);
+        v[2 * nt] &= keep;
+        v[2 * nt + 1] &= keep;
+      }
+    }
     uint32_t y[4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -262,6 +295,16 @@ extern "C" __global__ void __launch_bounds__(256)
                              bf16_hi(v[2 * nt]) - (x_even[nt][1] + x_odd[nt][1]));
       y[2 * nt + 1] = pack_f16x2(bf16_lo(v[2 * nt + 1]) - (x_even[nt][2] + x_odd[nt][2]),
                                  bf16_hi(v[2 * nt + 1]) - (x_even[nt][3] + x_odd[nt][3]));
+    }
+
+    // Oi^T = Sh Qd^T: off the chain, issued while Y waits on X.
+    float o[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      uint32_t qd[4];
+      ldmatrix_x4(qd, stage + FKDA_WS_QD_OFFSET + (kd_lane ^ (ks << 5)));
+      mma_f16(o[0], sh[ks], qd[0], qd[1]);
+      mma_f16(o[1], sh[ks], qd[2], qd[3]);
     }
 
     // U^T = Y^T W^T, Uh^T = f16(U^T).
@@ -277,11 +320,11 @@ extern "C" __global__ void __launch_bounds__(256)
     uh[3] = pack_f16x2(u[1][2], u[1][3]);
 
     // S = S diag(decay) + Uh^T Kr.
-    const float* decay = reinterpret_cast<const float*>(smem + (stage - stages) + FKDA_STAGE_DECAY);
+    const float* decay = reinterpret_cast<const float*>(smem + (stage - stages) + FKDA_WS_DECAY_OFFSET);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       uint32_t kr[4];
-      ldmatrix_x4_trans(kr, stage + kr_lane + j * 32);
+      ldmatrix_x4_trans(kr, stage + FKDA_WS_KR_OFFSET + (kr_lane ^ (j << 5)));
 #pragma unroll
       for (int hn = 0; hn < 2; ++hn) {
         const int nt = 2 * j + hn;
@@ -306,20 +349,34 @@ extern "C" __global__ void __launch_bounds__(256)
       for (int r = 0; r < 4; ++r) {
         const int token = nt * 8 + 2 * t + (r & 1);
         const int col = g + 8 * (r >> 1);
-        *reinterpret_cast<uint16_t*>(out_tile_ptr + token * FKDA_SMALL_PITCH_BYTES + col * 2) =
-            to_bf16(o[nt][r]);
+        *reinterpret_cast<uint16_t*>(out_tile + token * FKDA_OUT_TILE_PITCH_BYTES + col * 2) = to_bf16(o[nt][r]);
       }
     }
     __syncwarp();
-    const int64_t first = seq.begin + chunk * FKDA_CHUNK;
     const int token = lane >> 1, piece = lane & 1;
     if (first + token < seq.end) {
-      const uint4 value = *reinterpret_cast<const uint4*>(out_tile_ptr + token * FKDA_SMALL_PITCH_BYTES + piece * 16);
+      const uint4 value = *reinterpret_cast<const uint4*>(out_tile + token * FKDA_OUT_TILE_PITCH_BYTES + piece * 16);
       *reinterpret_cast<uint4*>(out_row + (first + token) * p.out.stride_t + piece * 8) = value;
     }
   }
+#if !FKDA_BULK_COPIES
   // Drain the empty trailing groups before the block's shared memory goes away.
   cp_async_wait<0>();
+#endif
 
   if (p.final_state != nullptr) store_state(state, e0, g, t, S);
 }
+
+}  // namespace fkda_dev
+
+// One kernel per V split, so that thread counts and tile widths are constants.
+#define FKDA_DEFINE_RECURRENCE(vsplit)                                              \
+  extern "C" __global__ void __launch_bounds__(256 / (vsplit))                      \
+      fkda_prefill_chunk_recurrence_v##vsplit(const FkdaPrefillParams p) {          \
+    fkda_dev::chunk_recurrence<vsplit>(p);                                          \
+  }
+FKDA_DEFINE_RECURRENCE(1)
+FKDA_DEFINE_RECURRENCE(2)
+FKDA_DEFINE_RECURRENCE(4)
+FKDA_DEFINE_RECURRENCE(8)
+#undef FKDA_DEFINE_RECURRENCE

@@ -26,8 +26,14 @@ namespace fkda::gpu {
 namespace {
 
 constexpr const char* kPrepareKernel = "fkda_prefill_prepare_chunks";
-constexpr const char* kRecurrenceKernel = "fkda_prefill_chunk_recurrence";
+// One recurrence kernel per V split (1, 2, 4, 8), indexed by log2(vsplit).
+constexpr int kVsplitCount = 4;
 constexpr int kMaxVsplit = 8;
+constexpr const char* kRecurrenceKernels[kVsplitCount] = {
+    "fkda_prefill_chunk_recurrence_v1", "fkda_prefill_chunk_recurrence_v2", "fkda_prefill_chunk_recurrence_v4",
+    "fkda_prefill_chunk_recurrence_v8"};
+
+int vsplit_index(int vsplit) { return vsplit == 1 ? 0 : vsplit == 2 ? 1 : vsplit == 4 ? 2 : 3; }
 
 std::string arch_message(int major, int minor) {
   return "compute capability " + std::to_string(major) + "." + std::to_string(minor) +
@@ -36,7 +42,7 @@ std::string arch_message(int major, int minor) {
 
 struct Kernels {
   CUkernel prepare = nullptr;
-  CUkernel recurrence = nullptr;
+  CUkernel recurrence[kVsplitCount] = {};
 };
 
 Kernels load_kernels(const cuda::Driver& d) {
@@ -48,12 +54,14 @@ Kernels load_kernels(const cuda::Driver& d) {
     fail(FKDA_ERROR_DRIVER, "cuLibraryLoadData (the embedded kernels) failed: " + cuda::describe(result));
   }
   Kernels kernels;
-  for (auto [slot, name] : {std::pair{&kernels.prepare, kPrepareKernel}, std::pair{&kernels.recurrence, kRecurrenceKernel}}) {
-    result = d.cuLibraryGetKernel(slot, library, name);
-    if (result != CUDA_SUCCESS) {
-      fail(FKDA_ERROR_DRIVER, std::string("cuLibraryGetKernel(") + name + ") failed: " + cuda::describe(result));
+  auto get = [&](CUkernel* slot, const char* name) {
+    CUresult found = d.cuLibraryGetKernel(slot, library, name);
+    if (found != CUDA_SUCCESS) {
+      fail(FKDA_ERROR_DRIVER, std::string("cuLibraryGetKernel(") + name + ") failed: " + cuda::describe(found));
     }
-  }
+  };
+  get(&kernels.prepare, kPrepareKernel);
+  for (int i = 0; i < kVsplitCount; ++i) get(&kernels.recurrence[i], kRecurrenceKernels[i]);
   return kernels;
 }
 
@@ -92,22 +100,22 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
   }
   facts.sm_count = attribute(d, device, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
   facts.max_dynamic_smem = attribute(d, device, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN);
-  // The recurrence needs more than the default 48 KB; allow the largest
-  // configuration this device can hold, once.
-  int needed = 0;
-  for (int vsplit = 1; vsplit <= kMaxVsplit; vsplit *= 2) {
-    const int bytes = fkda_recurrence_smem_bytes(vsplit);
-    if (bytes <= facts.max_dynamic_smem && bytes > needed) needed = bytes;
-  }
-  if (needed == 0) {
+  // The recurrence kernels need more than the default 48 KB of shared
+  // memory; raise the limit, once, for each one this device can hold.
+  if (fkda_recurrence_smem_bytes(kMaxVsplit) > facts.max_dynamic_smem) {
     fail(FKDA_ERROR_UNSUPPORTED_ARCH, "device allows " + std::to_string(facts.max_dynamic_smem) +
                                           " bytes of shared memory per block; the recurrence kernel needs " +
                                           std::to_string(fkda_recurrence_smem_bytes(kMaxVsplit)));
   }
-  CUresult result = d.cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, needed,
-                                           k.recurrence, device);
-  if (result != CUDA_SUCCESS) {
-    fail(FKDA_ERROR_DRIVER, "cuKernelSetAttribute(max dynamic shared memory) failed: " + cuda::describe(result));
+  for (int vsplit = 1; vsplit <= kMaxVsplit; vsplit *= 2) {
+    const int bytes = fkda_recurrence_smem_bytes(vsplit);
+    if (bytes > facts.max_dynamic_smem) continue;
+    CUresult result = d.cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes,
+                                             k.recurrence[vsplit_index(vsplit)], device);
+    if (result != CUDA_SUCCESS) {
+      fail(FKDA_ERROR_DRIVER, std::string("cuKernelSetAttribute(") + kRecurrenceKernels[vsplit_index(vsplit)] +
+                                  ", max dynamic shared memory) failed: " + cuda::describe(result));
+    }
   }
   known.emplace_back(device, facts);
   return known.back().second;
@@ -231,8 +239,10 @@ void fwd(const FwdProblem& problem, void* workspace, size_t /*workspace_bytes*/,
   }
   // Launched even without tokens: zero-length sequences still copy their
   // initial state (or zeros) to the final state.
-  CUfunction recurrence = function_for_context(d, k.recurrence, kRecurrenceKernel, facts);
-  launch(d, recurrence, kRecurrenceKernel, unsigned(problem.num_seqs), heads, unsigned(params.vsplit),
+  const char* recurrence_name = kRecurrenceKernels[vsplit_index(params.vsplit)];
+  CUfunction recurrence =
+      function_for_context(d, k.recurrence[vsplit_index(params.vsplit)], recurrence_name, facts);
+  launch(d, recurrence, recurrence_name, unsigned(problem.num_seqs), heads, unsigned(params.vsplit),
          unsigned(32 * fkda_recurrence_warps(params.vsplit)), unsigned(fkda_recurrence_smem_bytes(params.vsplit)),
          stream, params);
 }

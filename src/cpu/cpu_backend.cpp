@@ -1,7 +1,7 @@
 // The CPU backend follows docs/NUMERICS.md step by step; each step of the
-// contract is one function below, named after it. It exists so that every
-// machine can run the library, and so that the GPU kernels have a partner
-// that rounds at the same points and can be compared with them tightly.
+// contract is a function below, marked with its step number. It exists so
+// that every machine can run the library, and so that the GPU kernels have a
+// partner that rounds at the same points and can be compared with it tightly.
 
 #include "cpu/cpu_backend.h"
 
@@ -32,8 +32,9 @@ struct HeadTask {
   int64_t end;
 };
 
-// Everything one worker needs for one chunk, allocated before any thread
-// starts so that nothing inside a worker can throw.
+// Everything one worker needs: the state of the (sequence, head) pair it is
+// on and the operands of the current chunk. Allocated before any thread
+// starts, so that nothing inside a worker can throw.
 struct ChunkScratch {
   int K = 0, V = 0;
   int len = 0;  // tokens of this chunk (the last chunk of a sequence may be partial)
@@ -60,11 +61,11 @@ struct ChunkScratch {
   float W[kChunk][kChunk] = {};
 
   // Step 6.
-  std::vector<float> state;      // S, [V][K], f32 for the whole sequence
-  std::vector<float> state_f16;  // Sh, [V][K]
+  std::vector<float> state;                // S, [V][K], f32 for the whole sequence
+  std::vector<float> state_f16;            // Sh, [V][K]
   std::vector<float> X_vmajor, Oi_vmajor;  // [V][kChunk]
-  std::vector<float> Y, Uh;                 // [kChunk][V]
-  std::vector<float> out_f32;               // one output row, [V]
+  std::vector<float> Y, Uh;                // [kChunk][V]
+  std::vector<float> out_f32;              // one output row, [V]
 
   ChunkScratch(int head_dim_k, int head_dim_v) : K(head_dim_k), V(head_dim_v) {
     const size_t rows_k = size_t(kChunk) * K, rows_v = size_t(kChunk) * V;
@@ -93,8 +94,8 @@ struct ChunkScratch {
 // ----------------------------------------------------------- addressing ---
 
 const uint16_t* token_row(const ActView& view, const HeadTask& task, int64_t token) {
-  return static_cast<const uint16_t*>(view.data) + task.batch_row * view.stride_b +
-         token * view.stride_t + int64_t(task.head) * view.stride_h;
+  return static_cast<const uint16_t*>(view.data) + task.batch_row * view.stride_b + token * view.stride_t +
+         int64_t(task.head) * view.stride_h;
 }
 
 uint16_t* out_row(const FwdProblem& p, const HeadTask& task, int64_t token) {
@@ -121,9 +122,8 @@ std::vector<HeadTask> head_tasks(const FwdProblem& p) {
     for (int32_t h = 0; h < p.num_heads; ++h) tasks.push_back({n, h, row, begin, end});
   }
   // Longest first, so that the last task a worker picks up is a short one.
-  std::stable_sort(tasks.begin(), tasks.end(), [](const HeadTask& a, const HeadTask& b) {
-    return a.end - a.begin > b.end - b.begin;
-  });
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const HeadTask& a, const HeadTask& b) { return a.end - a.begin > b.end - b.begin; });
   return tasks;
 }
 
@@ -135,8 +135,7 @@ size_t state_offset(const FwdProblem& p, const HeadTask& task) {
 
 // Index of S[e, k] in the caller's layout.
 size_t state_index(const FwdProblem& p, int e, int k) {
-  return p.state_layout == FKDA_STATE_LAYOUT_KV ? size_t(k) * p.head_dim_v + e
-                                                : size_t(e) * p.head_dim_k + k;
+  return p.state_layout == FKDA_STATE_LAYOUT_KV ? size_t(k) * p.head_dim_v + e : size_t(e) * p.head_dim_k + k;
 }
 
 void load_initial_state(const FwdProblem& p, const HeadTask& task, ChunkScratch& s) {
@@ -148,10 +147,9 @@ void load_initial_state(const FwdProblem& p, const HeadTask& task, ChunkScratch&
   for (int e = 0; e < s.V; ++e) {
     for (int k = 0; k < s.K; ++k) {
       const size_t index = base + state_index(p, e, k);
-      s.state[size_t(e) * s.K + k] =
-          p.state_dtype == FKDA_DTYPE_BF16
-              ? float_of_bf16(static_cast<const uint16_t*>(p.initial_state)[index])
-              : static_cast<const float*>(p.initial_state)[index];
+      s.state[size_t(e) * s.K + k] = p.state_dtype == FKDA_DTYPE_BF16
+                                         ? float_of_bf16(static_cast<const uint16_t*>(p.initial_state)[index])
+                                         : static_cast<const float*>(p.initial_state)[index];
     }
   }
 }
@@ -330,7 +328,7 @@ void invert_unit_lower(ChunkScratch& s) {
 
 // ---------------------------------------------------- recurrence (step 6) ---
 
-// X = Kd Shᵀ and Oi = Qd Shᵀ, both kept V-major so the inner loop runs along
+// Step 6: X = Kd Shᵀ and Oi = Qd Shᵀ, both kept V-major so the inner loop runs along
 // the 16 tokens and every state element is read once.
 void project_state(ChunkScratch& s) {
   const int K = s.K, V = s.V;
@@ -353,7 +351,7 @@ void project_state(ChunkScratch& s) {
   }
 }
 
-// Y = f16(v - X), then Uh = f16(W Y): the chunk's corrections to the state.
+// Step 6: Y = f16(v - X), then Uh = f16(W Y): the chunk's corrections to the state.
 void delta_updates(ChunkScratch& s) {
   const int V = s.V;
   for (int i = 0; i < kChunk; ++i) {
@@ -375,7 +373,7 @@ void delta_updates(ChunkScratch& s) {
   }
 }
 
-// O = Oi + Mqk Uh, written as bf16 for the chunk's real tokens.
+// Step 6: O = Oi + Mqk Uh, written as bf16 for the chunk's real tokens.
 void write_output(const FwdProblem& p, const HeadTask& task, int64_t first_token, ChunkScratch& s) {
   const int V = s.V;
   float* o = s.out_f32.data();
@@ -391,7 +389,7 @@ void write_output(const FwdProblem& p, const HeadTask& task, int64_t first_token
   }
 }
 
-// S <- S diag(decay) + Uhᵀ Kr.
+// Step 6: S <- S diag(decay) + Uhᵀ Kr.
 void advance_state(ChunkScratch& s) {
   const int K = s.K, V = s.V;
   for (int e = 0; e < V; ++e) {

@@ -108,6 +108,9 @@ TEST_CASE("GPU plans need 16-byte aligned rows and enough workspace", "[gpu][val
   CHECK(fkda_fwd(gpu, &call.args, workspace.ptr, bytes - 1, nullptr) == FKDA_ERROR_WORKSPACE_TOO_SMALL);
   CHECK(std::string(fkda_last_error()).rfind("workspace_bytes: ", 0) == 0);
   expect_invalid(fkda_fwd(gpu, &call.args, nullptr, bytes, nullptr), "workspace: NULL");
+  std::vector<unsigned char> host_workspace(bytes + 16);
+  void* aligned = host_workspace.data() + (16 - reinterpret_cast<uintptr_t>(host_workspace.data()) % 16) % 16;
+  expect_invalid(fkda_fwd(gpu, &call.args, aligned, bytes, nullptr), "workspace: host memory passed to a GPU plan");
 
   fkda_plan_destroy(gpu);
 }

@@ -140,15 +140,24 @@ struct Placement {
         stride_t = H * stride_h;
         stride_b = T * stride_t;
         break;
-      case Arrangement::kPadded:  // multiples of 8 elements where D > 0: 16-byte rows
-        stride_h = D > 0 ? D + 8 : 3;
-        stride_t = H * stride_h + (D > 0 ? 16 : 1);
+      // Rows of 16 bytes where D > 0 (strides in multiples of 8 elements).
+      // beta keeps its head axis packed (validation asks for a unit last
+      // stride) and pads the others by odd amounts.
+      case Arrangement::kPadded:
+        stride_h = D > 0 ? D + 8 : 1;
+        stride_t = H * stride_h + (D > 0 ? 16 : 3);
         stride_b = T * stride_t + (D > 0 ? 24 : 5);
         break;
       case Arrangement::kHeadMajor:
-        stride_t = row;
-        stride_h = T * stride_t + (D > 0 ? 8 : 1);
-        stride_b = H * stride_h;
+        if (D > 0) {
+          stride_t = D;
+          stride_h = T * stride_t + 8;
+          stride_b = H * stride_h;
+        } else {
+          stride_h = 1;
+          stride_t = H + 1;
+          stride_b = T * stride_t + 7;
+        }
         break;
     }
     elements = size_t(std::max<int64_t>(B * stride_b, 1)) + 8;
@@ -420,9 +429,6 @@ struct Figures {
   double out_vs_ref = 0, state_vs_ref = 0, out_vs_cpu = 0, state_vs_cpu = 0;
 };
 
-// Largest differences to the CPU backend seen in this process (for the log).
-Figures worst_cpu_agreement;
-
 // Runs one case on the GPU (twice: a non-blocking stream, then the legacy
 // default stream) and on the CPU backend, and checks everything.
 Figures check_case(const Case& c) {
@@ -469,8 +475,6 @@ Figures check_case(const Case& c) {
   CHECK(f.state_vs_ref <= targets.state);
   CHECK(f.out_vs_cpu <= kCpuAgreement);
   CHECK(f.state_vs_cpu <= kCpuAgreement);
-  worst_cpu_agreement.out_vs_cpu = std::max(worst_cpu_agreement.out_vs_cpu, f.out_vs_cpu);
-  worst_cpu_agreement.state_vs_cpu = std::max(worst_cpu_agreement.state_vs_cpu, f.state_vs_cpu);
   return f;
 }
 
@@ -515,7 +519,7 @@ TEST_CASE("prefill: BENCHMARKS.md accuracy cases", "[gpu]") {
   }
 }
 
-TEST_CASE("prefill: varlen with empty, short, chunk-edge and long sequences", "[gpu]") {
+TEST_CASE("prefill: varlen with empty, short, chunk-edge and long sequences", "[gpu][vsplit]") {
   const std::vector<int64_t> lengths = {0, 1, 15, 16, 17, 0, 33, 200, 5, 0};
   for (fkda_dtype offsets : {FKDA_DTYPE_I64, FKDA_DTYPE_I32}) {
     for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
@@ -530,7 +534,7 @@ TEST_CASE("prefill: varlen with empty, short, chunk-edge and long sequences", "[
   }
 }
 
-TEST_CASE("prefill: every presence of initial and final state", "[gpu]") {
+TEST_CASE("prefill: every presence of initial and final state", "[gpu][vsplit]") {
   for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
     for (int presence = 0; presence < 4; ++presence) {
       const bool initial = presence & 1, final = presence & 2;
@@ -543,10 +547,9 @@ TEST_CASE("prefill: every presence of initial and final state", "[gpu]") {
   }
 }
 
-TEST_CASE("prefill: strided activations and offsets", "[gpu]") {
-  Case padded = varlen("padded rows, cu stride 2", {40, 0, 17, 64}, 3, 41);
+TEST_CASE("prefill: strided activations and offsets", "[gpu][vsplit]") {
+  Case padded = varlen("padded rows, i32 offsets", {40, 0, 17, 64}, 3, 41);
   padded.arrangement = Arrangement::kPadded;
-  padded.offsets_stride = 2;
   padded.offsets_dtype = FKDA_DTYPE_I32;
   check_case(padded);
 
@@ -725,12 +728,6 @@ TEST_CASE("prefill: small cases for compute-sanitizer", "[sanitize]") {
   strided.arrangement = Arrangement::kPadded;
   check_case(strided);
   check_case(varlen("sanitize vsplit 1", std::vector<int64_t>(size_t(2 * sm_count()), 9), 1, 113));
-}
-
-TEST_CASE("prefill: worst agreement with the CPU backend", "[gpu]") {
-  std::printf("worst GPU vs CPU backend so far: out %.3e, state %.3e\n", worst_cpu_agreement.out_vs_cpu,
-              worst_cpu_agreement.state_vs_cpu);
-  SUCCEED();
 }
 
 // ------------------------------------------------------------- timing ---

@@ -180,7 +180,8 @@ Reference reference_recurrence(const Problem& p) {
           ref.out[token * V + e] = static_cast<double>(p.scale) * output;
         }
       }
-      std::copy(state.begin(), state.end(), ref.final_state.begin() + static_cast<std::ptrdiff_t>(state_base));
+      std::copy(state.begin(), state.end(),
+                ref.final_state.begin() + static_cast<std::ptrdiff_t>(state_base));
     }
   }
   return ref;

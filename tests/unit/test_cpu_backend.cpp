@@ -2,7 +2,6 @@
 // recurrence on random inputs. Every run poisons its outputs first and checks
 // that every element was written and nothing outside the views was touched.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -37,20 +36,25 @@ struct RunOptions {
   fkda_state_layout state_layout = FKDA_STATE_LAYOUT_VK;
   bool pass_initial = true;  // pass the problem's initial state (when it has one)
   bool want_final = true;
-  bool in_place_state = false;  // final_state is the initial_state buffer
-  Layout layout = Layout::contiguous;
+  bool in_place_state = false;              // final_state is the initial_state buffer
+  Layout layout = Layout::contiguous;       // q, k, v, g, out
+  Layout beta_layout = Layout::contiguous;  // beta's strides are free, independently
   fkda_dtype cu_dtype = FKDA_DTYPE_I64;
   int64_t cu_stride = 1;
   bool set_lower_bound_after_create = false;  // through fkda_set_lower_bound
 };
 
+const char* layout_name(Layout layout) {
+  return layout == Layout::contiguous ? "contiguous" : layout == Layout::padded ? "padded" : "head-major";
+}
+
 std::string describe(const RunOptions& o) {
   std::ostringstream s;
   s << "state " << (o.state_dtype == FKDA_DTYPE_BF16 ? "bf16" : "f32") << ", layout "
     << (o.state_layout == FKDA_STATE_LAYOUT_KV ? "KV" : "VK") << ", initial " << o.pass_initial << ", final "
-    << o.want_final << ", in place " << o.in_place_state << ", activations "
-    << (o.layout == Layout::contiguous ? "contiguous" : o.layout == Layout::padded ? "padded" : "head-major")
-    << ", cu_seqlens " << (o.cu_dtype == FKDA_DTYPE_I32 ? "i32" : "i64") << " stride " << o.cu_stride;
+    << o.want_final << ", in place " << o.in_place_state << ", activations " << layout_name(o.layout)
+    << ", beta " << layout_name(o.beta_layout) << ", cu_seqlens "
+    << (o.cu_dtype == FKDA_DTYPE_I32 ? "i32" : "i64") << " stride " << o.cu_stride;
   return s.str();
 }
 
@@ -61,6 +65,12 @@ struct RunResult {
 
 bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Compares without Catch printing megabytes of elements on failure.
+template <class T>
+bool same(const std::vector<T>& a, const std::vector<T>& b) {
+  return a == b;
 }
 
 bool is_poison(uint16_t bits) { return bits == kPoisonBf16; }
@@ -82,8 +92,8 @@ struct Placed {
   }
 };
 
-Placed place(const std::vector<uint16_t>& contiguous, int64_t B, int64_t T, int64_t H, int64_t D, Layout layout,
-             uint16_t gap_fill) {
+Placed place(const std::vector<uint16_t>& contiguous, int64_t B, int64_t T, int64_t H, int64_t D,
+             Layout layout, uint16_t gap_fill) {
   Placed placed;
   placed.shape = D == 1 ? std::vector<int64_t>{B, T, H} : std::vector<int64_t>{B, T, H, D};
   size_t size = 0;
@@ -220,19 +230,20 @@ RunResult run_cpu(const Problem& p, const RunOptions& o) {
   Placed k = place(p.k, p.B, p.T, p.H, p.K, o.layout, kPoisonBf16);
   Placed v = place(p.v, p.B, p.T, p.H, p.V, o.layout, kPoisonBf16);
   Placed g = place(p.g, p.B, p.T, p.H, p.K, o.layout, kPoisonBf16);
-  Placed beta = place(p.beta, p.B, p.T, p.H, 1, o.layout, kPoisonBf16);
+  Placed beta = place(p.beta, p.B, p.T, p.H, 1, o.beta_layout, kPoisonBf16);
   Placed out = place(std::vector<uint16_t>(p.B * p.T * p.H * p.V, kPoisonBf16), p.B, p.T, p.H, p.V, o.layout,
                      kPoisonBf16);
   const std::vector<uint16_t> q_before = q.storage, k_before = k.storage, v_before = v.storage,
                               g_before = g.storage, beta_before = beta.storage;
   std::vector<float> A_log = p.A_log, dt_bias = p.dt_bias;
 
-  StateBuffer initial = state_buffer(p, has_initial ? &p.initial_state : nullptr, o.state_dtype, o.state_layout);
+  StateBuffer initial =
+      state_buffer(p, has_initial ? &p.initial_state : nullptr, o.state_dtype, o.state_layout);
   StateBuffer separate_final = state_buffer(p, nullptr, o.state_dtype, o.state_layout);
   StateBuffer& final_state = o.in_place_state ? initial : separate_final;
 
-  Buffers buffers{q.storage.data(), k.storage.data(), v.storage.data(), g.storage.data(),
-                  beta.storage.data(), A_log.data(), dt_bias.data(), out.storage.data()};
+  Buffers buffers{q.storage.data(),    k.storage.data(), v.storage.data(), g.storage.data(),
+                  beta.storage.data(), A_log.data(),     dt_bias.data(),   out.storage.data()};
   if (has_initial) buffers.initial_state = initial.data();
   if (o.want_final) buffers.final_state = final_state.data();
   fkda_fwd_args args = make_args(p, buffers, o.state_dtype);
@@ -283,17 +294,17 @@ RunResult run_cpu(const Problem& p, const RunOptions& o) {
   CHECK(unwritten == 0);
   CHECK(touched_gaps == 0);
 
-  CHECK(q.storage == q_before);
-  CHECK(k.storage == k_before);
-  CHECK(v.storage == v_before);
-  CHECK(g.storage == g_before);
-  CHECK(beta.storage == beta_before);
-  CHECK(A_log == p.A_log);
-  CHECK(dt_bias == p.dt_bias);
+  CHECK(same(q.storage, q_before));
+  CHECK(same(k.storage, k_before));
+  CHECK(same(v.storage, v_before));
+  CHECK(same(g.storage, g_before));
+  CHECK(same(beta.storage, beta_before));
+  CHECK(same(A_log, p.A_log));
+  CHECK(same(dt_bias, p.dt_bias));
   if (has_initial && !o.in_place_state) {
     const StateBuffer untouched = state_buffer(p, &p.initial_state, o.state_dtype, o.state_layout);
-    CHECK(initial.f32 == untouched.f32);  // f32 values are finite, so == is exact here
-    CHECK(initial.bf16 == untouched.bf16);
+    CHECK(same(initial.f32, untouched.f32));  // f32 values are finite, so == is exact here
+    CHECK(same(initial.bf16, untouched.bf16));
   }
   if (o.want_final) result.final_state = read_state(p, final_state, o.state_layout);
   return result;
@@ -351,12 +362,8 @@ Problem token_slice(const Problem& p, int64_t begin, int64_t end) {
 TEST_CASE("CPU backend meets the f32-state accuracy targets on the benchmark case", "[cpu][accuracy]") {
   ProblemShape shape;
   shape.H = 4;
-  SECTION("B=1 T=1024 H=4") {
-    shape.T = 1024;
-  }
-  SECTION("varlen [300, 77, 700] H=4") {
-    shape.lengths = {300, 77, 700};
-  }
+  SECTION("B=1 T=1024 H=4") { shape.T = 1024; }
+  SECTION("varlen [300, 77, 700] H=4") { shape.lengths = {300, 77, 700}; }
   const Problem p = random_problem(shape, 20261130);
   RunOptions o;
   o.state_dtype = FKDA_DTYPE_F32;
@@ -366,12 +373,8 @@ TEST_CASE("CPU backend meets the f32-state accuracy targets on the benchmark cas
 TEST_CASE("CPU backend meets the bf16-state accuracy targets on the benchmark case", "[cpu][accuracy]") {
   ProblemShape shape;
   shape.H = 4;
-  SECTION("B=1 T=1024 H=4") {
-    shape.T = 1024;
-  }
-  SECTION("varlen [300, 77, 700] H=4") {
-    shape.lengths = {300, 77, 700};
-  }
+  SECTION("B=1 T=1024 H=4") { shape.T = 1024; }
+  SECTION("varlen [300, 77, 700] H=4") { shape.lengths = {300, 77, 700}; }
   Problem p = random_problem(shape, 20261130);
   round_initial_state_to_bf16(p);
   RunOptions o;
@@ -404,18 +407,15 @@ TEST_CASE("CPU backend: varlen with empty, single-token and chunk-edge sequences
   Problem p = random_problem(shape, 77);
   round_initial_state_to_bf16(p);  // serves both state dtypes
   for (fkda_dtype cu_dtype : {FKDA_DTYPE_I64, FKDA_DTYPE_I32}) {
-    for (int64_t cu_stride : {1, 3}) {
-      for (fkda_dtype state_dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
-        RunOptions o;
-        o.cu_dtype = cu_dtype;
-        o.cu_stride = cu_stride;
-        o.state_dtype = state_dtype;
-        const RunResult r = run_cpu(p, o);
-        check_accuracy(p, o, r, kBf16StateTargets);
-        // An empty sequence hands its initial state through unchanged.
-        for (int64_t n : {0, 5})
-          CHECK(bitwise_equal(sequence_state(p, r.final_state, n), sequence_state(p, p.initial_state, n)));
-      }
+    for (fkda_dtype state_dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+      RunOptions o;
+      o.cu_dtype = cu_dtype;
+      o.state_dtype = state_dtype;
+      const RunResult r = run_cpu(p, o);
+      check_accuracy(p, o, r, kBf16StateTargets);
+      // An empty sequence hands its initial state through unchanged.
+      for (int64_t n : {0, 5})
+        CHECK(bitwise_equal(sequence_state(p, r.final_state, n), sequence_state(p, p.initial_state, n)));
     }
   }
 }
@@ -485,7 +485,7 @@ TEST_CASE("CPU backend: the final state may overwrite the initial state in place
   }
 }
 
-TEST_CASE("CPU backend: strided activation views", "[cpu][strides]") {
+TEST_CASE("CPU backend: strided q, k, v, g and out views", "[cpu][strides]") {
   for (Layout layout : {Layout::padded, Layout::head_major}) {
     for (bool varlen : {false, true}) {
       ProblemShape shape;
@@ -506,6 +506,35 @@ TEST_CASE("CPU backend: strided activation views", "[cpu][strides]") {
       CHECK(bitwise_equal(r.out, reference_layout.out));
       CHECK(bitwise_equal(r.final_state, reference_layout.final_state));
     }
+  }
+}
+
+// flashkda.h: beta's strides are free and cu_seqlens may be a strided view.
+TEST_CASE("CPU backend: strided beta and cu_seqlens views", "[cpu][strides]") {
+  ProblemShape shape;
+  shape.H = 3;
+  shape.lengths = {5, 0, 29, 16};
+  const Problem p = random_problem(shape, 9100);
+  const RunResult contiguous = run_cpu(p, RunOptions{});
+  check_accuracy(p, RunOptions{}, contiguous, kBf16StateTargets);
+  std::vector<RunOptions> variants;
+  SECTION("beta with gaps between heads and tokens") {
+    variants.resize(1);
+    variants[0].beta_layout = Layout::padded;
+  }
+  SECTION("beta stored head-major") {
+    variants.resize(1);
+    variants[0].beta_layout = Layout::head_major;
+  }
+  SECTION("cu_seqlens with a stride of 3, i64 and i32") {
+    variants.resize(2);
+    variants[0].cu_stride = variants[1].cu_stride = 3;
+    variants[1].cu_dtype = FKDA_DTYPE_I32;
+  }
+  for (const RunOptions& o : variants) {
+    const RunResult r = run_cpu(p, o);
+    CHECK(bitwise_equal(r.out, contiguous.out));
+    CHECK(bitwise_equal(r.final_state, contiguous.final_state));
   }
 }
 

@@ -315,8 +315,14 @@ class Plan:
         )
         args = call.fwd_args(scale)
 
+        backend_memory = _arrays.HOST if self.backend == Backend.CPU else _arrays.CUDA
+        # Arrays in the wrong memory for the plan are fkda_fwd's to report, by
+        # name, before anything about the workspace.
+        arrays_fit_the_plan = call.lead is not None and call.lead.memory == backend_memory
+
         workspace_owner = workspace
-        if workspace is None and call.lead is not None:
+        allocated_here = False
+        if workspace is None and arrays_fit_the_plan:
             sizes = _tokens_and_sequences(call)
             size = 0
             if sizes is not None:
@@ -326,13 +332,13 @@ class Plan:
                     size = 0  # fkda_fwd names the malformed argument
             if size:
                 workspace_owner = call.allocate_workspace(size)
+                allocated_here = True
         workspace_ptr, workspace_bytes = 0, 0
         if workspace_owner is not None:
             workspace_view = _arrays.view("workspace", workspace_owner)
             # fkda_fwd checks the workspace's size and alignment, not where it lives.
-            wanted = _arrays.HOST if self.backend == Backend.CPU else _arrays.CUDA
-            if workspace_view.memory != wanted:
-                runs = "the CPU backend" if wanted == _arrays.HOST else "the GPU backend"
+            if arrays_fit_the_plan and workspace_view.memory != backend_memory:
+                runs = "the CPU backend" if backend_memory == _arrays.HOST else "the GPU backend"
                 raise invalid_argument(
                     f"workspace: is in {workspace_view.where()} but the plan runs on {runs}"
                 )
@@ -349,6 +355,16 @@ class Plan:
                 workspace_bytes,
                 stream_handle or None,
             )
+            launched_elsewhere = (allocated_here and stream is not None and status == 0
+                                  and call.lead.framework == "torch"
+                                  and call.lead.memory == _arrays.CUDA)
+            if launched_elsewhere:
+                # torch hands a freed block out again on the stream it was
+                # allocated on; recording the launch stream keeps it reserved
+                # until the work queued there is done.
+                torch = sys.modules["torch"]
+                workspace_owner.record_stream(
+                    torch.cuda.ExternalStream(stream_handle, device=call.lead.device))
         # `call` keeps every array (and DLPack capsule) alive up to here.
         self._library.check(status)
 

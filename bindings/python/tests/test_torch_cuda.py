@@ -147,6 +147,16 @@ def test_launches_on_the_current_stream_and_captures_in_a_graph(rng):
     assert_accurate(device_problem.fetch())
 
 
+def test_explicit_stream_with_a_binding_workspace(rng):
+    device_problem = DeviceProblem(make_problem(rng, batch=1, seq_len=90, heads=2))
+    side_stream = torch.cuda.Stream()
+    side_stream.wait_stream(torch.cuda.current_stream())
+    with flashkda.Plan(2, backend="gpu") as plan:
+        plan.fwd(stream=side_stream, **device_problem.arguments())
+    side_stream.synchronize()
+    assert_accurate(device_problem.fetch())
+
+
 def test_plan_reuse_and_workspace(rng):
     first = DeviceProblem(make_problem(rng, batch=1, seq_len=100, heads=2))
     second = DeviceProblem(make_problem(rng, seq_lens=[33, 90], heads=2, lower_bound=-3.0))

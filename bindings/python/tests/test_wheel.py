@@ -6,6 +6,8 @@ import subprocess
 import sys
 import zipfile
 
+import numpy
+
 import flashkda
 
 PYTHON_BINDINGS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,6 +56,14 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     venv_python = str(venv / "bin" / "python")
+    # When this Python is itself a venv, --system-site-packages reaches the
+    # base interpreter's packages, not this one's: point at numpy explicitly.
+    # Entries of a .pth file come after the venv's own site-packages.
+    site_packages = subprocess.run(
+        [venv_python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(site_packages, "numpy_of_the_test_python.pth"), "w") as pth:
+        pth.write(os.path.dirname(os.path.dirname(numpy.__file__)) + "\n")
     # Without FLASHKDA_LIBRARY or PYTHONPATH the venv can only use what it installed.
     environment = {key: value for key, value in os.environ.items()
                    if key not in ("FLASHKDA_LIBRARY", "PYTHONPATH", "LD_LIBRARY_PATH")}

@@ -153,7 +153,7 @@ pub const FKDA_FWD_ARGS_INIT: fkda_fwd_args = fkda_fwd_args {
     initial_state: FKDA_TENSOR_NONE,
     final_state: FKDA_TENSOR_NONE,
     cu_seqlens: FKDA_TENSOR_NONE,
-    scale: 0.088_388_35,
+    scale: 0.088_388_347_648_318_45,
 };
 
 // ----------------------------------------------------------------- devices

@@ -1,0 +1,657 @@
+"""
+    FlashKDA
+
+Julia bindings of libflashkda: Kimi Delta Attention (KDA) forward passes
+behind the C ABI of `include/flashkda.h`, wrapped one to one with `@ccall`.
+
+Julia arrays are column-major, the library's tensors row-major: an array
+passes with its dimensions in reverse order. `q` of the C shape `[B, T, H, K]`
+is a Julia array of size `(K, H, T, B)`; a state `[N, H, V, K]` is `(K, V, H, N)`.
+
+Host `Array`s (and strided views of them) run on the CPU backend. `CuArray`s
+run on the GPU backend once CUDA.jl is loaded (the `FlashKDACUDAExt`
+extension). bf16 data is `UInt16` bit patterns or `Core.BFloat16` where the
+Julia version has it; `to_bf16` and `from_bf16` convert.
+
+The library is found through `load_library(path)`, else the
+`FLASHKDA_LIBRARY` environment variable (a path to `libflashkda.so.0`), else
+a copy bundled in the package's `lib/` directory, else the system loader.
+"""
+module FlashKDA
+
+using Libdl
+
+export FlashKDAError, Plan, fwd!, fwd_raw!, tensor, workspace_size, backend, lower_bound, set_lower_bound!,
+       query_device, version, version_string, to_bf16, from_bf16, load_library, library_path
+
+# ------------------------------------------------------------------------
+# Mirrors of include/flashkda.h
+# ------------------------------------------------------------------------
+
+const FKDA_VERSION_MAJOR = 0
+const FKDA_VERSION_MINOR = 1
+const FKDA_VERSION_PATCH = 0
+const FKDA_VERSION_NUMBER = FKDA_VERSION_MAJOR * 10000 + FKDA_VERSION_MINOR * 100 + FKDA_VERSION_PATCH
+
+# C enums are int.
+const fkda_status = Cint
+const FKDA_SUCCESS = fkda_status(0)
+const FKDA_ERROR_INVALID_ARGUMENT = fkda_status(1)
+const FKDA_ERROR_UNSUPPORTED = fkda_status(2)
+const FKDA_ERROR_NO_DEVICE = fkda_status(3)
+const FKDA_ERROR_DRIVER = fkda_status(4)
+const FKDA_ERROR_UNSUPPORTED_ARCH = fkda_status(5)
+const FKDA_ERROR_WORKSPACE_TOO_SMALL = fkda_status(6)
+const FKDA_ERROR_LAUNCH_FAILED = fkda_status(7)
+const FKDA_ERROR_OUT_OF_MEMORY = fkda_status(8)
+const FKDA_ERROR_INTERNAL = fkda_status(9)
+
+const fkda_dtype = Cint
+const FKDA_DTYPE_INVALID = fkda_dtype(0)
+const FKDA_DTYPE_BF16 = fkda_dtype(1)
+const FKDA_DTYPE_F16 = fkda_dtype(2)
+const FKDA_DTYPE_F32 = fkda_dtype(3)
+const FKDA_DTYPE_I32 = fkda_dtype(4)
+const FKDA_DTYPE_I64 = fkda_dtype(5)
+
+const FKDA_MAX_RANK = 6
+
+struct fkda_tensor
+    data::Ptr{Cvoid}
+    dtype::Int32
+    rank::Int32
+    shape::NTuple{6,Int64}
+    strides::NTuple{6,Int64}
+end
+
+const FKDA_TENSOR_NONE = fkda_tensor(C_NULL, FKDA_DTYPE_INVALID, 0, ntuple(_ -> 0, 6), ntuple(_ -> 0, 6))
+
+const fkda_backend = Cint
+const FKDA_BACKEND_AUTO = fkda_backend(0)
+const FKDA_BACKEND_CPU = fkda_backend(1)
+const FKDA_BACKEND_GPU = fkda_backend(2)
+
+const fkda_state_layout = Cint
+const FKDA_STATE_LAYOUT_VK = fkda_state_layout(0)
+const FKDA_STATE_LAYOUT_KV = fkda_state_layout(1)
+
+# Opaque types behind the handle typedefs.
+struct fkda_plan_s end
+struct CUstream_st end
+const fkda_plan_t = Ptr{fkda_plan_s}
+const fkda_stream_t = Ptr{CUstream_st}
+
+struct fkda_plan_desc
+    struct_size::Csize_t
+    num_heads::Int32
+    head_dim_k::Int32
+    head_dim_v::Int32
+    state_dtype::Int32
+    state_layout::Int32
+    backend::Int32
+    lower_bound::Cfloat
+end
+
+struct fkda_fwd_args
+    struct_size::Csize_t
+    q::fkda_tensor
+    k::fkda_tensor
+    v::fkda_tensor
+    g::fkda_tensor
+    beta::fkda_tensor
+    A_log::fkda_tensor
+    dt_bias::fkda_tensor
+    out::fkda_tensor
+    initial_state::fkda_tensor
+    final_state::fkda_tensor
+    cu_seqlens::fkda_tensor
+    scale::Cfloat
+end
+
+struct fkda_device_info
+    struct_size::Csize_t
+    driver_loaded::Int32
+    driver_version::Int32
+    device_count::Int32
+    device::Int32
+    cc_major::Int32
+    cc_minor::Int32
+    has_kernels::Int32
+    name::NTuple{256,Cchar}
+end
+
+# ------------------------------------------------------------------------
+# Errors
+# ------------------------------------------------------------------------
+
+"""
+    FlashKDAError(status, message)
+
+A failing call. `status` is the library's `fkda_status` (an `Int32`), or
+`nothing` when the library could not be loaded; `message` is
+`fkda_last_error()`, naming the argument, or this binding's own message for
+mistakes it catches first (with `FKDA_ERROR_INVALID_ARGUMENT`).
+"""
+struct FlashKDAError <: Exception
+    status::Union{Nothing,Int32}
+    message::String
+end
+
+function Base.showerror(io::IO, e::FlashKDAError)
+    print(io, "FlashKDAError: ", e.message)
+    if e.status !== nothing
+        text = LIBRARY[] === nothing ? "" : status_string(e.status)
+        print(io, " [status ", e.status, isempty(text) ? "" : ": " * text, "]")
+    end
+end
+
+invalid_argument(message) = FlashKDAError(FKDA_ERROR_INVALID_ARGUMENT, message)
+
+# ------------------------------------------------------------------------
+# The library
+# ------------------------------------------------------------------------
+
+const LIBRARY_ENV = "FLASHKDA_LIBRARY"
+const SONAME = "libflashkda.so.0"
+const BUNDLED_PATH = normpath(joinpath(@__DIR__, "..", "lib", SONAME))
+
+const FUNCTION_NAMES = (
+    :fkda_status_string, :fkda_last_error, :fkda_version, :fkda_version_string,
+    :fkda_plan_create, :fkda_plan_destroy, :fkda_plan_get_backend, :fkda_set_lower_bound,
+    :fkda_get_lower_bound, :fkda_plan_workspace_size, :fkda_fwd, :fkda_query_device,
+)
+
+struct LoadedLibrary
+    handle::Ptr{Cvoid}
+    path::String
+    functions::Dict{Symbol,Ptr{Cvoid}}
+end
+
+const LIBRARY = Ref{Union{Nothing,LoadedLibrary}}(nothing)
+const LIBRARY_LOCK = ReentrantLock()
+
+function open_library(path::AbstractString, origin::AbstractString, must_exist::Bool)
+    if must_exist && !isfile(path)
+        throw(FlashKDAError(nothing, "library: $path ($origin) does not exist"))
+    end
+    handle = Libdl.dlopen(path, Libdl.RTLD_LAZY | Libdl.RTLD_LOCAL; throw_error=false)
+    handle === nothing && throw(FlashKDAError(nothing, "library: cannot load $path ($origin)"))
+    functions = Dict{Symbol,Ptr{Cvoid}}()
+    for name in FUNCTION_NAMES
+        pointer = Libdl.dlsym(handle, name; throw_error=false)
+        pointer === nothing && throw(FlashKDAError(nothing, "library: $path ($origin) lacks $name"))
+        functions[name] = pointer
+    end
+    # The file the loader actually opened, also when found by name.
+    return LoadedLibrary(handle, Libdl.dlpath(handle), functions)
+end
+
+"""
+    load_library(path=nothing)
+
+Loads libflashkda: from `path`, else from `ENV["FLASHKDA_LIBRARY"]`, else the
+copy in the package's `lib/`, else through the system loader. Plans hold raw
+handles of the loaded library, so once one is loaded another path is refused.
+"""
+function load_library(path::Union{Nothing,AbstractString}=nothing)
+    lock(LIBRARY_LOCK) do
+        current = LIBRARY[]
+        if current !== nothing
+            path === nothing && return current
+            isfile(path) || throw(FlashKDAError(nothing,
+                "library: $path (path given to load_library) does not exist"))
+            realpath(path) == realpath(current.path) && return current
+            throw(FlashKDAError(nothing,
+                "library: already loaded from $(current.path); cannot switch to $path"))
+        end
+        loaded = if path !== nothing
+            open_library(path, "path given to load_library", true)
+        elseif !isempty(get(ENV, LIBRARY_ENV, ""))
+            open_library(ENV[LIBRARY_ENV], "from $LIBRARY_ENV", true)
+        elseif isfile(BUNDLED_PATH)
+            open_library(BUNDLED_PATH, "bundled with the package", true)
+        else
+            try
+                open_library(SONAME, "system loader", false)
+            catch error
+                error isa FlashKDAError || rethrow()
+                throw(FlashKDAError(nothing,
+                    "library: libflashkda not found: set $LIBRARY_ENV to the path of $SONAME, " *
+                    "call FlashKDA.load_library(path), or install it where the system loader " *
+                    "finds it ($(error.message))"))
+            end
+        end
+        LIBRARY[] = loaded
+        return loaded
+    end
+end
+
+"""The path of the library in use (loading it if needed)."""
+library_path() = library().path
+
+library() = (loaded = LIBRARY[]; loaded === nothing ? load_library() : loaded)
+
+c_function(name::Symbol) = library().functions[name]
+
+# ------------------------------------------------------------------------
+# One wrapper per C function, same name, same arguments
+# ------------------------------------------------------------------------
+
+fkda_status_string(status) =
+    @ccall $(c_function(:fkda_status_string))(status::fkda_status)::Ptr{Cchar}
+
+fkda_last_error() = @ccall $(c_function(:fkda_last_error))()::Ptr{Cchar}
+
+fkda_version() = @ccall $(c_function(:fkda_version))()::UInt32
+
+fkda_version_string() = @ccall $(c_function(:fkda_version_string))()::Ptr{Cchar}
+
+fkda_plan_create(desc, plan) =
+    @ccall $(c_function(:fkda_plan_create))(desc::Ref{fkda_plan_desc}, plan::Ref{fkda_plan_t})::fkda_status
+
+fkda_plan_destroy(plan) = @ccall $(c_function(:fkda_plan_destroy))(plan::fkda_plan_t)::fkda_status
+
+fkda_plan_get_backend(plan, backend) =
+    @ccall $(c_function(:fkda_plan_get_backend))(plan::fkda_plan_t, backend::Ref{fkda_backend})::fkda_status
+
+fkda_set_lower_bound(plan, lower_bound) =
+    @ccall $(c_function(:fkda_set_lower_bound))(plan::fkda_plan_t, lower_bound::Cfloat)::fkda_status
+
+fkda_get_lower_bound(plan, lower_bound) =
+    @ccall $(c_function(:fkda_get_lower_bound))(plan::fkda_plan_t, lower_bound::Ref{Cfloat})::fkda_status
+
+fkda_plan_workspace_size(plan, total_tokens, num_seqs, bytes) =
+    @ccall $(c_function(:fkda_plan_workspace_size))(plan::fkda_plan_t, total_tokens::Int64,
+                                                    num_seqs::Int64, bytes::Ref{Csize_t})::fkda_status
+
+fkda_fwd(plan, args, workspace, workspace_bytes, stream) =
+    @ccall $(c_function(:fkda_fwd))(plan::fkda_plan_t, args::Ref{fkda_fwd_args}, workspace::Ptr{Cvoid},
+                                    workspace_bytes::Csize_t, stream::fkda_stream_t)::fkda_status
+
+fkda_query_device(device, info) =
+    @ccall $(c_function(:fkda_query_device))(device::Int32, info::Ref{fkda_device_info})::fkda_status
+
+# ------------------------------------------------------------------------
+# Status handling
+# ------------------------------------------------------------------------
+
+c_text(pointer::Ptr{Cchar}) = pointer == C_NULL ? "" : unsafe_string(pointer)
+
+"""`fkda_status_string`: the library's static text for a status."""
+status_string(status::Integer) = c_text(fkda_status_string(fkda_status(status)))
+
+"""`fkda_last_error`: the message of the last failing call on this thread."""
+last_error() = c_text(fkda_last_error())
+
+function check(status::Integer)
+    status == FKDA_SUCCESS && return nothing
+    throw(FlashKDAError(Int32(status), last_error()))
+end
+
+"""`fkda_version`: MAJOR * 10000 + MINOR * 100 + PATCH of the loaded library."""
+version() = Int(fkda_version())
+
+"""`fkda_version_string`: "MAJOR.MINOR.PATCH" of the loaded library."""
+version_string() = c_text(fkda_version_string())
+
+# ------------------------------------------------------------------------
+# Arrays -> fkda_tensor
+# ------------------------------------------------------------------------
+
+dtype_of(::Type{UInt16}) = FKDA_DTYPE_BF16  # bf16 bit patterns
+dtype_of(::Type{Float16}) = FKDA_DTYPE_F16
+dtype_of(::Type{Float32}) = FKDA_DTYPE_F32
+dtype_of(::Type{Int32}) = FKDA_DTYPE_I32
+dtype_of(::Type{Int64}) = FKDA_DTYPE_I64
+dtype_of(::Type) = nothing
+@static if isdefined(Core, :BFloat16)
+    dtype_of(::Type{Core.BFloat16}) = FKDA_DTYPE_BF16
+end
+
+"""
+    memory_kind(array) -> :host, :device or nothing
+
+Where an array lives (`nothing`: not an array this binding can pass). The
+CUDA extension adds `:device` for CuArrays.
+"""
+memory_kind(::StridedArray) = :host
+memory_kind(::Any) = nothing
+
+"""The address of an array's first element as the library sees it."""
+data_pointer(array::StridedArray) = Ptr{Cvoid}(pointer(array))
+
+function to_int32(name, value)
+    value isa Integer || throw(invalid_argument("$name: expected an integer, got $(typeof(value))"))
+    typemin(Int32) <= value <= typemax(Int32) || throw(invalid_argument("$name: $value does not fit in int32"))
+    return Int32(value)
+end
+
+function to_float32(name, value)
+    value isa Real || throw(invalid_argument("$name: expected a number, got $(typeof(value))"))
+    return Float32(value)
+end
+
+function padded(values, count)
+    return ntuple(i -> i <= count ? Int64(values[i]) : Int64(0), FKDA_MAX_RANK)
+end
+
+"""
+    tensor_of(name, array) -> fkda_tensor
+
+Describes `array` in C order (dimensions and strides reversed). Dtype, shape
+and stride rules are checked by the library, which names `name`.
+"""
+tensor_of(name, ::Nothing) = FKDA_TENSOR_NONE
+function tensor_of(name, array)
+    memory_kind(array) === nothing && throw(invalid_argument(
+        "$name: $(typeof(array)) is neither a strided host array nor a CuArray " *
+        "(CuArrays need CUDA.jl loaded)"))
+    dtype = dtype_of(eltype(array))
+    dtype === nothing && throw(invalid_argument(
+        "$name: element type $(eltype(array)) has no flashkda dtype " *
+        "(UInt16 or BFloat16 for bf16, Float16, Float32, Int32, Int64)"))
+    rank = ndims(array)
+    rank <= FKDA_MAX_RANK || throw(invalid_argument("$name: rank $rank exceeds the maximum of $FKDA_MAX_RANK"))
+    c_shape = reverse(size(array))
+    c_strides = reverse(strides(array))
+    return fkda_tensor(data_pointer(array), dtype, rank, padded(c_shape, rank), padded(c_strides, rank))
+end
+
+"""
+    tensor(pointer::Ptr{T}, dims; strides=nothing) -> fkda_tensor
+
+A descriptor over raw memory for `fwd_raw!`, in Julia's column-major order:
+`dims` and `strides` (in elements, default column-major contiguous) are
+reversed into the library's row-major order. With CUDA.jl loaded, `pointer`
+may be a `CuPtr{T}`.
+"""
+tensor(pointer::Ptr{T}, dims::Dims; strides=nothing) where {T} =
+    tensor_from_pointer(Ptr{Cvoid}(pointer), T, dims, strides)
+
+function tensor_from_pointer(data::Ptr{Cvoid}, ::Type{T}, dims::Dims, strides) where {T}
+    dtype = dtype_of(T)
+    dtype === nothing && throw(invalid_argument("tensor: element type $T has no flashkda dtype"))
+    rank = length(dims)
+    rank <= FKDA_MAX_RANK || throw(invalid_argument("tensor: rank $rank exceeds the maximum of $FKDA_MAX_RANK"))
+    if strides === nothing
+        strides = Base.size_to_strides(1, dims...)
+    end
+    length(strides) == rank || throw(invalid_argument("tensor: $(length(strides)) strides for rank $rank"))
+    return fkda_tensor(data, dtype, rank, padded(reverse(dims), rank), padded(reverse(Tuple(strides)), rank))
+end
+
+"""A raw address for the library; the CUDA extension adds `CuPtr`."""
+raw_pointer(pointer::Ptr) = Ptr{Cvoid}(pointer)
+
+# Hooks the CUDA extension specialises for :device.
+allocate_workspace(::Val{:host}, bytes, like) = Vector{UInt8}(undef, bytes)
+allocate_workspace(::Val{kind}, bytes, like) where {kind} =
+    throw(invalid_argument("workspace: cannot allocate $kind memory; pass a buffer of $bytes bytes"))
+default_stream(::Val{:host}, like) = fkda_stream_t(C_NULL)
+on_device_of(f, ::Val{:host}, like) = f()
+stream_handle(stream::Ptr) = fkda_stream_t(stream)
+stream_handle(stream::Integer) = fkda_stream_t(UInt(stream))
+
+# ------------------------------------------------------------------------
+# Plans
+# ------------------------------------------------------------------------
+
+"""
+    Plan(num_heads; head_dim_k=128, head_dim_v=128, state_dtype=Float32,
+         state_layout=:VK, backend=:auto, lower_bound=-5)
+
+An `fkda_plan_t`. `state_dtype` is `Float32` or bf16 (`UInt16`, `:bf16`);
+`backend` is `:auto`, `:cpu` or `:gpu`. Destroyed by `close(plan)` or, as a
+fallback, by a finalizer. Not to be used from several tasks at once.
+"""
+mutable struct Plan
+    handle::fkda_plan_t
+
+    function Plan(num_heads; head_dim_k=128, head_dim_v=128, state_dtype=Float32,
+                  state_layout=:VK, backend=:auto, lower_bound=-5.0f0)
+        desc = fkda_plan_desc(
+            Csize_t(sizeof(fkda_plan_desc)),
+            to_int32("num_heads", num_heads),
+            to_int32("head_dim_k", head_dim_k),
+            to_int32("head_dim_v", head_dim_v),
+            state_dtype_code(state_dtype),
+            choose("state_layout", state_layout, (VK=FKDA_STATE_LAYOUT_VK, KV=FKDA_STATE_LAYOUT_KV)),
+            choose("backend", backend, (auto=FKDA_BACKEND_AUTO, cpu=FKDA_BACKEND_CPU, gpu=FKDA_BACKEND_GPU)),
+            to_float32("lower_bound", lower_bound),
+        )
+        handle = Ref{fkda_plan_t}(C_NULL)
+        check(fkda_plan_create(Ref(desc), handle))
+        plan = new(handle[])
+        finalizer(destroy_quietly!, plan)
+        return plan
+    end
+end
+
+function choose(name, value, options::NamedTuple)
+    value isa Symbol || return to_int32(name, value)
+    haskey(options, value) || throw(invalid_argument("$name: unknown value :$value (expected one of $(keys(options)))"))
+    return Int32(options[value])
+end
+
+state_dtype_code(value::Type) = something(dtype_of(value), FKDA_DTYPE_INVALID)
+state_dtype_code(value::Symbol) = choose("state_dtype", value, (bf16=FKDA_DTYPE_BF16, f32=FKDA_DTYPE_F32))
+state_dtype_code(value) = to_int32("state_dtype", value)
+
+function live_handle(plan::Plan)
+    plan.handle == C_NULL && throw(invalid_argument("plan: used after close()"))
+    return plan.handle
+end
+
+Base.isopen(plan::Plan) = plan.handle != C_NULL
+
+"""Destroys the plan; closing a closed plan does nothing."""
+function Base.close(plan::Plan)
+    handle = plan.handle
+    handle == C_NULL && return nothing
+    plan.handle = C_NULL
+    check(fkda_plan_destroy(handle))
+    return nothing
+end
+
+# Finalizers may not throw or switch tasks.
+function destroy_quietly!(plan::Plan)
+    handle = plan.handle
+    plan.handle = C_NULL
+    handle != C_NULL && LIBRARY[] !== nothing && fkda_plan_destroy(handle)
+    return nothing
+end
+
+"""The backend the plan resolved to: `:cpu` or `:gpu`."""
+function backend(plan::Plan)
+    value = Ref{fkda_backend}(FKDA_BACKEND_AUTO)
+    check(fkda_plan_get_backend(live_handle(plan), value))
+    return value[] == FKDA_BACKEND_GPU ? :gpu : :cpu
+end
+
+function lower_bound(plan::Plan)
+    value = Ref{Cfloat}(0)
+    check(fkda_get_lower_bound(live_handle(plan), value))
+    return value[]
+end
+
+function set_lower_bound!(plan::Plan, value)
+    check(fkda_set_lower_bound(live_handle(plan), to_float32("lower_bound", value)))
+    return plan
+end
+
+"""Bytes of workspace `fwd!` needs for `total_tokens` tokens in `num_seqs` sequences."""
+function workspace_size(plan::Plan, total_tokens::Integer, num_seqs::Integer)
+    bytes = Ref{Csize_t}(0)
+    check(fkda_plan_workspace_size(live_handle(plan), Int64(total_tokens), Int64(num_seqs), bytes))
+    return Int(bytes[])
+end
+
+# (total_tokens, num_seqs) from the arrays, or nothing when they are malformed
+# (fkda_fwd then names the culprit).
+function tokens_and_sequences(q, cu_seqlens)
+    q isa AbstractArray && ndims(q) == 4 || return nothing
+    batch, seq_len = size(q, 4), size(q, 3)
+    cu_seqlens === nothing && return (batch * seq_len, batch)
+    cu_seqlens isa AbstractArray && ndims(cu_seqlens) == 1 && length(cu_seqlens) >= 1 || return nothing
+    return (batch * seq_len, length(cu_seqlens) - 1)
+end
+
+"""
+    fwd!(plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
+         initial_state=nothing, final_state=nothing, cu_seqlens=nothing,
+         workspace=nothing, stream=nothing)
+
+`fkda_fwd`: writes `out` (and `final_state`) in place. Sizes are the C shapes
+reversed: q, k, g `(K, H, T, B)`; v, out `(V, H, T, B)`; beta `(H, T, B)`;
+A_log `(H,)`; dt_bias `(K, H)`; states `(K, V, H, N)`; cu_seqlens `(N + 1,)`.
+`workspace = nothing` allocates one of `workspace_size` bytes in the arrays'
+memory; `stream = nothing` uses CUDA.jl's current stream for CuArrays.
+"""
+function fwd!(plan::Plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
+              initial_state=nothing, final_state=nothing, cu_seqlens=nothing,
+              workspace=nothing, stream=nothing)
+    handle = live_handle(plan)
+    arrays = (q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, out=out,
+              initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens)
+    tensors = map(name -> tensor_of(String(name), arrays[name]), keys(arrays))
+    args = fkda_fwd_args(Csize_t(sizeof(fkda_fwd_args)), tensors..., to_float32("scale", scale))
+
+    lead = something(values(arrays)..., missing)
+    kind = lead === missing ? :host : memory_kind(lead)
+    plan_memory = backend(plan) == :gpu ? :device : :host
+    # Arrays in the wrong memory for the plan are fkda_fwd's to report, by
+    # name, before anything about the workspace.
+    arrays_fit_the_plan = lead !== missing && kind == plan_memory
+    if workspace === nothing && arrays_fit_the_plan
+        sizes = tokens_and_sequences(q, cu_seqlens)
+        bytes = 0
+        if sizes !== nothing
+            bytes = try
+                workspace_size(plan, sizes...)
+            catch error
+                error isa FlashKDAError || rethrow()
+                0  # fkda_fwd names the malformed argument
+            end
+        end
+        workspace = bytes > 0 ? allocate_workspace(Val(kind), bytes, lead) : nothing
+    end
+    workspace_pointer, workspace_bytes = C_NULL, 0
+    if workspace !== nothing
+        memory_kind(workspace) === nothing && throw(invalid_argument(
+            "workspace: $(typeof(workspace)) is neither a strided host array nor a CuArray"))
+        # fkda_fwd checks the workspace's size and alignment, not where it lives.
+        if arrays_fit_the_plan && memory_kind(workspace) != plan_memory
+            throw(invalid_argument("workspace: $(typeof(workspace)) is not $plan_memory memory, " *
+                                   "which the plan's backend needs"))
+        end
+        workspace_pointer = data_pointer(workspace)
+        workspace_bytes = sizeof(workspace)
+    end
+
+    GC.@preserve q k v g beta A_log dt_bias out initial_state final_state cu_seqlens workspace begin
+        status = on_device_of(Val(kind), lead) do
+            raw_stream = stream === nothing ? default_stream(Val(kind), lead) : stream_handle(stream)
+            fkda_fwd(handle, Ref(args), workspace_pointer, Csize_t(workspace_bytes), raw_stream)
+        end
+        check(status)
+    end
+    return out
+end
+
+"""
+    fwd_raw!(plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
+             initial_state=FKDA_TENSOR_NONE, final_state=FKDA_TENSOR_NONE,
+             cu_seqlens=FKDA_TENSOR_NONE, workspace=C_NULL, workspace_bytes=0,
+             stream=C_NULL)
+
+`fkda_fwd` with `fkda_tensor` descriptors from `tensor(pointer, dims)`.
+Unsafe: nothing here can check that the pointers are valid for the shapes
+they are described with, readable, and (for `out` and `final_state`)
+writable until the work completes on `stream`.
+"""
+function fwd_raw!(plan::Plan, q::fkda_tensor, k::fkda_tensor, v::fkda_tensor, g::fkda_tensor,
+                  beta::fkda_tensor, scale, out::fkda_tensor, A_log::fkda_tensor, dt_bias::fkda_tensor;
+                  initial_state::fkda_tensor=FKDA_TENSOR_NONE, final_state::fkda_tensor=FKDA_TENSOR_NONE,
+                  cu_seqlens::fkda_tensor=FKDA_TENSOR_NONE, workspace=C_NULL, workspace_bytes::Integer=0,
+                  stream=C_NULL)
+    args = fkda_fwd_args(Csize_t(sizeof(fkda_fwd_args)), q, k, v, g, beta, A_log, dt_bias, out,
+                         initial_state, final_state, cu_seqlens, to_float32("scale", scale))
+    check(fkda_fwd(live_handle(plan), Ref(args), raw_pointer(workspace), Csize_t(workspace_bytes),
+                   stream_handle(stream)))
+    return nothing
+end
+
+"""
+    fwd!(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound;
+         initial_state=nothing, final_state=nothing, cu_seqlens=nothing)
+
+The forward pass with the arguments of FlashKDA's `flash_kda.fwd`, through a
+temporary plan: host arrays run on the CPU backend, CuArrays on the GPU; the
+state dtype follows the states given (Float32 when none).
+"""
+function fwd!(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound;
+              initial_state=nothing, final_state=nothing, cu_seqlens=nothing)
+    lead = something(q, k, v, g, beta, out, A_log, dt_bias, missing)
+    kind = lead === missing ? :host : something(memory_kind(lead), :host)
+    num_heads = q isa AbstractArray && ndims(q) == 4 ? size(q, 2) :
+                A_log isa AbstractArray && ndims(A_log) == 1 ? length(A_log) : 1
+    state = something(initial_state, final_state, missing)
+    state_dtype = state === missing ? Float32 :
+                  dtype_of(eltype(state)) in (FKDA_DTYPE_BF16, FKDA_DTYPE_F32) ? eltype(state) : Float32
+    plan = Plan(num_heads; state_dtype=state_dtype, backend=kind == :device ? :gpu : :cpu,
+                lower_bound=lower_bound)
+    try
+        fwd!(plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
+             initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens)
+    finally
+        close(plan)
+    end
+    return out
+end
+
+# ------------------------------------------------------------------------
+# Devices
+# ------------------------------------------------------------------------
+
+"""
+    query_device(device=-1) -> NamedTuple
+
+`fkda_query_device`: device `device`, or with -1 the current one (else 0).
+Succeeds without a driver or GPU.
+"""
+function query_device(device::Integer=-1)
+    info = Ref(fkda_device_info(Csize_t(sizeof(fkda_device_info)), 0, 0, 0, -1, 0, 0, 0,
+                                ntuple(_ -> Cchar(0), 256)))
+    check(fkda_query_device(to_int32("device", device), info))
+    i = info[]
+    name_bytes = UInt8[reinterpret(UInt8, c) for c in i.name]
+    name_end = something(findfirst(==(0x00), name_bytes), length(name_bytes) + 1)
+    return (driver_loaded=i.driver_loaded != 0, driver_version=Int(i.driver_version),
+            device_count=Int(i.device_count), device=Int(i.device), cc_major=Int(i.cc_major),
+            cc_minor=Int(i.cc_minor), has_kernels=i.has_kernels != 0,
+            name=String(name_bytes[1:name_end-1]))
+end
+
+# ------------------------------------------------------------------------
+# bf16
+# ------------------------------------------------------------------------
+
+"""Float -> bf16 bit patterns, rounding to nearest even; NaN stays NaN (quiet, sign kept)."""
+function to_bf16(value::AbstractFloat)
+    x = Float32(value)
+    bits = reinterpret(UInt32, x)
+    isnan(x) && return UInt16((bits >> 16) | 0x0040)
+    # No carry out of 32 bits for non-NaN values: the largest is -Inf + 0x8000.
+    return UInt16((bits + 0x00007fff + ((bits >> 16) & 0x00000001)) >> 16)
+end
+to_bf16(values::AbstractArray{<:AbstractFloat}) = map(to_bf16, values)
+
+"""bf16 bit patterns -> Float32 (exact)."""
+from_bf16(bits::UInt16) = reinterpret(Float32, UInt32(bits) << 16)
+from_bf16(values::AbstractArray{UInt16}) = map(from_bf16, values)
+@static if isdefined(Core, :BFloat16)
+    from_bf16(value::Core.BFloat16) = from_bf16(reinterpret(UInt16, value))
+    from_bf16(values::AbstractArray{Core.BFloat16}) = map(from_bf16, values)
+end
+
+end # module

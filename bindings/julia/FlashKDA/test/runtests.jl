@@ -1,0 +1,376 @@
+# FlashKDA.jl on the CPU backend (and on CuArrays where CUDA.jl works):
+# accuracy against an fp64 token-by-token recurrence on random inputs,
+# plan reuse, bf16 conversions and the error paths.
+#
+#     FLASHKDA_LIBRARY=build/libflashkda.so.0 julia --project=bindings/julia/FlashKDA \
+#         -e 'using Pkg; Pkg.test()'
+
+using FlashKDA
+using FlashKDA: FKDA_ERROR_INVALID_ARGUMENT, FKDA_ERROR_UNSUPPORTED, FKDA_ERROR_NO_DEVICE,
+                FKDA_ERROR_UNSUPPORTED_ARCH
+using Random
+using Test
+
+const DIM = 128
+const BF16_NAN = 0x7fc0
+
+sigmoid(x) = 1 / (1 + exp(-x))
+rel_l2(actual, expected) = sqrt(sum(abs2, Float64.(actual) .- expected) / sum(abs2, expected))
+
+# Arrays in Julia order: q (K, H, T, B), beta (H, T, B), states (K, V, H, N).
+struct Problem
+    q::Array{UInt16,4}
+    k::Array{UInt16,4}
+    v::Array{UInt16,4}
+    g::Array{UInt16,4}
+    beta::Array{UInt16,3}
+    A_log::Vector{Float32}
+    dt_bias::Matrix{Float32}
+    scale::Float32
+    lower_bound::Float32
+    initial_state::Union{Nothing,Array{Float32,4}}
+    cu_seqlens::Union{Nothing,Vector{Int64}}
+end
+
+num_seqs(p::Problem) = p.cu_seqlens === nothing ? size(p.q, 4) : length(p.cu_seqlens) - 1
+
+# Inputs as in BENCHMARKS.md: q, k, v, g, beta ~ N(0, 1) in bf16; A_log,
+# dt_bias ~ U(0, 1); initial state ~ 0.1 N(0, 1).
+function make_problem(rng; batch=1, seq_len=40, heads=2, seq_lens=nothing, with_state=true,
+                      lower_bound=-5.0f0)
+    cu_seqlens = nothing
+    if seq_lens !== nothing
+        batch, seq_len = 1, sum(seq_lens)
+        cu_seqlens = Int64[0; cumsum(seq_lens)]
+    end
+    n = cu_seqlens === nothing ? batch : length(cu_seqlens) - 1
+    bf16_normal(dims...) = to_bf16(randn(rng, Float32, dims...))
+    return Problem(bf16_normal(DIM, heads, seq_len, batch), bf16_normal(DIM, heads, seq_len, batch),
+                   bf16_normal(DIM, heads, seq_len, batch), bf16_normal(DIM, heads, seq_len, batch),
+                   bf16_normal(heads, seq_len, batch), rand(rng, Float32, heads),
+                   rand(rng, Float32, DIM, heads), Float32(DIM)^-0.5f0, Float32(lower_bound),
+                   with_state ? 0.1f0 .* randn(rng, Float32, DIM, DIM, heads, n) : nothing,
+                   cu_seqlens)
+end
+
+with_initial_state(p::Problem, state) =
+    Problem(p.q, p.k, p.v, p.g, p.beta, p.A_log, p.dt_bias, p.scale, p.lower_bound, state, p.cu_seqlens)
+
+# The token-by-token recurrence in Float64, S held as V×K.
+function reference(p::Problem)
+    _, heads, seq_len, batch = size(p.q)
+    sequences = p.cu_seqlens === nothing ? [(b, 1, seq_len) for b in 1:batch] :
+                [(1, p.cu_seqlens[n] + 1, p.cu_seqlens[n+1]) for n in 1:length(p.cu_seqlens)-1]
+    out = zeros(Float64, DIM, heads, seq_len, batch)
+    final_state = zeros(Float64, DIM, DIM, heads, length(sequences))
+    for (n, (b, start_t, stop_t)) in enumerate(sequences), h in 1:heads
+        S = p.initial_state === nothing ? zeros(DIM, DIM) :
+            Float64.(permutedims(p.initial_state[:, :, h, n]))
+        rate = exp(Float64(p.A_log[h]))
+        for t in start_t:stop_t
+            widened(x) = Float64.(from_bf16(x[:, h, t, b]))
+            q, k, v, g = widened(p.q), widened(p.k), widened(p.v), widened(p.g)
+            q_hat = q ./ sqrt(sum(abs2, q) + 1e-6)
+            k_hat = k ./ sqrt(sum(abs2, k) + 1e-6)
+            gate = Float64(p.lower_bound) .* sigmoid.(rate .* (g .+ Float64.(p.dt_bias[:, h])))
+            write_strength = sigmoid(Float64(from_bf16(p.beta[h, t, b])))
+            S = S .* exp.(gate)'
+            S = S .+ write_strength .* (v .- S * k_hat) .* k_hat'
+            out[:, h, t, b] = p.scale .* (S * q_hat)
+        end
+        final_state[:, :, h, n] = permutedims(S)
+    end
+    return out, final_state
+end
+
+function run_problem(p::Problem; plan=nothing)
+    out = fill(BF16_NAN, size(p.v))
+    final_state = fill(NaN32, DIM, DIM, size(p.q, 2), num_seqs(p))
+    if plan === nothing
+        fwd!(p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias, p.lower_bound;
+             initial_state=p.initial_state, final_state=final_state, cu_seqlens=p.cu_seqlens)
+    else
+        fwd!(plan, p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias;
+             initial_state=p.initial_state, final_state=final_state, cu_seqlens=p.cu_seqlens)
+    end
+    return out, final_state
+end
+
+function check_accuracy(p::Problem, out, final_state)
+    out_f32 = from_bf16(out)
+    @test !any(isnan, out_f32)          # every element written
+    @test !any(isnan, final_state)
+    expected_out, expected_state = reference(p)
+    @test rel_l2(out_f32, expected_out) <= 6e-3
+    @test rel_l2(final_state, expected_state) <= 5e-3
+end
+
+function expect_error(f, argument; status=FKDA_ERROR_INVALID_ARGUMENT)
+    caught = try
+        f()
+        nothing
+    catch error
+        error
+    end
+    @test caught isa FlashKDAError
+    caught isa FlashKDAError || return caught
+    @test caught.status == status
+    @test startswith(caught.message, argument * ":") || startswith(caught.message, "desc." * argument * ":")
+    return caught
+end
+
+@testset "FlashKDA" begin
+    rng = MersenneTwister(20261130)
+
+    @testset "library" begin
+        @test FlashKDA.version() == FlashKDA.FKDA_VERSION_NUMBER
+        @test version_string() == "$(FlashKDA.FKDA_VERSION_MAJOR).$(FlashKDA.FKDA_VERSION_MINOR).$(FlashKDA.FKDA_VERSION_PATCH)"
+        @test isfile(library_path())
+        info = query_device()
+        @test info.device_count >= 0
+        info.driver_loaded || @test info.device_count == 0
+        expect_error(() -> query_device(-2), "device")
+        @test sizeof(FlashKDA.fkda_tensor) == 8 + 4 + 4 + 6 * 8 + 6 * 8
+    end
+
+    @testset "batched forward, f32 state" begin
+        p = make_problem(rng; batch=2, seq_len=37, heads=2)
+        check_accuracy(p, run_problem(p)...)
+    end
+
+    @testset "batched forward, bf16 state" begin
+        p = make_problem(rng; batch=1, seq_len=29, heads=2)
+        initial = to_bf16(p.initial_state)
+        out = fill(BF16_NAN, size(p.v))
+        final_state = fill(BF16_NAN, size(initial))
+        fwd!(p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias, p.lower_bound;
+             initial_state=initial, final_state=final_state)
+        check_accuracy(with_initial_state(p, from_bf16(initial)), out, from_bf16(final_state))
+    end
+
+    @testset "varlen forward, $(T) offsets" for T in (Int64, Int32)
+        p = make_problem(rng; seq_lens=[21, 0, 40, 3], heads=2)
+        out = fill(BF16_NAN, size(p.v))
+        final_state = fill(NaN32, DIM, DIM, 2, num_seqs(p))
+        fwd!(p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias, p.lower_bound;
+             initial_state=p.initial_state, final_state=final_state, cu_seqlens=T.(p.cu_seqlens))
+        check_accuracy(p, out, final_state)
+    end
+
+    @testset "without states" begin
+        p = make_problem(rng; seq_len=33, heads=1, with_state=false)
+        out = fill(BF16_NAN, size(p.v))
+        fwd!(p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias, p.lower_bound)
+        expected_out, _ = reference(p)
+        @test !any(isnan, from_bf16(out))
+        @test rel_l2(from_bf16(out), expected_out) <= 6e-3
+    end
+
+    @testset "strided views give the contiguous result" begin
+        p = make_problem(rng; batch=2, seq_len=19, heads=2)
+        contiguous_out, contiguous_state = run_problem(p)
+        function wider_heads(array)
+            wide = rand(rng, UInt16, DIM, 4, size(array, 3), size(array, 4))
+            view_of = view(wide, :, 2:3, :, :)
+            view_of .= array
+            return view_of
+        end
+        q, k, v, g = wider_heads(p.q), wider_heads(p.k), wider_heads(p.v), wider_heads(p.g)
+        out = wider_heads(fill(BF16_NAN, size(p.v)))
+        final_state = fill(NaN32, size(contiguous_state))
+        fwd!(q, k, v, g, p.beta, p.scale, out, p.A_log, p.dt_bias, p.lower_bound;
+             initial_state=p.initial_state, final_state=final_state)
+        @test out == contiguous_out
+        @test final_state == contiguous_state
+    end
+
+    @testset "plan reuse" begin
+        plan = Plan(2; backend=:cpu)
+        @test backend(plan) == :cpu
+        first_problem = make_problem(rng; seq_len=24, heads=2)
+        out_a, _ = run_problem(first_problem; plan=plan)
+        out_b, state_b = run_problem(first_problem; plan=plan)
+        @test out_a == out_b
+        check_accuracy(first_problem, out_b, state_b)
+        set_lower_bound!(plan, -2.5)
+        @test lower_bound(plan) == -2.5f0
+        second_problem = make_problem(rng; seq_lens=[5, 50], heads=2, lower_bound=-2.5f0)
+        check_accuracy(second_problem, run_problem(second_problem; plan=plan)...)
+        close(plan)
+        close(plan)  # idempotent
+        @test !isopen(plan)
+    end
+
+    @testset "explicit workspace" begin
+        p = make_problem(rng; seq_len=40, heads=2)
+        plan = Plan(2; backend=:cpu)
+        workspace = Vector{UInt8}(undef, workspace_size(plan, 40, 1) + 64)
+        out = fill(BF16_NAN, size(p.v))
+        final_state = fill(NaN32, DIM, DIM, 2, 1)
+        fwd!(plan, p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias;
+             initial_state=p.initial_state, final_state=final_state, workspace=workspace)
+        check_accuracy(p, out, final_state)
+        close(plan)
+    end
+
+    @testset "raw descriptors" begin
+        p = make_problem(rng; seq_len=20, heads=2)
+        expected_out, expected_state = run_problem(p)
+        out = fill(BF16_NAN, size(p.v))
+        final_state = fill(NaN32, size(expected_state))
+        plan = Plan(2; backend=:cpu)
+        GC.@preserve p out final_state begin
+            described(a) = tensor(pointer(a), size(a))
+            fwd_raw!(plan, described(p.q), described(p.k), described(p.v), described(p.g),
+                     described(p.beta), p.scale, described(out), described(p.A_log),
+                     described(p.dt_bias); initial_state=described(p.initial_state),
+                     final_state=described(final_state))
+        end
+        @test out == expected_out
+        @test final_state == expected_state
+        close(plan)
+    end
+
+    @static if isdefined(Core, :BFloat16)
+        @testset "Core.BFloat16 arrays" begin
+            p = make_problem(rng; seq_len=17, heads=1)
+            as_bf16(a) = reinterpret(Core.BFloat16, a)
+            expected_out, expected_state = run_problem(p)
+            out = fill(BF16_NAN, size(p.v))
+            final_state = fill(NaN32, size(expected_state))
+            fwd!(as_bf16(p.q), as_bf16(p.k), as_bf16(p.v), as_bf16(p.g), as_bf16(p.beta), p.scale,
+                 as_bf16(out), p.A_log, p.dt_bias, p.lower_bound;
+                 initial_state=p.initial_state, final_state=final_state)
+            @test out == expected_out
+        end
+    end
+
+    @testset "errors" begin
+        p = make_problem(rng; seq_len=20, heads=2)
+        out = zeros(UInt16, size(p.v))
+        call(; overrides...) = begin
+            a = merge((q=p.q, k=p.k, v=p.v, g=p.g, beta=p.beta, scale=p.scale, out=out,
+                       A_log=p.A_log, dt_bias=p.dt_bias, lower_bound=p.lower_bound,
+                       initial_state=p.initial_state, cu_seqlens=p.cu_seqlens), values(overrides))
+            fwd!(a.q, a.k, a.v, a.g, a.beta, a.scale, a.out, a.A_log, a.dt_bias, a.lower_bound;
+                 initial_state=a.initial_state, cu_seqlens=a.cu_seqlens)
+        end
+        # The library reports the wrong dtype, naming the argument.
+        wrong_dtype = expect_error(() -> call(q=from_bf16(p.q)), "q")
+        @test occursin("bf16", wrong_dtype.message)
+        # No flashkda dtype at all: the binding reports it.
+        expect_error(() -> call(k=Float64.(from_bf16(p.k))), "k")
+        expect_error(() -> call(v=p.v[:, :, 1:end-1, :]), "v")
+        expect_error(() -> call(beta=p.beta[:, 1:end-1, :]), "beta")
+        expect_error(() -> call(dt_bias=p.dt_bias[:, 1:1]), "dt_bias")
+        for name in (:q, :k, :v, :g, :beta, :out, :A_log, :dt_bias)
+            expect_error(() -> call(; (name => nothing,)...), String(name))
+        end
+        expect_error(() -> call(A_log=[1, 2]), "A_log")
+        expect_error(() -> call(g=collect(1:10)), "g")
+        expect_error(() -> call(q=Dict(1 => 2)), "q")
+        expect_error(() -> call(scale=Inf32), "scale")
+        for bad in (-5.5, 0.5, NaN, -Inf)
+            expect_error(() -> call(lower_bound=bad), "lower_bound")
+            expect_error(() -> Plan(2; backend=:cpu, lower_bound=bad), "lower_bound")
+            plan = Plan(2; backend=:cpu)
+            expect_error(() -> set_lower_bound!(plan, bad), "lower_bound")
+            @test lower_bound(plan) == -5.0f0
+            close(plan)
+        end
+        expect_error(() -> call(lower_bound="steep"), "lower_bound")
+
+        varlen = make_problem(rng; seq_lens=[10, 10], heads=2)
+        offsets = copy(varlen.cu_seqlens)
+        offsets[2], offsets[3] = 15, 12
+        expect_error(() -> fwd!(varlen.q, varlen.k, varlen.v, varlen.g, varlen.beta, varlen.scale,
+                                zeros(UInt16, size(varlen.v)), varlen.A_log, varlen.dt_bias, -5;
+                                cu_seqlens=offsets), "cu_seqlens")
+
+        expect_error(() -> Plan(0; backend=:cpu), "num_heads")
+        expect_error(() -> Plan(2.5; backend=:cpu), "num_heads")
+        expect_error(() -> Plan(2^40; backend=:cpu), "num_heads")
+        expect_error(() -> Plan(2; backend=:tpu), "backend")
+        expect_error(() -> Plan(2; backend=7), "backend")
+        expect_error(() -> Plan(2; backend=:cpu, state_dtype=Float16), "state_dtype")
+        expect_error(() -> Plan(2; backend=:cpu, state_layout=3), "state_layout")
+        expect_error(() -> Plan(2; backend=:cpu, head_dim_k=64), "head_dim_k"; status=FKDA_ERROR_UNSUPPORTED)
+
+        plan = Plan(2; backend=:cpu)
+        expect_error(() -> workspace_size(plan, -1, 1), "total_tokens")
+        expect_error(() -> workspace_size(plan, 1, -1), "num_seqs")
+        expect_error(() -> fwd!(plan, p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias;
+                                workspace=Dict(1 => 2)), "workspace")
+        close(plan)
+        for use in (() -> backend(plan), () -> lower_bound(plan), () -> set_lower_bound!(plan, -1),
+                    () -> workspace_size(plan, 1, 1),
+                    () -> fwd!(plan, p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias))
+            expect_error(use, "plan")
+        end
+
+        if query_device().device_count == 0
+            no_device = try
+                Plan(1; backend=:gpu)
+                nothing
+            catch e
+                e
+            end
+            @test no_device isa FlashKDAError
+            @test no_device.status in (FKDA_ERROR_NO_DEVICE, FKDA_ERROR_UNSUPPORTED_ARCH)
+            @test startswith(no_device.message, "desc.backend:")
+        end
+    end
+
+    @testset "finding the library" begin
+        missing_path = joinpath(mktempdir(), "libflashkda.so.0")
+        not_found = try
+            FlashKDA.open_library(missing_path, "test", true)
+            nothing
+        catch e
+            e
+        end
+        @test not_found isa FlashKDAError
+        @test not_found.status === nothing
+        @test occursin(missing_path, not_found.message)
+        # One library per session: plans hold its raw handles.
+        switch = try
+            load_library(missing_path)
+            nothing
+        catch e
+            e
+        end
+        @test switch isa FlashKDAError && occursin(missing_path, switch.message)
+        @test load_library(library_path()).path == library_path()
+    end
+
+    @testset "bf16 conversions" begin
+        patterns = collect(UInt16(0):typemax(UInt16))
+        widened = from_bf16(patterns)
+        nan = isnan.(widened)
+        @test to_bf16(widened[.!nan]) == patterns[.!nan]
+        @test all(isnan, from_bf16(to_bf16(widened[nan])))
+        @test (to_bf16(widened[nan]) .& 0x8000) == (patterns[nan] .& 0x8000)
+        step = 2.0f0^-7
+        @test to_bf16(1.0f0 + step / 2) == to_bf16(1.0f0)
+        @test to_bf16(1.0f0 + 3step / 2) == to_bf16(1.0f0 + 2step)
+        @test to_bf16(floatmax(Float32)) == 0x7f80
+        @test to_bf16(Inf32) == 0x7f80 && to_bf16(-Inf32) == 0xff80
+        @test to_bf16(-0.0f0) == 0x8000
+        # Independent rounding check: the nearer neighbour, ties to even.
+        values = randn(rng, Float32, 10_000) .* 1000
+        for x in values
+            down = UInt16(reinterpret(UInt32, x) >> 16)
+            up = down + 0x0001
+            to_down = abs(Float64(x) - from_bf16(down))
+            to_up = abs(Float64(from_bf16(up)) - x)
+            expected = to_up < to_down || (to_up == to_down && isodd(down)) ? up : down
+            @test to_bf16(x) == expected
+        end
+    end
+
+    if Base.find_package("CUDA") !== nothing
+        include("cuda.jl")
+    else
+        @info "CUDA.jl is not installed: CuArray tests skipped"
+    end
+end

@@ -1,0 +1,132 @@
+"""check_ccalls.py on the real package (must pass) and on broken copies of it
+(each must fail, naming what is wrong)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+JULIA_BINDINGS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECKER = os.path.join(JULIA_BINDINGS, "check_ccalls.py")
+PACKAGE = os.path.join(JULIA_BINDINGS, "FlashKDA")
+HEADER = os.path.join(os.environ.get("FLASHKDA_INCLUDE_DIR",
+                                     os.path.join(JULIA_BINDINGS, "..", "..", "include")),
+                      "flashkda.h")
+SOURCE = os.path.join("src", "FlashKDA.jl")
+
+
+def run_checker(package):
+    result = subprocess.run([sys.executable, CHECKER, "--header", HEADER, "--package", package],
+                            capture_output=True, text=True)
+    return result.returncode, result.stdout + result.stderr
+
+
+def broken_copy(tmp_path, old, new, relative=SOURCE):
+    copy = tmp_path / "FlashKDA"
+    shutil.copytree(PACKAGE, copy)
+    path = copy / relative
+    text = path.read_text()
+    assert text.count(old) == 1, f"the mutation must hit exactly once: {old!r}"
+    path.write_text(text.replace(old, new))
+    return str(copy)
+
+
+def test_the_real_package_passes():
+    status, output = run_checker(PACKAGE)
+    assert status == 0, output
+    assert "12 of 12 header functions wrapped" in output
+
+
+def test_the_checker_sees_every_header_function():
+    sys.path.insert(0, os.path.join(JULIA_BINDINGS, "..", "tools"))
+    import fkda_header
+
+    header = fkda_header.parse_header(HEADER)
+    status, output = run_checker(PACKAGE)
+    assert status == 0
+    assert f"of {len(header.functions)} header functions" in output
+
+
+@pytest.mark.parametrize(
+    "old, new, expected",
+    [
+        pytest.param("total_tokens::Int64", "total_tokens::Int32",
+                     ["fkda_plan_workspace_size", "total_tokens", "Int32"], id="wrong_argument_type"),
+        pytest.param("workspace::Ptr{Cvoid}", "workspace::Ptr{UInt8}",
+                     ["fkda_fwd", "workspace"], id="wrong_pointee_type"),
+        pytest.param("desc::Ref{fkda_plan_desc}", "desc::Ref{fkda_device_info}",
+                     ["fkda_plan_create", "desc"], id="wrong_struct_pointer"),
+        pytest.param("@ccall $(c_function(:fkda_version))()::UInt32",
+                     "@ccall $(c_function(:fkda_version))()::Int32",
+                     ["fkda_version", "returns Int32"], id="wrong_return_type"),
+        pytest.param("\n                                                    num_seqs::Int64,", "",
+                     ["fkda_plan_workspace_size", "3 arguments in the ccall, 4 in the header"],
+                     id="missing_argument"),
+        pytest.param("(device::Int32, info::Ref{fkda_device_info})",
+                     "(device::Int32, extra::Int32, info::Ref{fkda_device_info})",
+                     ["fkda_query_device", "3 arguments in the ccall, 2 in the header"],
+                     id="extra_argument"),
+        pytest.param(
+            "fkda_query_device(device, info) =\n"
+            "    @ccall $(c_function(:fkda_query_device))(device::Int32, "
+            "info::Ref{fkda_device_info})::fkda_status\n",
+            "", ["fkda_query_device", "no ccall wrapper"], id="missing_function"),
+        pytest.param("$(c_function(:fkda_plan_destroy))", "$(c_function(:fkda_plan_destroyed))",
+                     ["fkda_plan_destroyed", "not a function of the header",
+                      "fkda_plan_destroy: exported by the header"], id="misspelt_function"),
+        pytest.param("    rank::Int32\n", "    rank::Int64\n", ["struct fkda_tensor", "rank"],
+                     id="wrong_struct_field"),
+        pytest.param("    cc_minor::Int32\n", "", ["struct fkda_device_info", "cc_minor"],
+                     id="missing_struct_field"),
+        pytest.param("const fkda_plan_t = Ptr{fkda_plan_s}", "const fkda_plan_t = Ptr{Cvoid}",
+                     ["fkda_plan_destroy", "fkda_plan_t"], id="wrong_alias"),
+        pytest.param("FKDA_ERROR_DRIVER = fkda_status(4)", "FKDA_ERROR_DRIVER = fkda_status(5)",
+                     ["FKDA_ERROR_DRIVER", "the header has 4"], id="wrong_enum_value"),
+        pytest.param("const FKDA_BACKEND_GPU = fkda_backend(2)\n", "",
+                     ["FKDA_BACKEND_GPU", "not defined"], id="missing_enum_constant"),
+    ],
+)
+def test_broken_copies_fail_naming_the_problem(tmp_path, old, new, expected):
+    status, output = run_checker(broken_copy(tmp_path, old, new))
+    assert status == 1, output
+    for fragment in expected:
+        assert fragment in output, f"{fragment!r} missing from:\n{output}"
+
+
+def test_ccalls_in_docstrings_and_comments_are_ignored(tmp_path):
+    extra = ('"""\n    @ccall $(c_function(:fkda_bogus))(x::Float64)::Cvoid\n"""\n'
+             'documented() = nothing\n'
+             '# @ccall $(c_function(:fkda_other_bogus))()::Cvoid\n'
+             'message() = "see @ccall $(c_function(:fkda_third_bogus))() in $("the docs")"\n')
+    copy = broken_copy(tmp_path, "end # module", extra + "end # module")
+    status, output = run_checker(copy)
+    assert status == 0, output
+
+
+def test_the_tuple_form_of_ccall_is_checked(tmp_path):
+    good = "version_again() = ccall((:fkda_version, \"libflashkda.so.0\"), UInt32, ())\n"
+    copy = broken_copy(tmp_path, "end # module", good + "end # module")
+    status, output = run_checker(copy)
+    assert status == 0, output
+    assert "13 ccalls" in output
+
+    bad = ("lower_bound_again(plan, value) = "
+           "ccall((:fkda_set_lower_bound, \"libflashkda.so.0\"), fkda_status, "
+           "(fkda_plan_t, Float64), plan, value)\n")
+    shutil.rmtree(tmp_path / "FlashKDA")
+    copy = broken_copy(tmp_path, "end # module", bad + "end # module")
+    status, output = run_checker(copy)
+    assert status == 1
+    assert "fkda_set_lower_bound" in output and "Float64" in output
+
+
+def test_a_ccall_in_the_extension_is_checked(tmp_path):
+    bad = ("FlashKDA.fkda_version() = "
+           "@ccall $(FlashKDA.c_function(:fkda_version))(x::Int32)::UInt32\n")
+    copy = broken_copy(tmp_path, "end # module", bad + "end # module",
+                       relative=os.path.join("ext", "FlashKDACUDAExt.jl"))
+    status, output = run_checker(copy)
+    assert status == 1
+    assert "FlashKDACUDAExt.jl" in output and "fkda_version" in output

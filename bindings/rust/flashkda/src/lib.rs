@@ -1,0 +1,672 @@
+//! Safe Rust bindings of libflashkda: Kimi Delta Attention (KDA) forward
+//! passes behind the C ABI of `include/flashkda.h`.
+//!
+//! A [`Plan`] holds a configuration (heads, state dtype, backend, gate floor)
+//! and is destroyed when dropped. [`Plan::fwd_host`] runs the CPU backend on
+//! host slices, with every slice length checked against the shapes it
+//! implies; [`Plan::fwd_raw`] passes device pointers to the GPU backend and
+//! is `unsafe`, as nothing can vouch for raw pointers. Every failure is an
+//! [`Error`] carrying the library's status and its `fkda_last_error()`
+//! message, which names the argument.
+//!
+//! bf16 values are `u16` bit patterns; [`to_bf16`] and [`from_bf16`] convert.
+//!
+//! ```no_run
+//! use flashkda::{HostFwd, Plan, PlanDesc, Backend, StateMut, to_bf16};
+//!
+//! let (b, t, h, k) = (1usize, 64usize, 2usize, 128usize);
+//! let input = |seed: f32| -> Vec<u16> {
+//!     (0..b * t * h * k).map(|i| to_bf16(((i as f32) * seed).sin())).collect()
+//! };
+//! let (q, kk, v, g) = (input(0.1), input(0.2), input(0.3), input(0.4));
+//! let beta: Vec<u16> = (0..b * t * h).map(|i| to_bf16((i as f32).cos())).collect();
+//! let a_log = vec![0.5f32; h];
+//! let dt_bias = vec![0.1f32; h * k];
+//! let mut out = vec![0u16; b * t * h * k];
+//! let mut state = vec![0f32; b * h * k * k];
+//!
+//! let plan = Plan::new(&PlanDesc { backend: Backend::Cpu, ..PlanDesc::new(h as i32) })?;
+//! plan.fwd_host(
+//!     HostFwd {
+//!         batch: b, seq_len: t, q: &q, k: &kk, v: &v, g: &g, beta: &beta,
+//!         a_log: &a_log, dt_bias: &dt_bias, scale: (k as f32).powf(-0.5), out: &mut out,
+//!         initial_state: None, final_state: Some(StateMut::F32(&mut state)), cu_seqlens: None,
+//!     },
+//!     None,
+//! )?;
+//! # Ok::<(), flashkda::Error>(())
+//! ```
+
+use flashkda_sys as sys;
+use std::ffi::{c_void, CStr};
+use std::fmt;
+use std::ptr::{null_mut, NonNull};
+
+// ------------------------------------------------------------------ errors
+
+/// An `fkda_status`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Status {
+    Success,
+    InvalidArgument,
+    Unsupported,
+    NoDevice,
+    Driver,
+    UnsupportedArch,
+    WorkspaceTooSmall,
+    LaunchFailed,
+    OutOfMemory,
+    Internal,
+    /// A status this binding does not know (a newer library).
+    Other(i32),
+}
+
+impl Status {
+    pub fn from_raw(status: sys::fkda_status) -> Status {
+        match status {
+            sys::FKDA_SUCCESS => Status::Success,
+            sys::FKDA_ERROR_INVALID_ARGUMENT => Status::InvalidArgument,
+            sys::FKDA_ERROR_UNSUPPORTED => Status::Unsupported,
+            sys::FKDA_ERROR_NO_DEVICE => Status::NoDevice,
+            sys::FKDA_ERROR_DRIVER => Status::Driver,
+            sys::FKDA_ERROR_UNSUPPORTED_ARCH => Status::UnsupportedArch,
+            sys::FKDA_ERROR_WORKSPACE_TOO_SMALL => Status::WorkspaceTooSmall,
+            sys::FKDA_ERROR_LAUNCH_FAILED => Status::LaunchFailed,
+            sys::FKDA_ERROR_OUT_OF_MEMORY => Status::OutOfMemory,
+            sys::FKDA_ERROR_INTERNAL => Status::Internal,
+            other => Status::Other(other),
+        }
+    }
+
+    pub fn raw(self) -> sys::fkda_status {
+        match self {
+            Status::Success => sys::FKDA_SUCCESS,
+            Status::InvalidArgument => sys::FKDA_ERROR_INVALID_ARGUMENT,
+            Status::Unsupported => sys::FKDA_ERROR_UNSUPPORTED,
+            Status::NoDevice => sys::FKDA_ERROR_NO_DEVICE,
+            Status::Driver => sys::FKDA_ERROR_DRIVER,
+            Status::UnsupportedArch => sys::FKDA_ERROR_UNSUPPORTED_ARCH,
+            Status::WorkspaceTooSmall => sys::FKDA_ERROR_WORKSPACE_TOO_SMALL,
+            Status::LaunchFailed => sys::FKDA_ERROR_LAUNCH_FAILED,
+            Status::OutOfMemory => sys::FKDA_ERROR_OUT_OF_MEMORY,
+            Status::Internal => sys::FKDA_ERROR_INTERNAL,
+            Status::Other(raw) => raw,
+        }
+    }
+
+    /// `fkda_status_string()`: the library's static text for this status.
+    pub fn text(self) -> &'static str {
+        // SAFETY: the library returns static, NUL-terminated text, never NULL.
+        unsafe { static_str(sys::fkda_status_string(self.raw())) }
+    }
+}
+
+/// A failing call: the status and the message naming the argument (the
+/// library's `fkda_last_error()`, or this binding's own for the slice length
+/// checks it makes before calling the library).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Error {
+    pub status: Status,
+    pub message: String,
+}
+
+impl Error {
+    fn invalid(message: String) -> Error {
+        Error { status: Status::InvalidArgument, message }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} [status {}: {}]", self.message, self.status.raw(), self.status.text())
+    }
+}
+
+impl std::error::Error for Error {}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// # Safety
+/// `text` is NULL or points to NUL-terminated text that lives forever.
+unsafe fn static_str(text: *const std::ffi::c_char) -> &'static str {
+    if text.is_null() {
+        return "";
+    }
+    CStr::from_ptr(text).to_str().unwrap_or("(message is not UTF-8)")
+}
+
+/// `fkda_last_error()` of this thread: the message of the last failing call.
+pub fn last_error() -> String {
+    // SAFETY: valid until the next fkda_* call on this thread; copied at once.
+    unsafe {
+        let text = sys::fkda_last_error();
+        if text.is_null() {
+            String::new()
+        } else {
+            CStr::from_ptr(text).to_string_lossy().into_owned()
+        }
+    }
+}
+
+fn check(status: sys::fkda_status) -> Result<()> {
+    if status == sys::FKDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error { status: Status::from_raw(status), message: last_error() })
+    }
+}
+
+// ------------------------------------------------------------------- enums
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// The GPU when a usable device with kernels exists, else the CPU.
+    Auto,
+    Cpu,
+    Gpu,
+}
+
+impl Backend {
+    fn raw(self) -> sys::fkda_backend {
+        match self {
+            Backend::Auto => sys::FKDA_BACKEND_AUTO,
+            Backend::Cpu => sys::FKDA_BACKEND_CPU,
+            Backend::Gpu => sys::FKDA_BACKEND_GPU,
+        }
+    }
+}
+
+/// Element types of tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dtype {
+    Bf16,
+    F16,
+    F32,
+    I32,
+    I64,
+}
+
+impl Dtype {
+    pub fn raw(self) -> sys::fkda_dtype {
+        match self {
+            Dtype::Bf16 => sys::FKDA_DTYPE_BF16,
+            Dtype::F16 => sys::FKDA_DTYPE_F16,
+            Dtype::F32 => sys::FKDA_DTYPE_F32,
+            Dtype::I32 => sys::FKDA_DTYPE_I32,
+            Dtype::I64 => sys::FKDA_DTYPE_I64,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateLayout {
+    /// `[N, H, V, K]`: V-first, decays along the last axis.
+    Vk,
+    /// `[N, H, K, V]`.
+    Kv,
+}
+
+// ------------------------------------------------------------------- plans
+
+/// `fkda_plan_desc` in Rust types. [`PlanDesc::new`] gives the values of
+/// `FKDA_PLAN_DESC_INIT` with the head count set.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PlanDesc {
+    pub num_heads: i32,
+    pub head_dim_k: i32,
+    pub head_dim_v: i32,
+    /// The dtype of initial and final states: `Dtype::Bf16` or `Dtype::F32`.
+    pub state_dtype: Dtype,
+    pub state_layout: StateLayout,
+    pub backend: Backend,
+    /// The gate floor, in [-5, 0].
+    pub lower_bound: f32,
+}
+
+impl PlanDesc {
+    pub fn new(num_heads: i32) -> PlanDesc {
+        let init = sys::FKDA_PLAN_DESC_INIT;
+        PlanDesc {
+            num_heads,
+            head_dim_k: init.head_dim_k,
+            head_dim_v: init.head_dim_v,
+            state_dtype: Dtype::F32,
+            state_layout: StateLayout::Vk,
+            backend: Backend::Auto,
+            lower_bound: init.lower_bound,
+        }
+    }
+
+    fn raw(&self) -> sys::fkda_plan_desc {
+        sys::fkda_plan_desc {
+            num_heads: self.num_heads,
+            head_dim_k: self.head_dim_k,
+            head_dim_v: self.head_dim_v,
+            state_dtype: self.state_dtype.raw(),
+            state_layout: match self.state_layout {
+                StateLayout::Vk => sys::FKDA_STATE_LAYOUT_VK,
+                StateLayout::Kv => sys::FKDA_STATE_LAYOUT_KV,
+            },
+            backend: self.backend.raw(),
+            lower_bound: self.lower_bound,
+            ..sys::FKDA_PLAN_DESC_INIT
+        }
+    }
+}
+
+/// An `fkda_plan_t`, destroyed on drop.
+///
+/// `Send`: a plan may move to another thread. Not `Sync`: the library does
+/// not allow changing a plan while a call on it runs, and `set_lower_bound`
+/// takes `&mut self` for that reason.
+pub struct Plan {
+    handle: NonNull<sys::fkda_plan_s>,
+    desc: PlanDesc,
+}
+
+// SAFETY: a plan is a host object with no thread affinity; the library
+// only forbids concurrent use, which the absence of Sync rules out.
+unsafe impl Send for Plan {}
+
+impl Plan {
+    /// `fkda_plan_create`.
+    pub fn new(desc: &PlanDesc) -> Result<Plan> {
+        let raw = desc.raw();
+        let mut handle: sys::fkda_plan_t = null_mut();
+        // SAFETY: both pointers are valid for the call.
+        check(unsafe { sys::fkda_plan_create(&raw, &mut handle) })?;
+        let handle = NonNull::new(handle).ok_or_else(|| Error {
+            status: Status::Internal,
+            message: "plan: fkda_plan_create succeeded but returned NULL".to_string(),
+        })?;
+        Ok(Plan { handle, desc: *desc })
+    }
+
+    /// The description the plan was created with.
+    pub fn desc(&self) -> &PlanDesc {
+        &self.desc
+    }
+
+    /// The raw handle, for calls this crate does not wrap. It stays owned by the plan.
+    pub fn as_raw(&self) -> sys::fkda_plan_t {
+        self.handle.as_ptr()
+    }
+
+    /// `fkda_plan_get_backend`: `Backend::Cpu` or `Backend::Gpu`, never `Auto`.
+    pub fn backend(&self) -> Result<Backend> {
+        let mut backend: sys::fkda_backend = sys::FKDA_BACKEND_AUTO;
+        // SAFETY: live handle, valid out pointer.
+        check(unsafe { sys::fkda_plan_get_backend(self.as_raw(), &mut backend) })?;
+        Ok(match backend {
+            sys::FKDA_BACKEND_GPU => Backend::Gpu,
+            sys::FKDA_BACKEND_CPU => Backend::Cpu,
+            _ => Backend::Auto,
+        })
+    }
+
+    /// `fkda_get_lower_bound`.
+    pub fn lower_bound(&self) -> Result<f32> {
+        let mut value = 0f32;
+        // SAFETY: live handle, valid out pointer.
+        check(unsafe { sys::fkda_get_lower_bound(self.as_raw(), &mut value) })?;
+        Ok(value)
+    }
+
+    /// `fkda_set_lower_bound`: accepted range [-5, 0].
+    pub fn set_lower_bound(&mut self, lower_bound: f32) -> Result<()> {
+        // SAFETY: live handle; &mut self excludes a concurrent fwd.
+        check(unsafe { sys::fkda_set_lower_bound(self.as_raw(), lower_bound) })?;
+        self.desc.lower_bound = lower_bound;
+        Ok(())
+    }
+
+    /// `fkda_plan_workspace_size`: bytes of workspace for `total_tokens`
+    /// tokens in `num_seqs` sequences.
+    pub fn workspace_size(&self, total_tokens: i64, num_seqs: i64) -> Result<usize> {
+        let mut bytes = 0usize;
+        // SAFETY: live handle, valid out pointer.
+        check(unsafe { sys::fkda_plan_workspace_size(self.as_raw(), total_tokens, num_seqs, &mut bytes) })?;
+        Ok(bytes)
+    }
+
+    /// The forward pass on host memory (a CPU plan). Slices are contiguous
+    /// row-major arrays of the shapes listed on [`HostFwd`]; their lengths
+    /// are checked before the call. `workspace: None` allocates one of
+    /// [`Plan::workspace_size`] bytes.
+    pub fn fwd_host(&self, args: HostFwd<'_>, workspace: Option<&mut [u8]>) -> Result<()> {
+        let heads = self.desc.num_heads.max(0) as usize;
+        let dim_k = self.desc.head_dim_k.max(0) as usize;
+        let dim_v = self.desc.head_dim_v.max(0) as usize;
+        let (batch, seq_len) = (args.batch, args.seq_len);
+        let num_seqs = match &args.cu_seqlens {
+            Some(SeqLens::I64(offsets)) => offsets.len().saturating_sub(1),
+            Some(SeqLens::I32(offsets)) => offsets.len().saturating_sub(1),
+            None => batch,
+        };
+        let (state_rows, state_cols) = match self.desc.state_layout {
+            StateLayout::Vk => (dim_v, dim_k),
+            StateLayout::Kv => (dim_k, dim_v),
+        };
+        let qk_shape = [batch, seq_len, heads, dim_k];
+        let v_shape = [batch, seq_len, heads, dim_v];
+        let state_shape = [num_seqs, heads, state_rows, state_cols];
+
+        let mut raw = sys::FKDA_FWD_ARGS_INIT;
+        raw.q = host_tensor("q", args.q, Dtype::Bf16, &qk_shape)?;
+        raw.k = host_tensor("k", args.k, Dtype::Bf16, &qk_shape)?;
+        raw.v = host_tensor("v", args.v, Dtype::Bf16, &v_shape)?;
+        raw.g = host_tensor("g", args.g, Dtype::Bf16, &qk_shape)?;
+        raw.beta = host_tensor("beta", args.beta, Dtype::Bf16, &[batch, seq_len, heads])?;
+        raw.A_log = host_tensor("A_log", args.a_log, Dtype::F32, &[heads])?;
+        raw.dt_bias = host_tensor("dt_bias", args.dt_bias, Dtype::F32, &[heads, dim_k])?;
+        raw.out = host_tensor("out", &*args.out, Dtype::Bf16, &v_shape)?;
+        if let Some(state) = &args.initial_state {
+            raw.initial_state = match state {
+                StateRef::Bf16(s) => host_tensor("initial_state", s, Dtype::Bf16, &state_shape)?,
+                StateRef::F32(s) => host_tensor("initial_state", s, Dtype::F32, &state_shape)?,
+            };
+        }
+        if let Some(state) = &args.final_state {
+            raw.final_state = match state {
+                StateMut::Bf16(s) => host_tensor("final_state", s, Dtype::Bf16, &state_shape)?,
+                StateMut::F32(s) => host_tensor("final_state", s, Dtype::F32, &state_shape)?,
+            };
+        }
+        if let Some(offsets) = &args.cu_seqlens {
+            raw.cu_seqlens = match offsets {
+                SeqLens::I64(o) => host_tensor("cu_seqlens", o, Dtype::I64, &[o.len()])?,
+                SeqLens::I32(o) => host_tensor("cu_seqlens", o, Dtype::I32, &[o.len()])?,
+            };
+        }
+        raw.scale = args.scale;
+
+        let mut owned_workspace = Vec::new();
+        let workspace: &mut [u8] = match workspace {
+            Some(buffer) => buffer,
+            None => {
+                let total_tokens = i64::try_from(batch.saturating_mul(seq_len)).unwrap_or(i64::MAX);
+                let size = self.workspace_size(total_tokens, num_seqs as i64).unwrap_or(0);
+                owned_workspace.resize(size, 0u8);
+                &mut owned_workspace
+            }
+        };
+        let workspace_ptr = if workspace.is_empty() { null_mut() } else { workspace.as_mut_ptr().cast() };
+        // SAFETY: every tensor points into a slice whose length was checked
+        // against the shape it is described with; `out` and `final_state`
+        // come from &mut slices; the workspace is a live &mut buffer. The
+        // library validates shapes, dtypes and contents before any access.
+        check(unsafe {
+            sys::fkda_fwd(self.as_raw(), &raw, workspace_ptr, workspace.len(), null_mut())
+        })
+    }
+
+    /// `fkda_fwd` with caller-described tensors, for device memory (a GPU
+    /// plan) or any layout `fwd_host` does not cover.
+    ///
+    /// # Safety
+    /// Every tensor must describe memory that is valid for its shape and
+    /// strides, readable (and writable for `out` and `final_state`) from the
+    /// plan's backend until the work completes (on `stream` for a GPU plan);
+    /// the workspace likewise for `workspace_bytes` bytes.
+    pub unsafe fn fwd_raw(
+        &self,
+        args: &RawFwdArgs,
+        workspace: *mut c_void,
+        workspace_bytes: usize,
+        stream: sys::fkda_stream_t,
+    ) -> Result<()> {
+        let raw = args.to_sys();
+        check(sys::fkda_fwd(self.as_raw(), &raw, workspace, workspace_bytes, stream))
+    }
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live and owned; nothing uses it afterwards.
+        // A failure here can only be an invalid handle, which ownership rules out.
+        unsafe {
+            sys::fkda_plan_destroy(self.handle.as_ptr());
+        }
+    }
+}
+
+impl fmt::Debug for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Plan").field("handle", &self.handle).field("desc", &self.desc).finish()
+    }
+}
+
+// ----------------------------------------------------------- host forward
+
+/// An initial state: `[N, H, V, K]` (or `[N, H, K, V]`), in the plan's state dtype.
+pub enum StateRef<'a> {
+    Bf16(&'a [u16]),
+    F32(&'a [f32]),
+}
+
+/// A final state, written by the call.
+pub enum StateMut<'a> {
+    Bf16(&'a mut [u16]),
+    F32(&'a mut [f32]),
+}
+
+/// Varlen offsets `[N + 1]`, from 0 to T, non-decreasing.
+pub enum SeqLens<'a> {
+    I64(&'a [i64]),
+    I32(&'a [i32]),
+}
+
+/// Arguments of [`Plan::fwd_host`], all contiguous row-major; H, K and V come
+/// from the plan, N is `batch` or `cu_seqlens.len() - 1` (then `batch` is 1).
+pub struct HostFwd<'a> {
+    pub batch: usize,
+    pub seq_len: usize,
+    /// bf16 `[B, T, H, K]`.
+    pub q: &'a [u16],
+    /// bf16 `[B, T, H, K]`.
+    pub k: &'a [u16],
+    /// bf16 `[B, T, H, V]`.
+    pub v: &'a [u16],
+    /// bf16 `[B, T, H, K]`, the gate before activation.
+    pub g: &'a [u16],
+    /// bf16 `[B, T, H]`, logits.
+    pub beta: &'a [u16],
+    /// f32 `[H]`.
+    pub a_log: &'a [f32],
+    /// f32 `[H, K]`.
+    pub dt_bias: &'a [f32],
+    pub scale: f32,
+    /// bf16 `[B, T, H, V]`, written.
+    pub out: &'a mut [u16],
+    pub initial_state: Option<StateRef<'a>>,
+    pub final_state: Option<StateMut<'a>>,
+    pub cu_seqlens: Option<SeqLens<'a>>,
+}
+
+fn host_tensor<T>(name: &str, data: &[T], dtype: Dtype, shape: &[usize]) -> Result<sys::fkda_tensor> {
+    let expected = shape
+        .iter()
+        .try_fold(1usize, |acc, &extent| acc.checked_mul(extent))
+        .ok_or_else(|| Error::invalid(format!("{name}: shape {shape:?} overflows")))?;
+    if data.len() != expected {
+        return Err(Error::invalid(format!(
+            "{name}: slice holds {} elements, but shape {shape:?} needs {expected}",
+            data.len()
+        )));
+    }
+    let shape: Vec<i64> = shape.iter().map(|&extent| extent as i64).collect();
+    RawTensor::new(data.as_ptr() as *mut c_void, dtype, &shape, None).map(|t| t.to_sys())
+}
+
+// ------------------------------------------------------------ raw forward
+
+/// A tensor descriptor over caller-owned memory (host or device).
+#[derive(Clone, Copy, Debug)]
+pub struct RawTensor {
+    pub data: *mut c_void,
+    pub dtype: Dtype,
+    rank: usize,
+    shape: [i64; sys::FKDA_MAX_RANK],
+    strides: [i64; sys::FKDA_MAX_RANK],
+}
+
+impl RawTensor {
+    /// `strides` in elements; `None` means contiguous row-major.
+    pub fn new(data: *mut c_void, dtype: Dtype, shape: &[i64], strides: Option<&[i64]>) -> Result<RawTensor> {
+        if shape.len() > sys::FKDA_MAX_RANK {
+            return Err(Error::invalid(format!(
+                "tensor: rank {} exceeds the maximum of {}",
+                shape.len(),
+                sys::FKDA_MAX_RANK
+            )));
+        }
+        let mut tensor = RawTensor {
+            data,
+            dtype,
+            rank: shape.len(),
+            shape: [0; sys::FKDA_MAX_RANK],
+            strides: [0; sys::FKDA_MAX_RANK],
+        };
+        tensor.shape[..shape.len()].copy_from_slice(shape);
+        match strides {
+            Some(strides) => {
+                if strides.len() != shape.len() {
+                    return Err(Error::invalid(format!(
+                        "tensor: {} strides for rank {}",
+                        strides.len(),
+                        shape.len()
+                    )));
+                }
+                tensor.strides[..shape.len()].copy_from_slice(strides);
+            }
+            None => {
+                let mut step = 1i64;
+                for axis in (0..shape.len()).rev() {
+                    tensor.strides[axis] = step;
+                    step = step.saturating_mul(shape[axis].max(1));
+                }
+            }
+        }
+        Ok(tensor)
+    }
+
+    pub fn shape(&self) -> &[i64] {
+        &self.shape[..self.rank]
+    }
+
+    pub fn strides(&self) -> &[i64] {
+        &self.strides[..self.rank]
+    }
+
+    pub fn to_sys(&self) -> sys::fkda_tensor {
+        sys::fkda_tensor {
+            data: self.data,
+            dtype: self.dtype.raw(),
+            rank: self.rank as i32,
+            shape: self.shape,
+            strides: self.strides,
+        }
+    }
+}
+
+/// Arguments of [`Plan::fwd_raw`]; the shapes are those of `fkda_fwd_args`.
+#[derive(Clone, Copy, Debug)]
+pub struct RawFwdArgs {
+    pub q: RawTensor,
+    pub k: RawTensor,
+    pub v: RawTensor,
+    pub g: RawTensor,
+    pub beta: RawTensor,
+    pub a_log: RawTensor,
+    pub dt_bias: RawTensor,
+    pub out: RawTensor,
+    pub initial_state: Option<RawTensor>,
+    pub final_state: Option<RawTensor>,
+    pub cu_seqlens: Option<RawTensor>,
+    pub scale: f32,
+}
+
+impl RawFwdArgs {
+    pub fn to_sys(&self) -> sys::fkda_fwd_args {
+        let optional = |tensor: &Option<RawTensor>| tensor.map_or(sys::FKDA_TENSOR_NONE, |t| t.to_sys());
+        sys::fkda_fwd_args {
+            q: self.q.to_sys(),
+            k: self.k.to_sys(),
+            v: self.v.to_sys(),
+            g: self.g.to_sys(),
+            beta: self.beta.to_sys(),
+            A_log: self.a_log.to_sys(),
+            dt_bias: self.dt_bias.to_sys(),
+            out: self.out.to_sys(),
+            initial_state: optional(&self.initial_state),
+            final_state: optional(&self.final_state),
+            cu_seqlens: optional(&self.cu_seqlens),
+            scale: self.scale,
+            ..sys::FKDA_FWD_ARGS_INIT
+        }
+    }
+}
+
+// ----------------------------------------------------------------- devices
+
+/// `fkda_device_info` in Rust types.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub driver_loaded: bool,
+    pub driver_version: i32,
+    pub device_count: i32,
+    pub device: i32,
+    pub cc_major: i32,
+    pub cc_minor: i32,
+    pub has_kernels: bool,
+    pub name: String,
+}
+
+/// `fkda_query_device`: device `device`, or with -1 the current one (else 0).
+/// Succeeds without a driver or GPU.
+pub fn query_device(device: i32) -> Result<DeviceInfo> {
+    let mut info = sys::FKDA_DEVICE_INFO_INIT;
+    // SAFETY: valid out pointer with struct_size set.
+    check(unsafe { sys::fkda_query_device(device, &mut info) })?;
+    let name_bytes: Vec<u8> = info.name.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    Ok(DeviceInfo {
+        driver_loaded: info.driver_loaded != 0,
+        driver_version: info.driver_version,
+        device_count: info.device_count,
+        device: info.device,
+        cc_major: info.cc_major,
+        cc_minor: info.cc_minor,
+        has_kernels: info.has_kernels != 0,
+        name: String::from_utf8_lossy(&name_bytes).into_owned(),
+    })
+}
+
+/// `fkda_version()`: MAJOR * 10000 + MINOR * 100 + PATCH of the loaded library.
+pub fn version() -> u32 {
+    // SAFETY: no arguments, no state.
+    unsafe { sys::fkda_version() }
+}
+
+/// `fkda_version_string()`: "MAJOR.MINOR.PATCH" of the loaded library.
+pub fn version_string() -> &'static str {
+    // SAFETY: static text.
+    unsafe { static_str(sys::fkda_version_string()) }
+}
+
+// -------------------------------------------------------------------- bf16
+
+/// f32 -> bf16 bits, rounding to nearest even; NaN stays a (quiet) NaN.
+pub fn to_bf16(value: f32) -> u16 {
+    let bits = value.to_bits();
+    if value.is_nan() {
+        return ((bits >> 16) | 0x0040) as u16;
+    }
+    let lowest_kept_bit = (bits >> 16) & 1;
+    // No overflow for non-NaN values: the largest is -inf + 0x8000.
+    ((bits + 0x7FFF + lowest_kept_bit) >> 16) as u16
+}
+
+/// bf16 bits -> f32 (exact).
+pub fn from_bf16(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}

@@ -1,0 +1,583 @@
+//! The safe crate on the CPU backend: accuracy against an fp64 token-by-token
+//! recurrence on random inputs, plan reuse, and the error paths.
+
+use flashkda::{
+    from_bf16, query_device, to_bf16, version, version_string, Backend, Dtype, Error, HostFwd, Plan,
+    PlanDesc, RawFwdArgs, RawTensor, SeqLens, StateMut, StateRef, Status,
+};
+use std::ffi::c_void;
+use std::ptr::null_mut;
+
+const DIM: usize = 128;
+const BF16_NAN: u16 = 0x7FC0;
+
+// -------------------------------------------------------------- randomness
+
+/// SplitMix64 with Box-Muller normals: reproducible without any crate.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    fn normal(&mut self) -> f64 {
+        let (u, v) = (self.uniform(), self.uniform());
+        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+    }
+
+    fn bf16_normals(&mut self, n: usize) -> Vec<u16> {
+        (0..n).map(|_| to_bf16(self.normal() as f32)).collect()
+    }
+
+    fn uniforms(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.uniform() as f32).collect()
+    }
+}
+
+// --------------------------------------------------------------- reference
+
+struct Problem {
+    batch: usize,
+    seq_len: usize,
+    heads: usize,
+    q: Vec<u16>,
+    k: Vec<u16>,
+    v: Vec<u16>,
+    g: Vec<u16>,
+    beta: Vec<u16>,
+    a_log: Vec<f32>,
+    dt_bias: Vec<f32>,
+    scale: f32,
+    lower_bound: f32,
+    initial_state: Option<Vec<f32>>,
+    cu_seqlens: Option<Vec<i64>>,
+}
+
+impl Problem {
+    /// Inputs as in BENCHMARKS.md: q, k, v, g, beta ~ N(0, 1) in bf16;
+    /// A_log, dt_bias ~ U(0, 1); initial state ~ 0.1 N(0, 1).
+    fn random(seed: u64, batch: usize, seq_len: usize, heads: usize, seq_lens: Option<&[usize]>, with_state: bool) -> Problem {
+        let mut rng = Rng(seed);
+        let (batch, seq_len, cu_seqlens) = match seq_lens {
+            Some(lengths) => {
+                let mut offsets = vec![0i64];
+                for &length in lengths {
+                    offsets.push(offsets.last().unwrap() + length as i64);
+                }
+                (1, *offsets.last().unwrap() as usize, Some(offsets))
+            }
+            None => (batch, seq_len, None),
+        };
+        let num_seqs = cu_seqlens.as_ref().map_or(batch, |o| o.len() - 1);
+        let tokens = batch * seq_len * heads;
+        Problem {
+            batch,
+            seq_len,
+            heads,
+            q: rng.bf16_normals(tokens * DIM),
+            k: rng.bf16_normals(tokens * DIM),
+            v: rng.bf16_normals(tokens * DIM),
+            g: rng.bf16_normals(tokens * DIM),
+            beta: rng.bf16_normals(tokens),
+            a_log: rng.uniforms(heads),
+            dt_bias: rng.uniforms(heads * DIM),
+            scale: (DIM as f32).powf(-0.5),
+            lower_bound: -5.0,
+            initial_state: with_state
+                .then(|| (0..num_seqs * heads * DIM * DIM).map(|_| (0.1 * rng.normal()) as f32).collect()),
+            cu_seqlens,
+        }
+    }
+
+    fn num_seqs(&self) -> usize {
+        self.cu_seqlens.as_ref().map_or(self.batch, |o| o.len() - 1)
+    }
+
+    fn state_len(&self) -> usize {
+        self.num_seqs() * self.heads * DIM * DIM
+    }
+
+    /// The token-by-token recurrence in f64: (out [B,T,H,V], final state [N,H,V,K]).
+    fn reference(&self) -> (Vec<f64>, Vec<f64>) {
+        let h_count = self.heads;
+        let at = |b: usize, t: usize, h: usize| ((b * self.seq_len + t) * h_count + h) * DIM;
+        let sequences: Vec<(usize, usize, usize)> = match &self.cu_seqlens {
+            Some(o) => (0..o.len() - 1).map(|n| (0, o[n] as usize, o[n + 1] as usize)).collect(),
+            None => (0..self.batch).map(|b| (b, 0, self.seq_len)).collect(),
+        };
+        let sigmoid = |x: f64| 1.0 / (1.0 + (-x).exp());
+        let mut out = vec![0f64; self.batch * self.seq_len * h_count * DIM];
+        let mut final_state = vec![0f64; self.state_len()];
+        for (n, &(b, begin, end)) in sequences.iter().enumerate() {
+            for h in 0..h_count {
+                let state_at = (n * h_count + h) * DIM * DIM;
+                let mut s: Vec<f64> = match &self.initial_state {
+                    Some(init) => init[state_at..state_at + DIM * DIM].iter().map(|&x| x as f64).collect(),
+                    None => vec![0f64; DIM * DIM],
+                };
+                let rate = (self.a_log[h] as f64).exp();
+                for t in begin..end {
+                    let base = at(b, t, h);
+                    let read = |x: &[u16]| -> Vec<f64> { x[base..base + DIM].iter().map(|&e| from_bf16(e) as f64).collect() };
+                    let (q, k, v, g) = (read(&self.q), read(&self.k), read(&self.v), read(&self.g));
+                    let norm = |x: &[f64]| (x.iter().map(|e| e * e).sum::<f64>() + 1e-6).sqrt();
+                    let (q_norm, k_norm) = (norm(&q), norm(&k));
+                    let q_hat: Vec<f64> = q.iter().map(|e| e / q_norm).collect();
+                    let k_hat: Vec<f64> = k.iter().map(|e| e / k_norm).collect();
+                    let b_t = sigmoid(from_bf16(self.beta[(b * self.seq_len + t) * h_count + h]) as f64);
+                    for row in 0..DIM {
+                        for col in 0..DIM {
+                            let gate = self.lower_bound as f64
+                                * sigmoid(rate * (g[col] + self.dt_bias[h * DIM + col] as f64));
+                            s[row * DIM + col] *= gate.exp();
+                        }
+                    }
+                    for row in 0..DIM {
+                        let predicted: f64 = (0..DIM).map(|col| s[row * DIM + col] * k_hat[col]).sum();
+                        let correction = b_t * (v[row] - predicted);
+                        for col in 0..DIM {
+                            s[row * DIM + col] += correction * k_hat[col];
+                        }
+                    }
+                    for row in 0..DIM {
+                        let value: f64 = (0..DIM).map(|col| s[row * DIM + col] * q_hat[col]).sum();
+                        out[base + row] = self.scale as f64 * value;
+                    }
+                }
+                final_state[state_at..state_at + DIM * DIM].copy_from_slice(&s);
+            }
+        }
+        (out, final_state)
+    }
+
+    /// Runs the plan; outputs are poisoned first. Returns (out, final_state).
+    fn run(&self, plan: &Plan) -> flashkda::Result<(Vec<u16>, Vec<f32>)> {
+        let mut out = vec![BF16_NAN; self.q.len()];
+        let mut state = vec![f32::NAN; self.state_len()];
+        plan.fwd_host(
+            HostFwd {
+                batch: self.batch,
+                seq_len: self.seq_len,
+                q: &self.q,
+                k: &self.k,
+                v: &self.v,
+                g: &self.g,
+                beta: &self.beta,
+                a_log: &self.a_log,
+                dt_bias: &self.dt_bias,
+                scale: self.scale,
+                out: &mut out,
+                initial_state: self.initial_state.as_deref().map(StateRef::F32),
+                final_state: Some(StateMut::F32(&mut state)),
+                cu_seqlens: self.cu_seqlens.as_deref().map(SeqLens::I64),
+            },
+            None,
+        )?;
+        Ok((out, state))
+    }
+}
+
+fn rel_l2(actual: impl Iterator<Item = f64>, expected: &[f64]) -> f64 {
+    let (mut diff, mut norm) = (0f64, 0f64);
+    for (a, e) in actual.zip(expected) {
+        diff += (a - e) * (a - e);
+        norm += e * e;
+    }
+    (diff / norm).sqrt()
+}
+
+fn assert_accurate(problem: &Problem, out: &[u16], state: &[f32]) {
+    assert!(out.iter().all(|&x| !from_bf16(x).is_nan()), "out: some elements were not written");
+    assert!(state.iter().all(|x| !x.is_nan()), "final_state: some elements were not written");
+    let (expected_out, expected_state) = problem.reference();
+    let out_error = rel_l2(out.iter().map(|&x| from_bf16(x) as f64), &expected_out);
+    let state_error = rel_l2(state.iter().map(|&x| x as f64), &expected_state);
+    assert!(out_error <= 6e-3, "out: relative L2 error {out_error:.3e}");
+    assert!(state_error <= 5e-3, "final_state: relative L2 error {state_error:.3e}");
+}
+
+fn cpu_plan(heads: usize) -> Plan {
+    Plan::new(&PlanDesc { backend: Backend::Cpu, ..PlanDesc::new(heads as i32) }).expect("CPU plan")
+}
+
+fn expect_invalid<T: std::fmt::Debug>(result: flashkda::Result<T>, argument: &str) -> Error {
+    let error = result.expect_err("the call should fail");
+    assert_eq!(error.status, Status::InvalidArgument, "{error}");
+    assert!(
+        error.message.starts_with(&format!("{argument}:")) || error.message.starts_with(&format!("desc.{argument}:")),
+        "message does not name {argument}: {}",
+        error.message
+    );
+    error
+}
+
+// ------------------------------------------------------------------- tests
+
+#[test]
+fn batched_forward_matches_the_recurrence() {
+    let problem = Problem::random(11, 2, 37, 2, None, true);
+    let plan = cpu_plan(2);
+    assert_eq!(plan.backend().unwrap(), Backend::Cpu);
+    let (out, state) = problem.run(&plan).unwrap();
+    assert_accurate(&problem, &out, &state);
+}
+
+#[test]
+fn varlen_forward_matches_the_recurrence() {
+    let problem = Problem::random(12, 0, 0, 2, Some(&[19, 0, 35]), true);
+    let (out, state) = problem.run(&cpu_plan(2)).unwrap();
+    assert_accurate(&problem, &out, &state);
+}
+
+#[test]
+fn bf16_state_and_i32_offsets() {
+    let problem = Problem::random(13, 0, 0, 1, Some(&[20, 12]), true);
+    let plan = Plan::new(&PlanDesc { backend: Backend::Cpu, state_dtype: Dtype::Bf16, ..PlanDesc::new(1) }).unwrap();
+    let initial: Vec<u16> = problem.initial_state.as_ref().unwrap().iter().map(|&x| to_bf16(x)).collect();
+    let offsets: Vec<i32> = problem.cu_seqlens.as_ref().unwrap().iter().map(|&x| x as i32).collect();
+    let mut out = vec![BF16_NAN; problem.q.len()];
+    let mut state = vec![BF16_NAN; problem.state_len()];
+    plan.fwd_host(
+        HostFwd {
+            batch: 1,
+            seq_len: problem.seq_len,
+            q: &problem.q,
+            k: &problem.k,
+            v: &problem.v,
+            g: &problem.g,
+            beta: &problem.beta,
+            a_log: &problem.a_log,
+            dt_bias: &problem.dt_bias,
+            scale: problem.scale,
+            out: &mut out,
+            initial_state: Some(StateRef::Bf16(&initial)),
+            final_state: Some(StateMut::Bf16(&mut state)),
+            cu_seqlens: Some(SeqLens::I32(&offsets)),
+        },
+        None,
+    )
+    .unwrap();
+    // The reference starts from the same bf16-rounded state.
+    let reference_problem = Problem {
+        initial_state: Some(initial.iter().map(|&x| from_bf16(x)).collect()),
+        ..problem
+    };
+    let state_f32: Vec<f32> = state.iter().map(|&x| from_bf16(x)).collect();
+    assert_accurate(&reference_problem, &out, &state_f32);
+}
+
+#[test]
+fn plan_reuse_with_a_new_lower_bound() {
+    let mut plan = cpu_plan(2);
+    let first = Problem::random(14, 1, 40, 2, None, true);
+    let (out_a, _) = first.run(&plan).unwrap();
+    let (out_b, state_b) = first.run(&plan).unwrap();
+    assert_eq!(out_a, out_b, "the same inputs give the same bits");
+    assert_accurate(&first, &out_b, &state_b);
+
+    plan.set_lower_bound(-2.0).unwrap();
+    assert_eq!(plan.lower_bound().unwrap(), -2.0);
+    let second = Problem { lower_bound: -2.0, ..Problem::random(15, 0, 0, 2, Some(&[7, 30]), true) };
+    let (out, state) = second.run(&plan).unwrap();
+    assert_accurate(&second, &out, &state);
+}
+
+#[test]
+fn explicit_workspace_and_no_states() {
+    let problem = Problem::random(16, 1, 20, 1, None, false);
+    let plan = cpu_plan(1);
+    let mut workspace = vec![0u8; plan.workspace_size(20, 1).unwrap() + 64];
+    let mut out = vec![BF16_NAN; problem.q.len()];
+    plan.fwd_host(
+        HostFwd {
+            batch: 1,
+            seq_len: 20,
+            q: &problem.q,
+            k: &problem.k,
+            v: &problem.v,
+            g: &problem.g,
+            beta: &problem.beta,
+            a_log: &problem.a_log,
+            dt_bias: &problem.dt_bias,
+            scale: problem.scale,
+            out: &mut out,
+            initial_state: None,
+            final_state: None,
+            cu_seqlens: None,
+        },
+        Some(&mut workspace),
+    )
+    .unwrap();
+    let (expected, _) = problem.reference();
+    assert!(out.iter().all(|&x| !from_bf16(x).is_nan()));
+    assert!(rel_l2(out.iter().map(|&x| from_bf16(x) as f64), &expected) <= 6e-3);
+}
+
+#[test]
+fn raw_forward_on_host_pointers_matches_fwd_host() {
+    let problem = Problem::random(17, 1, 24, 2, None, true);
+    let plan = cpu_plan(2);
+    let (expected_out, expected_state) = problem.run(&plan).unwrap();
+    let mut out = vec![BF16_NAN; problem.q.len()];
+    let mut state = vec![f32::NAN; problem.state_len()];
+    let activation = [1, 24, 2, DIM as i64];
+    let tensor = |data: *const c_void, dtype: Dtype, shape: &[i64]| {
+        RawTensor::new(data as *mut c_void, dtype, shape, None).unwrap()
+    };
+    let state_shape = [1, 2, DIM as i64, DIM as i64];
+    let args = RawFwdArgs {
+        q: tensor(problem.q.as_ptr().cast(), Dtype::Bf16, &activation),
+        k: tensor(problem.k.as_ptr().cast(), Dtype::Bf16, &activation),
+        v: tensor(problem.v.as_ptr().cast(), Dtype::Bf16, &activation),
+        g: tensor(problem.g.as_ptr().cast(), Dtype::Bf16, &activation),
+        beta: tensor(problem.beta.as_ptr().cast(), Dtype::Bf16, &activation[..3]),
+        a_log: tensor(problem.a_log.as_ptr().cast(), Dtype::F32, &[2]),
+        dt_bias: tensor(problem.dt_bias.as_ptr().cast(), Dtype::F32, &[2, DIM as i64]),
+        out: tensor(out.as_mut_ptr().cast(), Dtype::Bf16, &activation),
+        initial_state: Some(tensor(problem.initial_state.as_ref().unwrap().as_ptr().cast(), Dtype::F32, &state_shape)),
+        final_state: Some(tensor(state.as_mut_ptr().cast(), Dtype::F32, &state_shape)),
+        cu_seqlens: None,
+        scale: problem.scale,
+    };
+    // SAFETY: every pointer is a live host buffer of the described shape.
+    unsafe { plan.fwd_raw(&args, null_mut(), 0, null_mut()) }.unwrap();
+    assert_eq!(out, expected_out);
+    assert_eq!(state, expected_state);
+
+    let mut wrong = args;
+    wrong.q.dtype = Dtype::F32;
+    // SAFETY: as above; the library rejects the dtype before reading.
+    let error = unsafe { plan.fwd_raw(&wrong, null_mut(), 0, null_mut()) }.unwrap_err();
+    assert_eq!(error.status, Status::InvalidArgument);
+    assert!(error.message.starts_with("q:"), "{}", error.message);
+}
+
+#[test]
+fn slice_lengths_are_checked_before_the_call() {
+    let problem = Problem::random(18, 1, 16, 2, None, true);
+    let plan = cpu_plan(2);
+    let mut out = vec![0u16; problem.q.len()];
+    let short_k = &problem.k[..problem.k.len() - 1];
+    let result = plan.fwd_host(
+        HostFwd {
+            batch: 1,
+            seq_len: 16,
+            q: &problem.q,
+            k: short_k,
+            v: &problem.v,
+            g: &problem.g,
+            beta: &problem.beta,
+            a_log: &problem.a_log,
+            dt_bias: &problem.dt_bias,
+            scale: problem.scale,
+            out: &mut out,
+            initial_state: None,
+            final_state: None,
+            cu_seqlens: None,
+        },
+        None,
+    );
+    expect_invalid(result, "k");
+
+    let mut short_state = vec![0f32; 10];
+    let result = plan.fwd_host(
+        HostFwd {
+            batch: 1,
+            seq_len: 16,
+            q: &problem.q,
+            k: &problem.k,
+            v: &problem.v,
+            g: &problem.g,
+            beta: &problem.beta,
+            a_log: &problem.a_log,
+            dt_bias: &problem.dt_bias,
+            scale: problem.scale,
+            out: &mut out,
+            initial_state: None,
+            final_state: Some(StateMut::F32(&mut short_state)),
+            cu_seqlens: None,
+        },
+        None,
+    );
+    expect_invalid(result, "final_state");
+}
+
+#[test]
+fn library_errors_carry_status_and_message() {
+    let problem = Problem::random(19, 1, 16, 2, None, true);
+    let plan = cpu_plan(2);
+    let mut out = vec![0u16; problem.q.len()];
+    let mut bf16_state = vec![0u16; problem.state_len()];
+    // The plan's state dtype is f32.
+    let result = plan.fwd_host(
+        HostFwd {
+            batch: 1,
+            seq_len: 16,
+            q: &problem.q,
+            k: &problem.k,
+            v: &problem.v,
+            g: &problem.g,
+            beta: &problem.beta,
+            a_log: &problem.a_log,
+            dt_bias: &problem.dt_bias,
+            scale: f32::NAN,
+            out: &mut out,
+            initial_state: None,
+            final_state: Some(StateMut::Bf16(&mut bf16_state)),
+            cu_seqlens: None,
+        },
+        None,
+    );
+    let error = expect_invalid(result, "final_state");
+    assert!(error.to_string().contains(Status::InvalidArgument.text()));
+
+    let bad_offsets = [0i64, 9, 4, 16];
+    let mut state = vec![0f32; 3 * 2 * DIM * DIM];
+    let result = plan.fwd_host(
+        HostFwd {
+            batch: 1,
+            seq_len: 16,
+            q: &problem.q,
+            k: &problem.k,
+            v: &problem.v,
+            g: &problem.g,
+            beta: &problem.beta,
+            a_log: &problem.a_log,
+            dt_bias: &problem.dt_bias,
+            scale: problem.scale,
+            out: &mut out,
+            initial_state: None,
+            final_state: Some(StateMut::F32(&mut state)),
+            cu_seqlens: Some(SeqLens::I64(&bad_offsets)),
+        },
+        None,
+    );
+    expect_invalid(result, "cu_seqlens");
+
+    let result = plan.fwd_host(
+        HostFwd {
+            batch: 1,
+            seq_len: 16,
+            q: &problem.q,
+            k: &problem.k,
+            v: &problem.v,
+            g: &problem.g,
+            beta: &problem.beta,
+            a_log: &problem.a_log,
+            dt_bias: &problem.dt_bias,
+            scale: f32::INFINITY,
+            out: &mut out,
+            initial_state: None,
+            final_state: None,
+            cu_seqlens: None,
+        },
+        None,
+    );
+    expect_invalid(result, "scale");
+}
+
+#[test]
+fn lower_bound_is_validated() {
+    for bad in [-5.5f32, 0.25, f32::NAN, f32::NEG_INFINITY] {
+        expect_invalid(Plan::new(&PlanDesc { backend: Backend::Cpu, lower_bound: bad, ..PlanDesc::new(1) }), "lower_bound");
+        let mut plan = cpu_plan(1);
+        expect_invalid(plan.set_lower_bound(bad), "lower_bound");
+        assert_eq!(plan.lower_bound().unwrap(), -5.0);
+    }
+}
+
+#[test]
+fn plan_descriptions_are_validated() {
+    expect_invalid(Plan::new(&PlanDesc { backend: Backend::Cpu, ..PlanDesc::new(0) }), "num_heads");
+    expect_invalid(Plan::new(&PlanDesc { backend: Backend::Cpu, state_dtype: Dtype::I32, ..PlanDesc::new(1) }), "state_dtype");
+    let unsupported = Plan::new(&PlanDesc { backend: Backend::Cpu, head_dim_k: 64, ..PlanDesc::new(1) }).unwrap_err();
+    assert_eq!(unsupported.status, Status::Unsupported);
+    assert!(unsupported.message.starts_with("desc.head_dim_k:"));
+    let plan = cpu_plan(1);
+    expect_invalid(plan.workspace_size(-1, 1), "total_tokens");
+    expect_invalid(plan.workspace_size(1, -1), "num_seqs");
+}
+
+#[test]
+fn gpu_plan_without_a_device() {
+    if query_device(-1).unwrap().device_count > 0 {
+        eprintln!("skipped: a CUDA device is present");
+        return;
+    }
+    let error = Plan::new(&PlanDesc { backend: Backend::Gpu, ..PlanDesc::new(1) }).unwrap_err();
+    assert!(matches!(error.status, Status::NoDevice | Status::UnsupportedArch), "{error}");
+    assert!(error.message.starts_with("desc.backend:"), "{}", error.message);
+}
+
+#[test]
+fn raw_tensor_rank_is_checked() {
+    let error = RawTensor::new(null_mut(), Dtype::F32, &[1; 7], None).unwrap_err();
+    assert_eq!(error.status, Status::InvalidArgument);
+    let tensor = RawTensor::new(null_mut(), Dtype::Bf16, &[2, 3, 4], None).unwrap();
+    assert_eq!(tensor.strides(), &[12, 4, 1]);
+    assert_eq!(tensor.shape(), &[2, 3, 4]);
+}
+
+#[test]
+fn plans_are_send_and_dropped() {
+    fn assert_send<T: Send>() {}
+    assert_send::<Plan>();
+    let plan = cpu_plan(3);
+    let handle = std::thread::spawn(move || {
+        let size = plan.workspace_size(10, 1).unwrap();
+        drop(plan);
+        size
+    });
+    handle.join().unwrap();
+}
+
+#[test]
+fn device_query_version_and_status_text() {
+    let info = query_device(-1).unwrap();
+    assert!(info.device_count >= 0);
+    if !info.driver_loaded {
+        assert_eq!(info.device_count, 0);
+    }
+    assert!(query_device(-2).is_err());
+    assert_eq!(version(), flashkda_sys::FKDA_VERSION_NUMBER);
+    assert_eq!(
+        version_string(),
+        format!(
+            "{}.{}.{}",
+            flashkda_sys::FKDA_VERSION_MAJOR,
+            flashkda_sys::FKDA_VERSION_MINOR,
+            flashkda_sys::FKDA_VERSION_PATCH
+        )
+    );
+    assert_ne!(Status::InvalidArgument.text(), Status::NoDevice.text());
+    assert_eq!(Status::from_raw(42), Status::Other(42));
+    assert_eq!(Status::from_raw(Status::WorkspaceTooSmall.raw()), Status::WorkspaceTooSmall);
+}
+
+#[test]
+fn bf16_round_trips_and_rounds_to_nearest_even() {
+    for bits in 0..=u16::MAX {
+        let value = from_bf16(bits);
+        if value.is_nan() {
+            assert!(from_bf16(to_bf16(value)).is_nan());
+            assert_eq!(to_bf16(value) & 0x8000, bits & 0x8000);
+        } else {
+            assert_eq!(to_bf16(value), bits);
+        }
+    }
+    let step = 2f32.powi(-7);
+    assert_eq!(to_bf16(1.0 + step / 2.0), to_bf16(1.0));
+    assert_eq!(to_bf16(1.0 + 3.0 * step / 2.0), to_bf16(1.0 + 2.0 * step));
+    assert_eq!(to_bf16(f32::MAX), 0x7F80);
+    assert_eq!(to_bf16(f32::INFINITY), 0x7F80);
+    assert_eq!(to_bf16(-0.0), 0x8000);
+}

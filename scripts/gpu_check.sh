@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# The GPU check, run on a machine with an NVIDIA GPU against a build made
+# elsewhere (or here): the [gpu] tests, the V-split variants, compute-sanitizer
+# (memcheck, racecheck) on the [sanitize] subset, timings of BENCHMARKS.md
+# cases, and what the embedded fatbin holds.
+#
+#   scripts/gpu_check.sh [BUILD_DIR] [STEP...]
+#
+# BUILD_DIR defaults to build-gpu. STEPs: info tests vsplit memcheck racecheck
+# bench sweep (the default), timing profile. Logs go to $OUT (default ./gpu-check-logs); the
+# last lines printed are a summary.
+set -uo pipefail
+
+build=${1:-build-gpu}
+shift || true
+steps=${*:-info tests vsplit memcheck racecheck bench sweep}
+out=${OUT:-$PWD/gpu-check-logs}
+mkdir -p "$out"
+export PATH="$PATH:/usr/local/cuda/bin"
+export LD_LIBRARY_PATH="$build${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+tests="$build/tests/fkda_gpu_tests"
+summary="$out/summary.txt"
+: >"$summary"
+
+note() { echo "$*" | tee -a "$summary"; }
+
+# Runs a step under a time limit, records its exit status and Catch2's totals.
+step() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local start=$SECONDS
+  timeout "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  local totals
+  totals=$(grep -E "^(All tests passed|test cases:)" "$log" | tail -1)
+  note "$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - start)) "$totals")"
+}
+
+for s in $steps; do
+  case $s in
+    info)
+      {
+        nvidia-smi -L
+        nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
+        echo "--- cuobjdump --list-elf"
+        # The library embeds the fatbin as plain .rodata (cmake/embed_fatbin.S.in),
+        # where cuobjdump does not look; the build keeps the same bytes beside it.
+        cuobjdump --list-elf "$build/flashkda_kernels.fatbin"
+        echo "--- cuobjdump --list-ptx"
+        cuobjdump --list-ptx "$build/flashkda_kernels.fatbin"
+        python3 -c "import sys; f, so = (open(x, 'rb').read() for x in sys.argv[1:]); print('library embeds this fatbin:', f in so)" \
+          "$build/flashkda_kernels.fatbin" "$build/libflashkda.so"
+        for arch in sm_80 sm_90a; do
+          echo "--- SASS opcode counts, $arch"
+          cuobjdump -sass -arch "$arch" "$build/flashkda_kernels.fatbin" |
+            grep -oE "(HMMA|LDSM|LDGSTS|LDL|STL|MUFU\.EX2|BAR\.SYNC)[.0-9A-Z]*" | sort | uniq -c
+          echo "--- resource usage, $arch"
+          cuobjdump -res-usage -arch "$arch" "$build/flashkda_kernels.fatbin" | grep -A1 "Function"
+        done
+        echo "--- SASS, sm_90a"
+        cuobjdump -sass -arch sm_90a "$build/flashkda_kernels.fatbin"
+      } >"$out/info.txt" 2>&1
+      note "info       $(grep -c ELF "$out/info.txt") ELF lines; see info.txt"
+      ;;
+    tests)
+      step tests 300 "$out/tests.log" "$tests" "[gpu]" --durations yes
+      ;;
+    vsplit)
+      for v in 1 2 4 8; do
+        echo "=== FKDA_VSPLIT=$v" >>"$out/vsplit.log"
+        step "vsplit=$v" 90 "$out/vsplit.log" env FKDA_VSPLIT=$v "$tests" "[vsplit]"
+      done
+      ;;
+    memcheck)
+      step memcheck 240 "$out/sanitizer.log" compute-sanitizer --tool memcheck --error-exitcode 3 "$tests" "[sanitize]"
+      ;;
+    racecheck)
+      step racecheck 240 "$out/sanitizer.log" compute-sanitizer --tool racecheck --racecheck-report all \
+        --error-exitcode 3 "$tests" "[sanitize]"
+      ;;
+    timing)
+      step timing 120 "$out/timing.log" "$tests" "[timing]"
+      grep "^timing" "$out/timing.log" | tee -a "$summary"
+      ;;
+    bench)
+      if [ -x "$build/bench/fkda-bench" ]; then
+        step bench 150 "$out/bench.log" "$build/bench/fkda-bench" P1 P4 P5 P8 --warmup 5 --iters 30 \
+          --json "$out/bench.json"
+        tail -n 20 "$out/bench.log" >>"$summary"
+      fi
+      ;;
+    sweep)
+      # Every V split forced on cases of few and many (sequence, head) pairs.
+      if [ -x "$build/bench/fkda-bench" ]; then
+        for v in 1 2 4 8; do
+          echo "=== FKDA_VSPLIT=$v" >>"$out/sweep.log"
+          FKDA_VSPLIT=$v timeout 100 "$build/bench/fkda-bench" P1 P3 P4 P8 P9 --warmup 3 --iters 10 >>"$out/sweep.log" 2>&1
+        done
+        grep -E "^=== |^P[0-9]+ " "$out/sweep.log" | tee -a "$summary"
+      fi
+      ;;
+    profile)
+      # Kernel durations of P1 and P4 and, for the recurrence on P4, where
+      # its warps stall (Nsight Compute; clocks left as they are).
+      if [ -x "$build/bench/fkda-bench" ]; then
+        for c in P1 P4; do
+          echo "=== $c durations" >>"$out/profile.txt"
+          timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum -k regex:fkda_prefill \
+            --launch-skip 4 --launch-count 4 "$build/bench/fkda-bench" "$c" --warmup 2 --iters 2 \
+            >>"$out/profile.txt" 2>&1
+        done
+        echo "=== P4 recurrence sections" >>"$out/profile.txt"
+        timeout 150 ncu --clock-control none -k regex:chunk_recurrence --launch-skip 2 --launch-count 1 \
+          --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+          --section SchedulerStats --section MemoryWorkloadAnalysis "$build/bench/fkda-bench" P4 --warmup 2 --iters 1 \
+          >>"$out/profile.txt" 2>&1
+        echo "=== P1 prepare sections" >>"$out/profile.txt"
+        timeout 150 ncu --clock-control none -k regex:prepare_chunks --launch-skip 2 --launch-count 1 \
+          --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+          --section SchedulerStats "$build/bench/fkda-bench" P1 --warmup 2 --iters 1 \
+          >>"$out/profile.txt" 2>&1
+        grep -E "^===|fkda_prefill|gpu__time_duration" "$out/profile.txt" | head -60 | tee -a "$summary"
+      fi
+      ;;
+    *)
+      note "unknown step $s"
+      ;;
+  esac
+done
+
+# The per-case accuracy lines of the tests, then the summary.
+grep -hE "vs fp64" "$out/tests.log" 2>/dev/null | tail -n 60
+echo "=== summary"
+cat "$summary"
