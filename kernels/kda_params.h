@@ -114,7 +114,7 @@ typedef struct FkdaPrefillParams {
   float scale;
   float gate_scale; /* lower_bound * log2(e) */
   int32_t vsplit;   /* 1, 2, 4 or 8 blocks share one head's V rows */
-  int32_t reserved;
+  int32_t use_bulk_copies; /* sm_90 and later: records by bulk copy, else cp.async */
 } FkdaPrefillParams;
 
 #endif /* FLASHKDA_KERNELS_KDA_PARAMS_H */

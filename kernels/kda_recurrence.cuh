@@ -24,8 +24,8 @@
 //   U^T = Y^T W^T,  O^T += Uh^T Mqk^T
 //   S  += Uh^T Kr                    B = Kr through ldmatrix.trans
 // The chunk records and v tiles stream through a ring of shared-memory
-// stages filled several chunks ahead of the one in use: by bulk copies that
-// complete on an mbarrier on sm_90 and later, by cp.async on sm_80.
+// stages filled several chunks ahead of the one in use, by cp.async (and on
+// sm_90 and later the record by one bulk copy completing on an mbarrier).
 #pragma once
 
 #include "kda_device.cuh"
@@ -113,13 +113,11 @@ __device__ __forceinline__ void store_state(const StateAccess& st, int e0, int g
   }
 }
 
-// Issues the copies of one chunk's record and v rows into a stage. The
-// record lands byte for byte (it is stored in its shared-memory layout), so
-// with the thread count fixed at compile time each piece is one instruction
-// with constant offsets. v rows past the sequence's end are zero-filled.
-template <int kThreads, int kVCols>
-__device__ __forceinline__ void stage_chunk(uint32_t stage, const unsigned char* record, const uint16_t* v_first,
-                                            int64_t v_stride_t, int len) {
+// Copies of one chunk into a stage, shared by the whole block. The record
+// lands byte for byte (it is stored in its shared-memory layout), so with the
+// thread count fixed at compile time each 16-byte piece is one instruction.
+template <int kThreads>
+__device__ __forceinline__ void stage_record(uint32_t stage, const unsigned char* record) {
   constexpr int kRecordPieces = FKDA_WS_RECORD_BYTES / 16;
   const int tid = threadIdx.x;
 #pragma unroll
@@ -127,10 +125,15 @@ __device__ __forceinline__ void stage_chunk(uint32_t stage, const unsigned char*
     const int piece = tid + i * kThreads;
     if (kRecordPieces % kThreads == 0 || piece < kRecordPieces) cp_async_16(stage + piece * 16, record + piece * 16, 16);
   }
-  // One 16-byte piece of the v tile per thread: 16 rows of kVCols / 8 pieces.
+}
+
+// One 16-byte piece of the v tile per thread (16 rows of kVCols / 8 pieces);
+// rows past the sequence's end are zero-filled.
+template <int kThreads, int kVCols>
+__device__ __forceinline__ void stage_v_rows(uint32_t stage, const uint16_t* v_first, int64_t v_stride_t, int len) {
   constexpr int kRowPieces = kVCols / 8;
   static_assert(FKDA_CHUNK * kRowPieces == kThreads, "one v piece per thread");
-  const int row = tid / kRowPieces, col = tid % kRowPieces;
+  const int row = threadIdx.x / kRowPieces, col = threadIdx.x % kRowPieces;
   const bool valid = row < len;
   cp_async_16(stage + FKDA_STAGE_V + row * (kVCols * 2 + 16) + col * 16,
               v_first + (valid ? row * v_stride_t + col * 8 : 0), valid ? 16 : 0);
@@ -181,39 +184,37 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
                            int64_t(head) * p.v.stride_h + v_block + seq.begin * p.v.stride_t;
   const int64_t v_step = FKDA_CHUNK * p.v.stride_t;
 #if FKDA_BULK_COPIES
-  // Stage s is full when its barrier's phase (use count) flips.
+  // On sm_90 and later one bulk copy can bring the record, completing on the
+  // stage's mbarrier (its phase flips once per use); the v rows, one 16-byte
+  // piece per thread, go by cp.async either way.
+  const bool bulk = p.use_bulk_copies != 0;
   const uint32_t barriers = stages + fkda_recurrence_barriers_offset(kVsplit);
   if (threadIdx.x == 0) {
     for (int s = 0; s < FKDA_RECURRENCE_STAGES; ++s) mbarrier_init(barriers + 8 * s, 1);
     mbarrier_init_fence();
   }
   __syncthreads();
-  // Warp 0 fills a stage: lane 0 the record, lane r the v row r (rows past
-  // the sequence's end are left as they are and masked when read).
-  auto issue = [&]() {
-    if (next < chunks && warp == 0) {
-      const int64_t left = seq.end - (seq.begin + next * FKDA_CHUNK);
-      const int rows = int(left < FKDA_CHUNK ? left : FKDA_CHUNK);
-      const uint32_t stage = stages + int(next % FKDA_RECURRENCE_STAGES) * kStageBytes;
-      const uint32_t bar = barriers + 8 * int(next % FKDA_RECURRENCE_STAGES);
-      if (lane == 0) {
-        fence_async_shared();
-        mbarrier_expect_bytes(bar, FKDA_WS_RECORD_BYTES + rows * kVCols * 2);
-        bulk_copy(stage, next_record, FKDA_WS_RECORD_BYTES, bar);
-      }
-      __syncwarp();
-      if (lane < rows) bulk_copy(stage + FKDA_STAGE_V + lane * kVPitch, next_v + lane * p.v.stride_t, kVCols * 2, bar);
-    }
-    next_record += record_step;
-    next_v += v_step;
-    ++next;
-  };
 #else
+  constexpr bool bulk = false;
+#endif
   auto issue = [&]() {
     if (next < chunks) {
       const int64_t left = seq.end - (seq.begin + next * FKDA_CHUNK);
-      stage_chunk<kThreads, kVCols>(stages + int(next % FKDA_RECURRENCE_STAGES) * kStageBytes, next_record, next_v,
-                                    p.v.stride_t, int(left < FKDA_CHUNK ? left : FKDA_CHUNK));
+      const uint32_t stage = stages + int(next % FKDA_RECURRENCE_STAGES) * kStageBytes;
+#if FKDA_BULK_COPIES
+      if (bulk) {
+        if (threadIdx.x == 0) {
+          const uint32_t bar = barriers + 8 * int(next % FKDA_RECURRENCE_STAGES);
+          fence_async_shared();
+          mbarrier_expect_bytes(bar, FKDA_WS_RECORD_BYTES);
+          bulk_copy(stage, next_record, FKDA_WS_RECORD_BYTES, bar);
+        }
+      } else
+#endif
+      {
+        stage_record<kThreads>(stage, next_record);
+      }
+      stage_v_rows<kThreads, kVCols>(stage, next_v, p.v.stride_t, int(left < FKDA_CHUNK ? left : FKDA_CHUNK));
       next_record += record_step;
       next_v += v_step;
     }
@@ -221,7 +222,6 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
     // Always one group per chunk index, so wait_group counts stay aligned.
     cp_async_commit();
   };
-#endif
 #pragma unroll
   for (int s = 0; s < FKDA_RECURRENCE_STAGES - 1; ++s) issue();
 
@@ -240,10 +240,9 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   const uint32_t v_lane = FKDA_STAGE_V + row_a * kVPitch + (warp * 16 + col_a) * 2;
 
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-#if FKDA_BULK_COPIES
-    mbarrier_wait(barriers + 8 * int(chunk % FKDA_RECURRENCE_STAGES), uint32_t(chunk / FKDA_RECURRENCE_STAGES) & 1u);
-#else
     cp_async_wait<FKDA_RECURRENCE_STAGES - 2>();
+#if FKDA_BULK_COPIES
+    if (bulk) mbarrier_wait(barriers + 8 * int(chunk % FKDA_RECURRENCE_STAGES), uint32_t(chunk / FKDA_RECURRENCE_STAGES) & 1u);
 #endif
     // The chunk's stage is complete for every thread, and every warp is done
     // with the stage that the next issue overwrites (the one of chunk - 1).
@@ -274,20 +273,8 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
     }
 
     // Y^T = f16(v^T - X^T), straight into A-fragment order (k = tokens).
-    // v rows past the sequence's end read as zero whatever the stage holds.
-    const int64_t first = seq.begin + chunk * FKDA_CHUNK;
-    const int64_t left = seq.end - first;
     uint32_t v[4];
     ldmatrix_x4_trans(v, stage + v_lane);
-    if (left < FKDA_CHUNK) {
-      const int len = int(left);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const uint32_t keep = (nt * 8 + 2 * t < len ? 0x0000ffffu : 0u) | (nt * 8 + 2 * t + 1 < len ? 0xffff0000u : 0u);
-        v[2 * nt] &= keep;
-        v[2 * nt + 1] &= keep;
-      }
-    }
     uint32_t y[4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -353,16 +340,16 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
       }
     }
     __syncwarp();
+    const int64_t first = seq.begin + chunk * FKDA_CHUNK;
     const int token = lane >> 1, piece = lane & 1;
     if (first + token < seq.end) {
       const uint4 value = *reinterpret_cast<const uint4*>(out_tile + token * FKDA_OUT_TILE_PITCH_BYTES + piece * 16);
       *reinterpret_cast<uint4*>(out_row + (first + token) * p.out.stride_t + piece * 8) = value;
     }
   }
-#if !FKDA_BULK_COPIES
   // Drain the empty trailing groups before the block's shared memory goes away.
   cp_async_wait<0>();
-#endif
+  (void)bulk;
 
   if (p.final_state != nullptr) store_state(state, e0, g, t, S);
 }

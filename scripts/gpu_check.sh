@@ -100,20 +100,15 @@ for s in $steps; do
       fi
       ;;
     profile)
-      # Kernel durations of P1 and P4 and, for the recurrence on P4, where
-      # its warps stall (Nsight Compute; clocks left as they are).
+      # Kernel durations of P1, P4 and P5, and how the preparation kernel of P1
+      # uses the SMs (Nsight Compute; clocks left as they are).
       if [ -x "$build/bench/fkda-bench" ]; then
-        for c in P1 P4; do
+        for c in P1 P4 P5; do
           echo "=== $c durations" >>"$out/profile.txt"
           timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum -k regex:fkda_prefill \
             --launch-skip 4 --launch-count 4 "$build/bench/fkda-bench" "$c" --warmup 2 --iters 2 \
             >>"$out/profile.txt" 2>&1
         done
-        echo "=== P4 recurrence sections" >>"$out/profile.txt"
-        timeout 150 ncu --clock-control none -k regex:chunk_recurrence --launch-skip 2 --launch-count 1 \
-          --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-          --section SchedulerStats --section MemoryWorkloadAnalysis "$build/bench/fkda-bench" P4 --warmup 2 --iters 1 \
-          >>"$out/profile.txt" 2>&1
         echo "=== P1 prepare sections" >>"$out/profile.txt"
         timeout 150 ncu --clock-control none -k regex:prepare_chunks --launch-skip 2 --launch-count 1 \
           --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \

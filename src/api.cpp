@@ -125,7 +125,7 @@ FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args, void*
     if (p.backend == FKDA_BACKEND_GPU) {
       fkda::gpu::fwd(problem, workspace, workspace_bytes, reinterpret_cast<CUstream>(stream));
     } else {
-      fkda::cpu::fwd(problem);
+      fkda::cpu::fwd(problem, workspace, workspace_bytes);
     }
   });
 }

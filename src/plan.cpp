@@ -7,6 +7,7 @@
 #include <string>
 #include <unordered_set>
 
+#include "cpu/cpu_backend.h"
 #include "cuda_driver.h"
 #include "error.h"
 #include "gpu_backend.h"
@@ -81,7 +82,7 @@ size_t Plan::workspace_size(int64_t total_tokens, int64_t num_seqs) const {
   if (total_tokens < 0) invalid("total_tokens: must be >= 0, got " + std::to_string(total_tokens));
   if (num_seqs < 0) invalid("num_seqs: must be >= 0, got " + std::to_string(num_seqs));
   if (backend == FKDA_BACKEND_GPU) return gpu::workspace_size(total_tokens, num_seqs, num_heads);
-  return 0;  // the CPU backend keeps its scratch on the host itself
+  return cpu::workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v);
 }
 
 fkda_plan_t create_plan(const fkda_plan_desc* desc) {

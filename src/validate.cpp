@@ -42,10 +42,13 @@ int64_t element_count(const fkda_tensor& t) {
   return n;
 }
 
-// Dtype, rank, extents and strides of one tensor. `contiguous` demands
-// row-major packed strides; otherwise only the last axis must be packed.
+// What a tensor's strides must be: fully packed (row-major), packed along
+// the last axis only (rows of a strided view), or anything non-negative.
+enum class Strides { kPacked, kRows, kFree };
+
+// Dtype, rank, extents and strides of one tensor.
 void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<int32_t> dtypes,
-                  std::initializer_list<int64_t> shape, bool contiguous) {
+                  std::initializer_list<int64_t> shape, Strides strides) {
   const std::string n = name;
   if (!present(t)) invalid(n + ": required tensor is missing (data NULL, rank 0)");
   bool dtype_ok = std::find(dtypes.begin(), dtypes.end(), t.dtype) != dtypes.end();
@@ -76,10 +79,10 @@ void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<
   for (int32_t i = 0; i < rank; ++i) {
     if (t.strides[i] < 0) invalid(n + ": negative strides are not supported, got " + join(t.strides, rank));
   }
-  if (rank > 0 && t.shape[rank - 1] > 1 && t.strides[rank - 1] != 1) {
+  if (strides != Strides::kFree && rank > 0 && t.shape[rank - 1] > 1 && t.strides[rank - 1] != 1) {
     invalid(n + ": the last axis must be contiguous (stride 1), got strides " + join(t.strides, rank));
   }
-  if (contiguous) {
+  if (strides == Strides::kPacked) {
     int64_t expected = 1;
     for (int32_t i = rank - 1; i >= 0; --i) {
       if (t.shape[i] > 1 && t.strides[i] != expected) {
@@ -240,7 +243,7 @@ FwdProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const void*
   const fkda_fwd_args& a = *args;
 
   // q fixes B and T; every other tensor is checked against them.
-  check_tensor(a.q, "q", {FKDA_DTYPE_BF16}, {kAny, kAny, kAny, kAny}, false);
+  check_tensor(a.q, "q", {FKDA_DTYPE_BF16}, {kAny, kAny, kAny, kAny}, Strides::kRows);
   if (a.q.shape[2] != H) {
     invalid("q: expected " + std::to_string(H) + " heads (the plan's num_heads) on axis 2, got shape " +
             join(a.q.shape, 4));
@@ -249,19 +252,19 @@ FwdProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const void*
     invalid("q: expected head dim " + std::to_string(K) + " on axis 3, got shape " + join(a.q.shape, 4));
   }
   const int64_t B = a.q.shape[0], T = a.q.shape[1];
-  check_tensor(a.k, "k", {FKDA_DTYPE_BF16}, {B, T, H, K}, false);
-  check_tensor(a.v, "v", {FKDA_DTYPE_BF16}, {B, T, H, V}, false);
-  check_tensor(a.g, "g", {FKDA_DTYPE_BF16}, {B, T, H, K}, false);
+  check_tensor(a.k, "k", {FKDA_DTYPE_BF16}, {B, T, H, K}, Strides::kRows);
+  check_tensor(a.v, "v", {FKDA_DTYPE_BF16}, {B, T, H, V}, Strides::kRows);
+  check_tensor(a.g, "g", {FKDA_DTYPE_BF16}, {B, T, H, K}, Strides::kRows);
   // beta has no packed axis of its own: any strides.
-  check_tensor(a.beta, "beta", {FKDA_DTYPE_BF16}, {B, T, H}, false);
-  check_tensor(a.A_log, "A_log", {FKDA_DTYPE_F32}, {H}, true);
-  check_tensor(a.dt_bias, "dt_bias", {FKDA_DTYPE_F32}, {H, K}, true);
-  check_tensor(a.out, "out", {FKDA_DTYPE_BF16}, {B, T, H, V}, false);
+  check_tensor(a.beta, "beta", {FKDA_DTYPE_BF16}, {B, T, H}, Strides::kFree);
+  check_tensor(a.A_log, "A_log", {FKDA_DTYPE_F32}, {H}, Strides::kPacked);
+  check_tensor(a.dt_bias, "dt_bias", {FKDA_DTYPE_F32}, {H, K}, Strides::kPacked);
+  check_tensor(a.out, "out", {FKDA_DTYPE_BF16}, {B, T, H, V}, Strides::kRows);
   check_no_overlap(a.out, "out");
 
   int64_t N = B;
   if (present(a.cu_seqlens)) {
-    check_tensor(a.cu_seqlens, "cu_seqlens", {FKDA_DTYPE_I64, FKDA_DTYPE_I32}, {kAny}, false);
+    check_tensor(a.cu_seqlens, "cu_seqlens", {FKDA_DTYPE_I64, FKDA_DTYPE_I32}, {kAny}, Strides::kFree);
     if (a.cu_seqlens.shape[0] < 2) {
       invalid("cu_seqlens: needs N + 1 >= 2 offsets, got " + std::to_string(a.cu_seqlens.shape[0]));
     }
@@ -283,9 +286,9 @@ FwdProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const void*
               " (the plan's state_dtype), got " + dtype_name(t.dtype));
     }
     if (vk) {
-      check_tensor(t, name, {plan.state_dtype}, {N, H, V, K}, true);
+      check_tensor(t, name, {plan.state_dtype}, {N, H, V, K}, Strides::kPacked);
     } else {
-      check_tensor(t, name, {plan.state_dtype}, {N, H, K, V}, true);
+      check_tensor(t, name, {plan.state_dtype}, {N, H, K, V}, Strides::kPacked);
     }
   };
   check_state(a.initial_state, "initial_state");

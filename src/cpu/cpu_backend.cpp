@@ -33,27 +33,28 @@ struct HeadTask {
 };
 
 // Everything one worker needs: the state of the (sequence, head) pair it is
-// on and the operands of the current chunk. Allocated before any thread
-// starts, so that nothing inside a worker can throw.
+// on and the operands of the current chunk. It lives in the caller's
+// workspace (one region per worker), so a call allocates nothing large and
+// nothing inside a worker can throw.
 struct ChunkScratch {
   int K = 0, V = 0;
   int len = 0;  // tokens of this chunk (the last chunk of a sequence may be partial)
 
   // The chunk's inputs widened to f32, [kChunk][K] or [kChunk][V]; rows >= len are zero.
-  std::vector<float> q, k, g, v;
+  float *q, *k, *g, *v;
   float beta[kChunk] = {};
 
   // Step 1 and 2.
-  std::vector<float> gate_cumsum;  // c, [kChunk][K]
-  std::vector<float> decay;        // 2^c_last, [K]
+  float* gate_cumsum;  // c, [kChunk][K]
+  float* decay;        // 2^c_last, [K]
   float rq[kChunk] = {}, rk[kChunk] = {}, b[kChunk] = {};
 
   // Step 3: bf16 operands of the 16x16 products, [kChunk][K].
-  std::vector<float> kd_bf16, ki_bf16, qd_bf16;
+  float *kd_bf16, *ki_bf16, *qd_bf16;
   // Step 3: f16 operands of the recurrence. Kd and Qd are stored K-major,
   // [K][kChunk], so that the products with the state run along the 16 tokens.
-  std::vector<float> kd_f16_kmajor, qd_f16_kmajor;
-  std::vector<float> kr_f16;  // [kChunk][K]
+  float *kd_f16_kmajor, *qd_f16_kmajor;
+  float* kr_f16;  // [kChunk][K]
 
   // Steps 4 and 5.
   float L[kChunk][kChunk] = {};
@@ -61,33 +62,44 @@ struct ChunkScratch {
   float W[kChunk][kChunk] = {};
 
   // Step 6.
-  std::vector<float> state;                // S, [V][K], f32 for the whole sequence
-  std::vector<float> state_f16;            // Sh, [V][K]
-  std::vector<float> X_vmajor, Oi_vmajor;  // [V][kChunk]
-  std::vector<float> Y, Uh;                // [kChunk][V]
-  std::vector<float> out_f32;              // one output row, [V]
+  float* state;                // S, [V][K], f32 for the whole sequence
+  float* state_f16;            // Sh, [V][K]
+  float *X_vmajor, *Oi_vmajor;  // [V][kChunk]
+  float *Y, *Uh;                // [kChunk][V]
+  float* out_f32;              // one output row, [V]
 
-  ChunkScratch(int head_dim_k, int head_dim_v) : K(head_dim_k), V(head_dim_v) {
+  // Floats of workspace one worker carves its arrays from.
+  static size_t floats_needed(int head_dim_k, int head_dim_v) {
+    const size_t rows_k = size_t(kChunk) * head_dim_k, rows_v = size_t(kChunk) * head_dim_v;
+    return 9 * rows_k + 6 * rows_v + head_dim_k + 2 * size_t(head_dim_v) * head_dim_k + head_dim_v;
+  }
+
+  ChunkScratch(int head_dim_k, int head_dim_v, float* memory) : K(head_dim_k), V(head_dim_v) {
     const size_t rows_k = size_t(kChunk) * K, rows_v = size_t(kChunk) * V;
-    q.resize(rows_k);
-    k.resize(rows_k);
-    g.resize(rows_k);
-    v.resize(rows_v);
-    gate_cumsum.resize(rows_k);
-    decay.resize(K);
-    kd_bf16.resize(rows_k);
-    ki_bf16.resize(rows_k);
-    qd_bf16.resize(rows_k);
-    kd_f16_kmajor.resize(rows_k);
-    qd_f16_kmajor.resize(rows_k);
-    kr_f16.resize(rows_k);
-    state.resize(size_t(V) * K);
-    state_f16.resize(size_t(V) * K);
-    X_vmajor.resize(rows_v);
-    Oi_vmajor.resize(rows_v);
-    Y.resize(rows_v);
-    Uh.resize(rows_v);
-    out_f32.resize(V);
+    auto take = [&memory](size_t count) {
+      float* region = memory;
+      memory += count;
+      return region;
+    };
+    q = take(rows_k);
+    k = take(rows_k);
+    g = take(rows_k);
+    v = take(rows_v);
+    gate_cumsum = take(rows_k);
+    decay = take(size_t(K));
+    kd_bf16 = take(rows_k);
+    ki_bf16 = take(rows_k);
+    qd_bf16 = take(rows_k);
+    kd_f16_kmajor = take(rows_k);
+    qd_f16_kmajor = take(rows_k);
+    kr_f16 = take(rows_k);
+    state = take(size_t(V) * K);
+    state_f16 = take(size_t(V) * K);
+    X_vmajor = take(rows_v);
+    Oi_vmajor = take(rows_v);
+    Y = take(rows_v);
+    Uh = take(rows_v);
+    out_f32 = take(size_t(V));
   }
 };
 
@@ -140,7 +152,7 @@ size_t state_index(const FwdProblem& p, int e, int k) {
 
 void load_initial_state(const FwdProblem& p, const HeadTask& task, ChunkScratch& s) {
   if (p.initial_state == nullptr) {
-    std::fill(s.state.begin(), s.state.end(), 0.f);
+    std::fill(s.state, s.state + size_t(s.V) * s.K, 0.f);
     return;
   }
   const size_t base = state_offset(p, task);
@@ -332,7 +344,7 @@ void invert_unit_lower(ChunkScratch& s) {
 // the 16 tokens and every state element is read once.
 void project_state(ChunkScratch& s) {
   const int K = s.K, V = s.V;
-  for (size_t at = 0; at < s.state.size(); ++at) s.state_f16[at] = round_to_f16_satfinite(s.state[at]);
+  for (size_t at = 0; at < size_t(s.V) * s.K; ++at) s.state_f16[at] = round_to_f16_satfinite(s.state[at]);
   for (int e = 0; e < V; ++e) {
     float* x = &s.X_vmajor[size_t(e) * kChunk];
     float* o = &s.Oi_vmajor[size_t(e) * kChunk];
@@ -376,7 +388,7 @@ void delta_updates(ChunkScratch& s) {
 // Step 6: O = Oi + Mqk Uh, written as bf16 for the chunk's real tokens.
 void write_output(const FwdProblem& p, const HeadTask& task, int64_t first_token, ChunkScratch& s) {
   const int V = s.V;
-  float* o = s.out_f32.data();
+  float* o = s.out_f32;
   for (int i = 0; i < s.len; ++i) {
     for (int e = 0; e < V; ++e) o[e] = s.Oi_vmajor[size_t(e) * kChunk + i];
     for (int j = 0; j <= i; ++j) {
@@ -426,21 +438,38 @@ void run_head(const FwdProblem& p, const HeadTask& task, ChunkScratch& s) {
 // Below about this many chunks in all, starting a thread costs more than it saves.
 constexpr int64_t kChunksPerExtraThread = 8;
 
+// Workers for a call of at most this many chunks over this many (sequence,
+// head) pairs: one per core, no more than there are pairs or chunks to share.
+int64_t worker_count(int64_t pairs, int64_t chunks) {
+  const int64_t hardware = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  return std::clamp<int64_t>(std::min<int64_t>(pairs, chunks / kChunksPerExtraThread), 1, hardware);
+}
+
 }  // namespace
 
-void fwd(const FwdProblem& problem) {
+size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, int32_t head_dim_k,
+                      int32_t head_dim_v) {
+  // Each sequence adds at most one partial chunk to total_tokens / 16 full ones.
+  const int64_t chunk_bound = total_tokens / kChunk + num_seqs;
+  const int64_t workers = worker_count(num_seqs * num_heads, chunk_bound);
+  return size_t(workers) * ChunkScratch::floats_needed(head_dim_k, head_dim_v) * sizeof(float);
+}
+
+void fwd(const FwdProblem& problem, void* workspace, size_t workspace_bytes) {
   const std::vector<HeadTask> tasks = head_tasks(problem);
   if (tasks.empty()) return;
 
   int64_t total_chunks = 0;
   for (const HeadTask& task : tasks) total_chunks += (task.end - task.begin + kChunk - 1) / kChunk;
-  const int64_t hardware = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  const int64_t workers = std::clamp<int64_t>(
-      std::min<int64_t>(int64_t(tasks.size()), total_chunks / kChunksPerExtraThread), 1, hardware);
+  const size_t per_worker = ChunkScratch::floats_needed(problem.head_dim_k, problem.head_dim_v);
+  const int64_t affordable = int64_t(workspace_bytes / (per_worker * sizeof(float)));
+  const int64_t workers = std::min(worker_count(int64_t(tasks.size()), total_chunks), affordable);
 
   std::vector<ChunkScratch> scratch;
   scratch.reserve(size_t(workers));
-  for (int64_t w = 0; w < workers; ++w) scratch.emplace_back(problem.head_dim_k, problem.head_dim_v);
+  for (int64_t w = 0; w < workers; ++w) {
+    scratch.emplace_back(problem.head_dim_k, problem.head_dim_v, static_cast<float*>(workspace) + size_t(w) * per_worker);
+  }
 
   std::atomic<size_t> next_task{0};
   auto work = [&](ChunkScratch& s) {

@@ -2,12 +2,22 @@
 // memory, rounding where docs/NUMERICS.md says the GPU kernels round.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 #include "problem.h"
 
 namespace fkda::cpu {
 
-// Runs the forward pass on host memory. The problem has been validated,
-// cu_seqlens contents included. May use several threads.
-void fwd(const FwdProblem& problem);
+// Host workspace bytes a call with these sizes needs: per-worker scratch
+// for the state and one chunk's operands, one worker per core at most.
+size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, int32_t head_dim_k,
+                      int32_t head_dim_v);
+
+// Runs the forward pass on host memory with its scratch in `workspace`
+// (16-byte aligned, at least workspace_size() bytes: checked by the caller).
+// The problem has been validated, cu_seqlens contents included. May use
+// several threads.
+void fwd(const FwdProblem& problem, void* workspace, size_t workspace_bytes);
 
 }  // namespace fkda::cpu

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -406,7 +407,10 @@ DeviceCase::Result run_cpu(const Problem& p, const Case& c, const Arenas& arenas
               copy.dt_bias.data(), copy.out.data(), copy.initial.empty() ? nullptr : copy.initial.data(),
               copy.final.empty() ? nullptr : copy.final.data(), copy.offsets.empty() ? nullptr : copy.offsets.data()};
   const fkda_fwd_args args = make_case_args(p, c, copy, at);
-  FKDA_REQUIRE(fkda_fwd(plan.get(), &args, nullptr, 0, nullptr));
+  size_t workspace_bytes = 0;
+  FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, p.num_seqs(), &workspace_bytes));
+  std::vector<std::max_align_t> workspace(workspace_bytes / sizeof(std::max_align_t) + 1);
+  FKDA_REQUIRE(fkda_fwd(plan.get(), &args, workspace.data(), workspace_bytes, nullptr));
   return DeviceCase::Result{copy.out, copy.final};
 }
 

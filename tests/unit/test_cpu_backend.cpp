@@ -357,29 +357,34 @@ Problem token_slice(const Problem& p, int64_t begin, int64_t end) {
   return slice;
 }
 
+// BENCHMARKS.md's accuracy case: T=1024 H=4, and varlen [300, 77, 700] H=4.
+std::vector<ProblemShape> benchmark_accuracy_shapes() {
+  ProblemShape dense, varlen;
+  dense.H = varlen.H = 4;
+  dense.T = 1024;
+  varlen.lengths = {300, 77, 700};
+  return {dense, varlen};
+}
+
 }  // namespace
 
 TEST_CASE("CPU backend meets the f32-state accuracy targets on the benchmark case", "[cpu][accuracy]") {
-  ProblemShape shape;
-  shape.H = 4;
-  SECTION("B=1 T=1024 H=4") { shape.T = 1024; }
-  SECTION("varlen [300, 77, 700] H=4") { shape.lengths = {300, 77, 700}; }
-  const Problem p = random_problem(shape, 20261130);
-  RunOptions o;
-  o.state_dtype = FKDA_DTYPE_F32;
-  check_accuracy(p, o, run_cpu(p, o), kF32StateTargets);
+  for (const ProblemShape& shape : benchmark_accuracy_shapes()) {
+    const Problem p = random_problem(shape, 20261130);
+    RunOptions o;
+    o.state_dtype = FKDA_DTYPE_F32;
+    check_accuracy(p, o, run_cpu(p, o), kF32StateTargets);
+  }
 }
 
 TEST_CASE("CPU backend meets the bf16-state accuracy targets on the benchmark case", "[cpu][accuracy]") {
-  ProblemShape shape;
-  shape.H = 4;
-  SECTION("B=1 T=1024 H=4") { shape.T = 1024; }
-  SECTION("varlen [300, 77, 700] H=4") { shape.lengths = {300, 77, 700}; }
-  Problem p = random_problem(shape, 20261130);
-  round_initial_state_to_bf16(p);
-  RunOptions o;
-  o.state_dtype = FKDA_DTYPE_BF16;
-  check_accuracy(p, o, run_cpu(p, o), kBf16StateTargets);
+  for (const ProblemShape& shape : benchmark_accuracy_shapes()) {
+    Problem p = random_problem(shape, 20261130);
+    round_initial_state_to_bf16(p);
+    RunOptions o;
+    o.state_dtype = FKDA_DTYPE_BF16;
+    check_accuracy(p, o, run_cpu(p, o), kBf16StateTargets);
+  }
 }
 
 TEST_CASE("CPU backend: batched rows of lengths around the chunk size", "[cpu][batched]") {
@@ -517,20 +522,13 @@ TEST_CASE("CPU backend: strided beta and cu_seqlens views", "[cpu][strides]") {
   const Problem p = random_problem(shape, 9100);
   const RunResult contiguous = run_cpu(p, RunOptions{});
   check_accuracy(p, RunOptions{}, contiguous, kBf16StateTargets);
-  std::vector<RunOptions> variants;
-  SECTION("beta with gaps between heads and tokens") {
-    variants.resize(1);
-    variants[0].beta_layout = Layout::padded;
-  }
-  SECTION("beta stored head-major") {
-    variants.resize(1);
-    variants[0].beta_layout = Layout::head_major;
-  }
-  SECTION("cu_seqlens with a stride of 3, i64 and i32") {
-    variants.resize(2);
-    variants[0].cu_stride = variants[1].cu_stride = 3;
-    variants[1].cu_dtype = FKDA_DTYPE_I32;
-  }
+  // beta with gaps between heads and tokens; beta stored head-major;
+  // cu_seqlens with a stride of 3, as i64 and as i32.
+  std::vector<RunOptions> variants(4);
+  variants[0].beta_layout = Layout::padded;
+  variants[1].beta_layout = Layout::head_major;
+  variants[2].cu_stride = variants[3].cu_stride = 3;
+  variants[3].cu_dtype = FKDA_DTYPE_I32;
   for (const RunOptions& o : variants) {
     const RunResult r = run_cpu(p, o);
     CHECK(bitwise_equal(r.out, contiguous.out));

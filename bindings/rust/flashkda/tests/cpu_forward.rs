@@ -348,15 +348,16 @@ fn raw_forward_on_host_pointers_matches_fwd_host() {
         cu_seqlens: None,
         scale: problem.scale,
     };
+    let mut workspace = vec![0u8; plan.workspace_size(24, 1).unwrap()];
     // SAFETY: every pointer is a live host buffer of the described shape.
-    unsafe { plan.fwd_raw(&args, null_mut(), 0, null_mut()) }.unwrap();
+    unsafe { plan.fwd_raw(&args, workspace.as_mut_ptr().cast(), workspace.len(), null_mut()) }.unwrap();
     assert_eq!(out, expected_out);
     assert_eq!(state, expected_state);
 
     let mut wrong = args;
     wrong.q.dtype = Dtype::F32;
     // SAFETY: as above; the library rejects the dtype before reading.
-    let error = unsafe { plan.fwd_raw(&wrong, null_mut(), 0, null_mut()) }.unwrap_err();
+    let error = unsafe { plan.fwd_raw(&wrong, workspace.as_mut_ptr().cast(), workspace.len(), null_mut()) }.unwrap_err();
     assert_eq!(error.status, Status::InvalidArgument);
     assert!(error.message.starts_with("q:"), "{}", error.message);
 }
