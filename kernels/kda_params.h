@@ -47,7 +47,7 @@ static inline FKDA_HOST_DEVICE int64_t fkda_num_chunk_slots(int64_t total_tokens
  * 16 rows of V, so a block has 8 / vsplit warps, and there is one kernel per
  * vsplit (1, 2, 4, 8). Its dynamic shared memory is a ring of
  * FKDA_RECURRENCE_STAGES stages, each a chunk's record followed by its v rows
- * (padded against bank conflicts), one output tile per warp, and barriers. */
+ * (padded against bank conflicts), plus one output tile per warp. */
 #define FKDA_RECURRENCE_STAGES 4
 #define FKDA_STAGE_V FKDA_WS_RECORD_BYTES
 #define FKDA_OUT_TILE_PITCH_BYTES 48 /* a 16-wide bf16 row plus 16 bytes */
@@ -60,14 +60,9 @@ static inline FKDA_HOST_DEVICE int32_t fkda_v_tile_pitch_bytes(int32_t vsplit) {
 static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_stage_bytes(int32_t vsplit) {
   return FKDA_STAGE_V + FKDA_CHUNK * fkda_v_tile_pitch_bytes(vsplit);
 }
-/* After the output tiles: one 8-byte mbarrier per stage (used where the
- * stages are filled by bulk copies, sm_90 and later). */
-static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_barriers_offset(int32_t vsplit) {
+static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_smem_bytes(int32_t vsplit) {
   return FKDA_RECURRENCE_STAGES * fkda_recurrence_stage_bytes(vsplit) +
          fkda_recurrence_warps(vsplit) * FKDA_OUT_TILE_BYTES;
-}
-static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_smem_bytes(int32_t vsplit) {
-  return fkda_recurrence_barriers_offset(vsplit) + FKDA_RECURRENCE_STAGES * 8;
 }
 
 /* The preparation kernel: one block of this many threads per (slot, head). */
@@ -114,7 +109,7 @@ typedef struct FkdaPrefillParams {
   float scale;
   float gate_scale; /* lower_bound * log2(e) */
   int32_t vsplit;   /* 1, 2, 4 or 8 blocks share one head's V rows */
-  int32_t use_bulk_copies; /* sm_90 and later: records by bulk copy, else cp.async */
+  int32_t reserved; /* zero */
 } FkdaPrefillParams;
 
 #endif /* FLASHKDA_KERNELS_KDA_PARAMS_H */

@@ -24,8 +24,9 @@
 //   U^T = Y^T W^T,  O^T += Uh^T Mqk^T
 //   S  += Uh^T Kr                    B = Kr through ldmatrix.trans
 // The chunk records and v tiles stream through a ring of shared-memory
-// stages filled several chunks ahead of the one in use, by cp.async (and on
-// sm_90 and later the record by one bulk copy completing on an mbarrier).
+// stages filled by cp.async several chunks ahead of the one in use. (One
+// bulk copy per record on sm_90 measured the same on an H200, so both
+// architectures share this path.)
 #pragma once
 
 #include "kda_device.cuh"
@@ -183,37 +184,11 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   const uint16_t* next_v = static_cast<const uint16_t*>(p.v.data) + seq.row * p.v.stride_b +
                            int64_t(head) * p.v.stride_h + v_block + seq.begin * p.v.stride_t;
   const int64_t v_step = FKDA_CHUNK * p.v.stride_t;
-#if FKDA_BULK_COPIES
-  // On sm_90 and later one bulk copy can bring the record, completing on the
-  // stage's mbarrier (its phase flips once per use); the v rows, one 16-byte
-  // piece per thread, go by cp.async either way.
-  const bool bulk = p.use_bulk_copies != 0;
-  const uint32_t barriers = stages + fkda_recurrence_barriers_offset(kVsplit);
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < FKDA_RECURRENCE_STAGES; ++s) mbarrier_init(barriers + 8 * s, 1);
-    mbarrier_init_fence();
-  }
-  __syncthreads();
-#else
-  constexpr bool bulk = false;
-#endif
   auto issue = [&]() {
     if (next < chunks) {
       const int64_t left = seq.end - (seq.begin + next * FKDA_CHUNK);
       const uint32_t stage = stages + int(next % FKDA_RECURRENCE_STAGES) * kStageBytes;
-#if FKDA_BULK_COPIES
-      if (bulk) {
-        if (threadIdx.x == 0) {
-          const uint32_t bar = barriers + 8 * int(next % FKDA_RECURRENCE_STAGES);
-          fence_async_shared();
-          mbarrier_expect_bytes(bar, FKDA_WS_RECORD_BYTES);
-          bulk_copy(stage, next_record, FKDA_WS_RECORD_BYTES, bar);
-        }
-      } else
-#endif
-      {
-        stage_record<kThreads>(stage, next_record);
-      }
+      stage_record<kThreads>(stage, next_record);
       stage_v_rows<kThreads, kVCols>(stage, next_v, p.v.stride_t, int(left < FKDA_CHUNK ? left : FKDA_CHUNK));
       next_record += record_step;
       next_v += v_step;
@@ -241,14 +216,17 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
 
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     cp_async_wait<FKDA_RECURRENCE_STAGES - 2>();
-#if FKDA_BULK_COPIES
-    if (bulk) mbarrier_wait(barriers + 8 * int(chunk % FKDA_RECURRENCE_STAGES), uint32_t(chunk / FKDA_RECURRENCE_STAGES) & 1u);
-#endif
     // The chunk's stage is complete for every thread, and every warp is done
     // with the stage that the next issue overwrites (the one of chunk - 1).
     __syncthreads();
     issue();
     const uint32_t stage = stages + int(chunk % FKDA_RECURRENCE_STAGES) * kStageBytes;
+
+    // Operands off the chain first: v^T (A-fragment order, k = tokens), W, Mqk.
+    uint32_t v[4], w[4], mqk[4];
+    ldmatrix_x4_trans(v, stage + v_lane);
+    ldmatrix_x4(w, stage + w_lane);
+    ldmatrix_x4(mqk, stage + mqk_lane);
 
     // Sh = f16(S) as A fragments: k-step ks covers columns 16 ks .. 16 ks + 15.
     uint32_t sh[8][4];
@@ -259,44 +237,40 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
       sh[ks][2] = pack_f16x2(S[2 * ks + 1][0], S[2 * ks + 1][1]);
       sh[ks][3] = pack_f16x2(S[2 * ks + 1][2], S[2 * ks + 1][3]);
     }
+    // S diag(decay) now, while the products below wait on their inputs.
+    const float* decay = reinterpret_cast<const float*>(smem + (stage - stages) + FKDA_WS_DECAY_OFFSET);
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const float2 d = *reinterpret_cast<const float2*>(decay + nt * 8 + 2 * t);
+      S[nt][0] *= d.x;
+      S[nt][1] *= d.y;
+      S[nt][2] *= d.x;
+      S[nt][3] *= d.y;
+    }
 
     // X^T (16 V rows x 16 tokens, two n-tiles) is on the chain to the next
-    // chunk: two partial sums halve its dependent mmas.
-    float x_even[2][4] = {}, x_odd[2][4] = {};
+    // chunk: four partial sums cut its dependent mmas from eight to two.
+    float x[4][2][4] = {};
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       uint32_t kd[4];
       ldmatrix_x4(kd, stage + FKDA_WS_KD_OFFSET + (kd_lane ^ (ks << 5)));
-      float(&x)[2][4] = (ks & 1) ? x_odd : x_even;
-      mma_f16(x[0], sh[ks], kd[0], kd[1]);
-      mma_f16(x[1], sh[ks], kd[2], kd[3]);
+      mma_f16(x[ks & 3][0], sh[ks], kd[0], kd[1]);
+      mma_f16(x[ks & 3][1], sh[ks], kd[2], kd[3]);
     }
 
-    // Y^T = f16(v^T - X^T), straight into A-fragment order (k = tokens).
-    uint32_t v[4];
-    ldmatrix_x4_trans(v, stage + v_lane);
+    // Y^T = f16(v^T - X^T), straight into A-fragment order.
     uint32_t y[4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      y[2 * nt] = pack_f16x2(bf16_lo(v[2 * nt]) - (x_even[nt][0] + x_odd[nt][0]),
-                             bf16_hi(v[2 * nt]) - (x_even[nt][1] + x_odd[nt][1]));
-      y[2 * nt + 1] = pack_f16x2(bf16_lo(v[2 * nt + 1]) - (x_even[nt][2] + x_odd[nt][2]),
-                                 bf16_hi(v[2 * nt + 1]) - (x_even[nt][3] + x_odd[nt][3]));
-    }
-
-    // Oi^T = Sh Qd^T: off the chain, issued while Y waits on X.
-    float o[2][4] = {};
+      float xs[4];
 #pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      uint32_t qd[4];
-      ldmatrix_x4(qd, stage + FKDA_WS_QD_OFFSET + (kd_lane ^ (ks << 5)));
-      mma_f16(o[0], sh[ks], qd[0], qd[1]);
-      mma_f16(o[1], sh[ks], qd[2], qd[3]);
+      for (int r = 0; r < 4; ++r) xs[r] = (x[0][nt][r] + x[1][nt][r]) + (x[2][nt][r] + x[3][nt][r]);
+      y[2 * nt] = pack_f16x2(bf16_lo(v[2 * nt]) - xs[0], bf16_hi(v[2 * nt]) - xs[1]);
+      y[2 * nt + 1] = pack_f16x2(bf16_lo(v[2 * nt + 1]) - xs[2], bf16_hi(v[2 * nt + 1]) - xs[3]);
     }
 
     // U^T = Y^T W^T, Uh^T = f16(U^T).
-    uint32_t w[4];
-    ldmatrix_x4(w, stage + w_lane);
     float u[2][4] = {};
     mma_f16(u[0], y, w[0], w[1]);
     mma_f16(u[1], y, w[2], w[3]);
@@ -306,28 +280,27 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
     uh[2] = pack_f16x2(u[1][0], u[1][1]);
     uh[3] = pack_f16x2(u[1][2], u[1][3]);
 
-    // S = S diag(decay) + Uh^T Kr.
-    const float* decay = reinterpret_cast<const float*>(smem + (stage - stages) + FKDA_WS_DECAY_OFFSET);
+    // S += Uh^T Kr closes the chain.
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       uint32_t kr[4];
       ldmatrix_x4_trans(kr, stage + FKDA_WS_KR_OFFSET + (kr_lane ^ (j << 5)));
+      mma_f16(S[2 * j], uh, kr[0], kr[1]);
+      mma_f16(S[2 * j + 1], uh, kr[2], kr[3]);
+    }
+
+    // Oi^T = Sh Qd^T, off the chain.
+    float o[2][4] = {};
 #pragma unroll
-      for (int hn = 0; hn < 2; ++hn) {
-        const int nt = 2 * j + hn;
-        const float2 d = *reinterpret_cast<const float2*>(decay + nt * 8 + 2 * t);
-        S[nt][0] *= d.x;
-        S[nt][1] *= d.y;
-        S[nt][2] *= d.x;
-        S[nt][3] *= d.y;
-        mma_f16(S[nt], uh, kr[2 * hn], kr[2 * hn + 1]);
-      }
+    for (int ks = 0; ks < 8; ++ks) {
+      uint32_t qd[4];
+      ldmatrix_x4(qd, stage + FKDA_WS_QD_OFFSET + (kd_lane ^ (ks << 5)));
+      mma_f16(o[0], sh[ks], qd[0], qd[1]);
+      mma_f16(o[1], sh[ks], qd[2], qd[3]);
     }
 
     // O^T = Oi^T + Uh^T Mqk^T, then out = bf16(O) through the warp's tile
     // (token-major) so that each lane writes one 16-byte piece.
-    uint32_t mqk[4];
-    ldmatrix_x4(mqk, stage + mqk_lane);
     mma_f16(o[0], uh, mqk[0], mqk[1]);
     mma_f16(o[1], uh, mqk[2], mqk[3]);
 #pragma unroll
@@ -349,7 +322,6 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   }
   // Drain the empty trailing groups before the block's shared memory goes away.
   cp_async_wait<0>();
-  (void)bulk;
 
   if (p.final_state != nullptr) store_state(state, e0, g, t, S);
 }

@@ -29,7 +29,6 @@ constexpr const char* kPrepareKernel = "fkda_prefill_prepare_chunks";
 // One recurrence kernel per V split (1, 2, 4, 8), indexed by log2(vsplit).
 constexpr int kVsplitCount = 4;
 constexpr int kMaxVsplit = 8;
-constexpr bool kBulkCopiesByDefault = false;
 constexpr const char* kRecurrenceKernels[kVsplitCount] = {
     "fkda_prefill_chunk_recurrence_v1", "fkda_prefill_chunk_recurrence_v2", "fkda_prefill_chunk_recurrence_v4",
     "fkda_prefill_chunk_recurrence_v8"};
@@ -134,19 +133,6 @@ int forced_vsplit() {
   return forced;
 }
 
-// FKDA_COPY=bulk|cp.async picks how the recurrence stages chunk records on
-// sm_90 and later (one bulk copy, or 16-byte cp.async pieces). A tuning and
-// testing override, read once per process; the default is kBulkCopiesByDefault.
-bool use_bulk_copies() {
-  static const bool bulk = [] {
-    const char* text = std::getenv("FKDA_COPY");
-    if (text != nullptr && std::strcmp(text, "bulk") == 0) return true;
-    if (text != nullptr && std::strcmp(text, "cp.async") == 0) return false;
-    return kBulkCopiesByDefault;
-  }();
-  return bulk;
-}
-
 // Enough blocks to fill the GPU: the largest power of two <= 8 with
 // N * H * vsplit <= 2 * SMs, at least 1, and within the shared memory limit.
 int choose_vsplit(int64_t seqs_times_heads, const DeviceFacts& facts) {
@@ -245,7 +231,6 @@ void fwd(const FwdProblem& problem, void* workspace, size_t /*workspace_bytes*/,
   params.scale = problem.scale;
   params.gate_scale = problem.lower_bound * 1.4426950408889634f;  // NUMERICS step 1, in f32
   params.vsplit = choose_vsplit(problem.num_seqs * problem.num_heads, facts);
-  params.use_bulk_copies = use_bulk_copies() ? 1 : 0;
 
   const unsigned heads = unsigned(problem.num_heads);
   if (total_tokens > 0) {
