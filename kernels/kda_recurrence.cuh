@@ -330,7 +330,7 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
 
 // One kernel per V split, so that thread counts and tile widths are constants.
 #define FKDA_DEFINE_RECURRENCE(vsplit)                                              \
-  extern "C" __global__ void __launch_bounds__(256 / (vsplit))                      \
+  extern "C" __global__ void __launch_bounds__(256 / (vsplit), 1)                   \
       fkda_prefill_chunk_recurrence_v##vsplit(const FkdaPrefillParams p) {          \
     fkda_dev::chunk_recurrence<vsplit>(p);                                          \
   }

@@ -84,9 +84,9 @@ for s in $steps; do
       ;;
     bench)
       if [ -x "$build/bench/fkda-bench" ]; then
-        step bench 150 "$out/bench.log" "$build/bench/fkda-bench" P1 P4 P5 P8 --warmup 5 --iters 30 \
+        step bench 200 "$out/bench.log" "$build/bench/fkda-bench" prefill --warmup 5 --iters 30 \
           --json "$out/bench.json"
-        tail -n 20 "$out/bench.log" >>"$summary"
+        tail -n 26 "$out/bench.log" >>"$summary"
       fi
       ;;
     sweep)

@@ -6,11 +6,11 @@
 #include "gpu_backend.h"
 
 #include <cstdlib>
+#include <deque>
 #include <cstring>
 #include <limits>
 #include <mutex>
 #include <string>
-#include <vector>
 
 #include "cuda_driver.h"
 #include "error.h"
@@ -87,7 +87,8 @@ int attribute(const cuda::Driver& d, CUdevice device, CUdevice_attribute which) 
 
 const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Kernels& k) {
   static std::mutex mutex;
-  static std::vector<std::pair<CUdevice, DeviceFacts>> known;  // never shrinks: references stay valid
+  // A deque: growing it leaves references to earlier entries valid.
+  static std::deque<std::pair<CUdevice, DeviceFacts>> known;
   std::lock_guard<std::mutex> lock(mutex);
   for (const auto& entry : known) {
     if (entry.first == device) return entry.second;
