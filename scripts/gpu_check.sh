@@ -42,12 +42,10 @@ for s in $steps; do
       {
         nvidia-smi -L
         nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
-        echo "--- cuobjdump --list-elf"
-        # The library embeds the fatbin as plain .rodata (cmake/embed_fatbin.S.in),
-        # where cuobjdump does not look; the build keeps the same bytes beside it.
-        cuobjdump --list-elf "$build/flashkda_kernels.fatbin"
-        echo "--- cuobjdump --list-ptx"
-        cuobjdump --list-ptx "$build/flashkda_kernels.fatbin"
+        echo "--- cuobjdump --list-elf libflashkda.so"
+        cuobjdump --list-elf "$build/libflashkda.so"
+        echo "--- cuobjdump --list-ptx libflashkda.so"
+        cuobjdump --list-ptx "$build/libflashkda.so"
         python3 -c "import sys; f, so = (open(x, 'rb').read() for x in sys.argv[1:]); print('library embeds this fatbin:', f in so)" \
           "$build/flashkda_kernels.fatbin" "$build/libflashkda.so"
         for arch in sm_80 sm_90a; do
@@ -88,6 +86,31 @@ for s in $steps; do
           --json "$out/bench.json"
         tail -n 26 "$out/bench.log" >>"$summary"
       fi
+      ;;
+    bench_f32)
+      if [ -x "$build/bench/fkda-bench" ]; then
+        step bench_f32 200 "$out/bench_f32.log" "$build/bench/fkda-bench" prefill --state f32 --warmup 5 \
+          --iters 30 --json "$out/bench_f32.json"
+        tail -n 14 "$out/bench_f32.log" >>"$summary"
+      fi
+      ;;
+    accuracy)
+      if [ -x "$build/bench/fkda-bench" ]; then
+        step accuracy 120 "$out/accuracy.log" "$build/bench/fkda-bench" accuracy
+        tail -n 8 "$out/accuracy.log" >>"$summary"
+      fi
+      ;;
+    demo)
+      step demo 60 "$out/demo.log" "$build/examples/fkda-demo"
+      cat "$out/demo.log" >>"$summary"
+      ;;
+    python)
+      # The Python binding with torch CUDA tensors (and every CPU test too).
+      step python 300 "$out/python.log" env PYTHONPATH="$PWD/bindings/python" \
+        FLASHKDA_LIBRARY="$PWD/$build/libflashkda.so.0" PYTHONDONTWRITEBYTECODE=1 \
+        python3 -m pytest -q -rs -p no:cacheprovider bindings/python/tests \
+        --ignore=bindings/python/tests/test_wheel.py
+      tail -n 15 "$out/python.log" >>"$summary"
       ;;
     sweep)
       # Every V split forced on cases of few and many (sequence, head) pairs.
