@@ -159,26 +159,36 @@ impl Problem {
         (out, final_state)
     }
 
+    /// The call's inputs over `out`, with no states and no offsets.
+    fn inputs<'a>(&'a self, out: &'a mut [u16]) -> HostFwd<'a> {
+        HostFwd {
+            batch: self.batch,
+            seq_len: self.seq_len,
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            g: &self.g,
+            beta: &self.beta,
+            a_log: &self.a_log,
+            dt_bias: &self.dt_bias,
+            scale: self.scale,
+            out,
+            initial_state: None,
+            final_state: None,
+            cu_seqlens: None,
+        }
+    }
+
     /// Runs the plan; outputs are poisoned first. Returns (out, final_state).
     fn run(&self, plan: &Plan) -> flashkda::Result<(Vec<u16>, Vec<f32>)> {
         let mut out = vec![BF16_NAN; self.q.len()];
         let mut state = vec![f32::NAN; self.state_len()];
         plan.fwd_host(
             HostFwd {
-                batch: self.batch,
-                seq_len: self.seq_len,
-                q: &self.q,
-                k: &self.k,
-                v: &self.v,
-                g: &self.g,
-                beta: &self.beta,
-                a_log: &self.a_log,
-                dt_bias: &self.dt_bias,
-                scale: self.scale,
-                out: &mut out,
                 initial_state: self.initial_state.as_deref().map(StateRef::F32),
                 final_state: Some(StateMut::F32(&mut state)),
                 cu_seqlens: self.cu_seqlens.as_deref().map(SeqLens::I64),
+                ..self.inputs(&mut out)
             },
             None,
         )?;
@@ -248,20 +258,10 @@ fn bf16_state_and_i32_offsets() {
     let mut state = vec![BF16_NAN; problem.state_len()];
     plan.fwd_host(
         HostFwd {
-            batch: 1,
-            seq_len: problem.seq_len,
-            q: &problem.q,
-            k: &problem.k,
-            v: &problem.v,
-            g: &problem.g,
-            beta: &problem.beta,
-            a_log: &problem.a_log,
-            dt_bias: &problem.dt_bias,
-            scale: problem.scale,
-            out: &mut out,
             initial_state: Some(StateRef::Bf16(&initial)),
             final_state: Some(StateMut::Bf16(&mut state)),
             cu_seqlens: Some(SeqLens::I32(&offsets)),
+            ..problem.inputs(&mut out)
         },
         None,
     )
@@ -299,20 +299,7 @@ fn explicit_workspace_and_no_states() {
     let mut out = vec![BF16_NAN; problem.q.len()];
     plan.fwd_host(
         HostFwd {
-            batch: 1,
-            seq_len: 20,
-            q: &problem.q,
-            k: &problem.k,
-            v: &problem.v,
-            g: &problem.g,
-            beta: &problem.beta,
-            a_log: &problem.a_log,
-            dt_bias: &problem.dt_bias,
-            scale: problem.scale,
-            out: &mut out,
-            initial_state: None,
-            final_state: None,
-            cu_seqlens: None,
+            ..problem.inputs(&mut out)
         },
         Some(&mut workspace),
     )
@@ -370,20 +357,8 @@ fn slice_lengths_are_checked_before_the_call() {
     let short_k = &problem.k[..problem.k.len() - 1];
     let result = plan.fwd_host(
         HostFwd {
-            batch: 1,
-            seq_len: 16,
-            q: &problem.q,
             k: short_k,
-            v: &problem.v,
-            g: &problem.g,
-            beta: &problem.beta,
-            a_log: &problem.a_log,
-            dt_bias: &problem.dt_bias,
-            scale: problem.scale,
-            out: &mut out,
-            initial_state: None,
-            final_state: None,
-            cu_seqlens: None,
+            ..problem.inputs(&mut out)
         },
         None,
     );
@@ -392,20 +367,8 @@ fn slice_lengths_are_checked_before_the_call() {
     let mut short_state = vec![0f32; 10];
     let result = plan.fwd_host(
         HostFwd {
-            batch: 1,
-            seq_len: 16,
-            q: &problem.q,
-            k: &problem.k,
-            v: &problem.v,
-            g: &problem.g,
-            beta: &problem.beta,
-            a_log: &problem.a_log,
-            dt_bias: &problem.dt_bias,
-            scale: problem.scale,
-            out: &mut out,
-            initial_state: None,
             final_state: Some(StateMut::F32(&mut short_state)),
-            cu_seqlens: None,
+            ..problem.inputs(&mut out)
         },
         None,
     );
@@ -421,20 +384,9 @@ fn library_errors_carry_status_and_message() {
     // The plan's state dtype is f32.
     let result = plan.fwd_host(
         HostFwd {
-            batch: 1,
-            seq_len: 16,
-            q: &problem.q,
-            k: &problem.k,
-            v: &problem.v,
-            g: &problem.g,
-            beta: &problem.beta,
-            a_log: &problem.a_log,
-            dt_bias: &problem.dt_bias,
             scale: f32::NAN,
-            out: &mut out,
-            initial_state: None,
             final_state: Some(StateMut::Bf16(&mut bf16_state)),
-            cu_seqlens: None,
+            ..problem.inputs(&mut out)
         },
         None,
     );
@@ -445,20 +397,9 @@ fn library_errors_carry_status_and_message() {
     let mut state = vec![0f32; 3 * 2 * DIM * DIM];
     let result = plan.fwd_host(
         HostFwd {
-            batch: 1,
-            seq_len: 16,
-            q: &problem.q,
-            k: &problem.k,
-            v: &problem.v,
-            g: &problem.g,
-            beta: &problem.beta,
-            a_log: &problem.a_log,
-            dt_bias: &problem.dt_bias,
-            scale: problem.scale,
-            out: &mut out,
-            initial_state: None,
             final_state: Some(StateMut::F32(&mut state)),
             cu_seqlens: Some(SeqLens::I64(&bad_offsets)),
+            ..problem.inputs(&mut out)
         },
         None,
     );
@@ -466,20 +407,8 @@ fn library_errors_carry_status_and_message() {
 
     let result = plan.fwd_host(
         HostFwd {
-            batch: 1,
-            seq_len: 16,
-            q: &problem.q,
-            k: &problem.k,
-            v: &problem.v,
-            g: &problem.g,
-            beta: &problem.beta,
-            a_log: &problem.a_log,
-            dt_bias: &problem.dt_bias,
             scale: f32::INFINITY,
-            out: &mut out,
-            initial_state: None,
-            final_state: None,
-            cu_seqlens: None,
+            ..problem.inputs(&mut out)
         },
         None,
     );
