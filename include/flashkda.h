@@ -172,7 +172,8 @@ FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
  *   A_log        f32  [H]             contiguous
  *   dt_bias      f32  [H, K]          contiguous
  *   initial_state, final_state        optional, plan's state dtype,
- *                                     [N, H, V, K] (or [N, H, K, V]), contiguous
+ *                                     [N, H, V, K] (or [N, H, K, V]), contiguous;
+ *                                     they may be the same buffer (updated in place)
  *   cu_seqlens   optional i64 or i32 [N + 1], non-decreasing, from 0 to T
  * q, k, v, g, beta, out, the states and cu_seqlens may be strided views;
  * GPU plans need device-accessible memory and 16-byte aligned rows. */

@@ -1,0 +1,106 @@
+// Runtimes keep states in a pool and update them in place: final_state may
+// be the very buffer initial_state points to. Every block reads its rows of
+// a state before it writes them, so the result must be bitwise the one of
+// separate buffers, for every V split (run under FKDA_VSPLIT by gpu_check.sh).
+#include <catch2/catch.hpp>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "flashkda.h"
+#include "kda_reference.h"
+
+namespace {
+
+struct Device {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+  explicit Device(size_t n) : bytes(n) { REQUIRE(cudaMalloc(&ptr, n == 0 ? 1 : n) == cudaSuccess); }
+  template <typename T>
+  explicit Device(const std::vector<T>& host) : Device(host.size() * sizeof(T)) {
+    REQUIRE(cudaMemcpy(ptr, host.data(), bytes, cudaMemcpyHostToDevice) == cudaSuccess);
+  }
+  template <typename T>
+  std::vector<T> read() const {
+    std::vector<T> host(bytes / sizeof(T));
+    REQUIRE(cudaMemcpy(host.data(), ptr, bytes, cudaMemcpyDeviceToHost) == cudaSuccess);
+    return host;
+  }
+  ~Device() { cudaFree(ptr); }
+};
+
+// Runs p on the GPU with its initial state in `state`; the final state goes
+// to `final_state`, or back into `state` when final_state is null.
+std::vector<uint16_t> run(const fkda_test::Problem& p, fkda_dtype dtype, fkda_state_layout layout, Device& state,
+                          Device* final_state) {
+  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+  desc.num_heads = int32_t(p.H);
+  desc.backend = FKDA_BACKEND_GPU;
+  desc.state_dtype = dtype;
+  desc.state_layout = layout;
+  desc.lower_bound = p.lower_bound;
+  fkda_plan_t plan = nullptr;
+  REQUIRE(fkda_plan_create(&desc, &plan) == FKDA_SUCCESS);
+  Device q(p.q), k(p.k), v(p.v), g(p.g), beta(p.beta), A_log(p.A_log), dt_bias(p.dt_bias);
+  Device cu(p.cu_seqlens);
+  std::vector<uint16_t> poison(p.q.size(), 0xFFFF);
+  Device out(poison);
+  fkda_test::Buffers buffers{q.ptr, k.ptr, v.ptr, g.ptr, beta.ptr, A_log.ptr, dt_bias.ptr, out.ptr};
+  buffers.initial_state = state.ptr;
+  buffers.final_state = final_state != nullptr ? final_state->ptr : state.ptr;
+  buffers.cu_seqlens = p.cu_seqlens.empty() ? nullptr : cu.ptr;
+  const fkda_fwd_args args = fkda_test::make_args(p, buffers, dtype);
+  size_t bytes = 0;
+  REQUIRE(fkda_plan_workspace_size(plan, p.B * p.T, p.num_seqs(), &bytes) == FKDA_SUCCESS);
+  Device workspace(bytes);
+  REQUIRE(fkda_fwd(plan, &args, workspace.ptr, bytes, nullptr) == FKDA_SUCCESS);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  fkda_plan_destroy(plan);
+  return out.read<uint16_t>();
+}
+
+template <typename T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("the final state may overwrite the initial state in place", "[gpu][state][vsplit]") {
+  fkda_test::ProblemShape shape;
+  shape.H = 3;
+  shape.lengths = {40, 0, 17, 1};
+  const fkda_test::Problem p = fkda_test::random_problem(shape, 4242);
+  for (fkda_state_layout layout : {FKDA_STATE_LAYOUT_VK, FKDA_STATE_LAYOUT_KV}) {
+    for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+      CAPTURE(layout, dtype);
+      std::vector<float> initial_f32 = p.initial_state;
+      std::vector<uint16_t> initial_bf16;
+      for (float x : initial_f32) initial_bf16.push_back(fkda_test::to_bf16(x));
+      const bool f32 = dtype == FKDA_DTYPE_F32;
+
+      Device separate_in = f32 ? Device(initial_f32) : Device(initial_bf16);
+      Device separate_out(separate_in.bytes);
+      const std::vector<uint16_t> out_separate = run(p, dtype, layout, separate_in, &separate_out);
+
+      Device pooled = f32 ? Device(initial_f32) : Device(initial_bf16);
+      const std::vector<uint16_t> out_in_place = run(p, dtype, layout, pooled, nullptr);
+
+      CHECK(std::count(out_separate.begin(), out_separate.end(), uint16_t(0xFFFF)) == 0);  // all written
+      CHECK(same_bits(out_in_place, out_separate));
+      if (f32) {
+        CHECK(same_bits(pooled.read<float>(), separate_out.read<float>()));
+        CHECK_FALSE(same_bits(pooled.read<float>(), initial_f32));  // the state did move
+      } else {
+        CHECK(same_bits(pooled.read<uint16_t>(), separate_out.read<uint16_t>()));
+        CHECK_FALSE(same_bits(pooled.read<uint16_t>(), initial_bf16));
+      }
+    }
+  }
+}
