@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(cmake g++ make catch2 nlohmann-json3-dev python3 python3-numpy python3-pytest
-          python3-venv python3-pip python3-setuptools python3-wheel binutils)
+          python3-venv python3-pip python3-setuptools python3-wheel binutils pkgconf)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -26,3 +26,23 @@ execute_process(COMMAND "${WORK_DIR}/build/consumer" RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "the consumer failed to run against the installed library")
 endif()
+
+# The same program through pkg-config's file alone.
+find_program(PKG_CONFIG pkg-config REQUIRED)
+execute_process(COMMAND "${CMAKE_COMMAND}" -E env "PKG_CONFIG_PATH=${prefix}/lib/pkgconfig"
+                        "${PKG_CONFIG}" --cflags --libs flashkda
+                OUTPUT_VARIABLE flags OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0 OR NOT flags MATCHES "-lflashkda")
+  message(FATAL_ERROR "pkg-config --cflags --libs flashkda failed: '${flags}'")
+endif()
+separate_arguments(flags UNIX_COMMAND "${flags}")
+execute_process(COMMAND cc "${SOURCE_DIR}/consumer.c" ${flags} -o "${WORK_DIR}/consumer_pc"
+                RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "building the consumer with pkg-config's flags failed")
+endif()
+execute_process(COMMAND "${CMAKE_COMMAND}" -E env "LD_LIBRARY_PATH=${prefix}/lib" "${WORK_DIR}/consumer_pc"
+                RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "the pkg-config-built consumer failed to run")
+endif()
