@@ -1,7 +1,8 @@
 // Device primitives shared by the prefill kernels: the conversions whose
 // rounding docs/NUMERICS.md fixes, warp-level matrix products
-// (mma.sync.m16n8k16, the same instruction on sm_80 and sm_90a), ldmatrix,
-// cp.async, and the sequence bounds both kernels must agree on.
+// (mma.sync m16n8k16 and m16n8k8, the same instructions on sm_80 and
+// sm_90a), ldmatrix, cp.async, and the sequence bounds both kernels must
+// agree on.
 #pragma once
 
 #include <stdint.h>
@@ -22,8 +23,20 @@ __device__ __forceinline__ float exp2_fast(float x) {
   return y;
 }
 
+// 1/x by the hardware's approximation (at most 1 ulp off). Flushing a
+// subnormal result to zero is harmless where it is used (docs/NUMERICS.md).
+__device__ __forceinline__ float rcp_fast(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // sigmoid(x) = 1 / (1 + 2^(-x log2 e)), with an IEEE division.
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + exp2_fast(-x * kLog2e)); }
+
+// The same with the hardware reciprocal: for the gate, where it runs once
+// per element and the contract allows it.
+__device__ __forceinline__ float sigmoid_fast(float x) { return rcp_fast(1.0f + exp2_fast(-x * kLog2e)); }
 
 // Two floats to f16x2 (lo in bits 0..15), round to nearest even, saturating
 // to +-65504 so that no step makes an infinity.
@@ -64,6 +77,16 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d += a * b for a 16x8 (row) by 8x8 (col) tile of tf32 values, f32
+// accumulate. The tensor cores read only the tf32 bits of each register.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));

@@ -65,8 +65,11 @@ static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_smem_bytes(int32_t vsplit
          fkda_recurrence_warps(vsplit) * FKDA_OUT_TILE_BYTES;
 }
 
-/* The preparation kernel: one block of this many threads per (slot, head). */
+/* The preparation kernel: one block of this many threads per (slot, head),
+ * compiled for this many resident blocks per multiprocessor (64 registers a
+ * thread) from sm_90 on (kda_prepare.cuh). */
 #define FKDA_PREPARE_THREADS 128
+#define FKDA_PREPARE_MIN_BLOCKS 8
 
 /* An activation [B, T, H, D] (or [B, T, H] for beta): element strides of the
  * batch, token and head axes; the D axis is contiguous. */

@@ -20,8 +20,11 @@
 // 2 (t % 64), +1 for the 8 tokens 8 (t / 64) .. +7: every global access of a
 // warp is one contiguous 128-byte row segment, and the running sum along the
 // tokens stays in registers (the second half of the tokens continues from the
-// first half's total, so the sum keeps its token order). The 16x16 products
-// run on the tensor cores (bf16 in, f32 out); the inverse is one warp's work.
+// first half's total, so the sum keeps its token order). The first half's
+// warps (0, 1) learn c_last only at the second barrier, so they write Kr
+// after it and are done; warps 2 and 3 write theirs before it and then run
+// the 16x16 products on the tensor cores: warp 3 B and Mqk, warp 2 A and the
+// inverse, whose products run on the tensor cores too (3xTF32, below).
 #pragma once
 
 #include "kda_device.cuh"
@@ -29,7 +32,7 @@
 namespace fkda_dev {
 
 constexpr int kBf16TilePitch = 136;  // elements: 128 + 8, rows 272 bytes apart
-constexpr int kSmallPitch = 20;      // floats: 16 + 4, keeps 16-byte rows off each other's banks
+constexpr int kTransposePitch = 20;  // floats: keeps the column reads of A free of bank conflicts
 
 // Sum over the warp of v[r] for the token r = (lane / 4) % 8 this lane ends
 // with: each exchange halves the values a lane carries, so 8 per-token sums
@@ -53,56 +56,153 @@ __device__ __forceinline__ float warp_sum_rows8(const float (&v)[8], int lane) {
   return one;
 }
 
-// Rows 2R, 2R + 1 and columns 4C .. 4C + 3 (R = lane / 4, C = lane % 4) of
-// X * Y for 16x16 f32 matrices with rows kSmallPitch floats apart.
-__device__ __forceinline__ void block_product(const float* X, const float* Y, int lane, float (&out)[2][4]) {
-  const int r0 = (lane >> 2) * 2, c0 = (lane & 3) * 4;
+// ------------------------------------------------- the 16x16 inverse ---
+// A 16x16 f32 matrix held by one warp in the accumulator layout of
+// mma.m16n8 (g = lane / 4, t = lane % 4): m[j][0], m[j][1] are row g,
+// columns 8j + 2t and 8j + 2t + 1; m[j][2], m[j][3] the same columns of row
+// g + 8.
+struct WarpTile {
+  float m[2][4];
+};
+
+__device__ __forceinline__ WarpTile zero_tile() {
+  WarpTile z;
 #pragma unroll
-  for (int a = 0; a < 2; ++a)
+  for (int j = 0; j < 2; ++j)
 #pragma unroll
-    for (int b = 0; b < 4; ++b) out[a][b] = 0.f;
+    for (int e = 0; e < 4; ++e) z.m[j][e] = 0.f;
+  return z;
+}
+
+// Each entry x as hi + lo: hi is x rounded to tf32 (10 mantissa bits, ties
+// away from zero), lo = x - hi exactly; the tensor cores read lo to tf32
+// precision too. hi*hi + hi*lo + lo*hi then misses x*y by about 2^-21
+// relatively, a few f32 ulps, where one tf32 product would miss by 2^-11.
+// Entries of a triangle known to be zero stay exact zeros, so that the
+// compiler drops them.
+struct SplitTile {
+  uint32_t hi[2][4];
+  uint32_t lo[2][4];
+};
+
+enum class Shape { kLower, kUpper };
+
+template <Shape kShape>
+__device__ __forceinline__ SplitTile split_tf32(const WarpTile& x) {
+  SplitTile s;
 #pragma unroll
-  for (int k4 = 0; k4 < 4; ++k4) {
-    const float4 x0 = *reinterpret_cast<const float4*>(X + r0 * kSmallPitch + 4 * k4);
-    const float4 x1 = *reinterpret_cast<const float4*>(X + (r0 + 1) * kSmallPitch + 4 * k4);
-    const float xs[2][4] = {{x0.x, x0.y, x0.z, x0.w}, {x1.x, x1.y, x1.z, x1.w}};
+  for (int j = 0; j < 2; ++j) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const float4 y = *reinterpret_cast<const float4*>(Y + (4 * k4 + kk) * kSmallPitch + c0);
+    for (int e = 0; e < 4; ++e) {
+      // Rows 0-7 of columns 8-15 are zero below the diagonal; rows 8-15 of
+      // columns 0-7 above it.
+      const bool zero = kShape == Shape::kLower ? (j == 1 && e < 2) : (j == 0 && e >= 2);
+      const uint32_t hi = zero ? 0u : (__float_as_uint(x.m[j][e]) + 0x1000u) & 0xffffe000u;
+      s.hi[j][e] = hi;
+      s.lo[j][e] = zero ? 0u : __float_as_uint(x.m[j][e] - __uint_as_float(hi));
+    }
+  }
+  return s;
+}
+
+// The (k step s, n tile j) pairs of a 16x16x16 product, bit 2 s + j. A
+// triangular right factor Y makes one pair vanish: rows 0-7 of its columns
+// 8-15 when lower, rows 8-15 of its columns 0-7 when upper.
+constexpr int kAllPairs = 0xF;
+constexpr int kLowerRight = kAllPairs & ~(1 << 1);  // without (s 0, j 1)
+constexpr int kUpperRight = kAllPairs & ~(1 << 2);  // without (s 1, j 0)
+
+// d += X Y on the tensor cores (m16n8k8, tf32), from the splits of X and of
+// Y^T, both in the accumulator layout. Taking each k step's columns in the
+// order 0, 2, 4, 6, 1, 3, 5, 7 (any order of k gives the same product) makes
+// X's accumulator layout an A fragment and Y^T's a B fragment, so a product
+// needs no data movement at all. The small terms go first.
+template <int kPairs>
+__device__ __forceinline__ void add_product(WarpTile& d, const SplitTile& x, const SplitTile& yt) {
 #pragma unroll
-      for (int a = 0; a < 2; ++a) {
-        out[a][0] = fmaf(xs[a][kk], y.x, out[a][0]);
-        out[a][1] = fmaf(xs[a][kk], y.y, out[a][1]);
-        out[a][2] = fmaf(xs[a][kk], y.z, out[a][2]);
-        out[a][3] = fmaf(xs[a][kk], y.w, out[a][3]);
+  for (int pass = 0; pass < 2; ++pass) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        if (!(kPairs & (1 << (2 * s + j)))) continue;
+        const uint32_t a_hi[4] = {x.hi[s][0], x.hi[s][2], x.hi[s][1], x.hi[s][3]};
+        const uint32_t b_hi0 = yt.hi[s][2 * j], b_hi1 = yt.hi[s][2 * j + 1];
+        if (pass == 0) {
+          const uint32_t a_lo[4] = {x.lo[s][0], x.lo[s][2], x.lo[s][1], x.lo[s][3]};
+          mma_tf32(d.m[j], a_lo, b_hi0, b_hi1);
+          mma_tf32(d.m[j], a_hi, yt.lo[s][2 * j], yt.lo[s][2 * j + 1]);
+        } else {
+          mma_tf32(d.m[j], a_hi, b_hi0, b_hi1);
+        }
       }
     }
   }
 }
 
-__device__ __forceinline__ void store_block(float* M, int lane, const float (&v)[2][4]) {
-  const int r0 = (lane >> 2) * 2, c0 = (lane & 3) * 4;
-#pragma unroll
-  for (int a = 0; a < 2; ++a)
-    *reinterpret_cast<float4*>(M + (r0 + a) * kSmallPitch + c0) = make_float4(v[a][0], v[a][1], v[a][2], v[a][3]);
-}
+// -INV = -(I + L)^-1 = -(I - L)(I + L^2)(I + L^4)(I + L^8) for a strictly
+// lower triangular L, given L and L^T; the result is lower triangular. Every
+// power is formed together with its transpose (L^T L^T = (L L)^T), which
+// supplies the next products' right factors: 21 (s, j) pairs of 3 mma each.
+// The running product is kept negated, N = -(I - L)(I + L^2) = L - I - L^2
+// + L L^2, so that each further factor is one accumulation into it.
+__device__ __forceinline__ WarpTile negated_unit_lower_inverse(const WarpTile& L, const WarpTile& LT, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const SplitTile sL = split_tf32<Shape::kLower>(L), sLT = split_tf32<Shape::kUpper>(LT);
+  WarpTile L2 = zero_tile(), L2T = zero_tile();
+  add_product<kLowerRight>(L2, sL, sLT);
+  add_product<kUpperRight>(L2T, sLT, sL);
 
-__device__ __forceinline__ float4 load_row4(const float* M, int row, int col) {
-  return *reinterpret_cast<const float4*>(M + row * kSmallPitch + col);
+  const SplitTile sL2 = split_tf32<Shape::kLower>(L2), sL2T = split_tf32<Shape::kUpper>(L2T);
+  WarpTile N;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = g + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
+      // L's entries are hi + lo exactly, so L itself need not stay live.
+      const float l = __uint_as_float(sL.hi[j][e]) + __uint_as_float(sL.lo[j][e]);
+      N.m[j][e] = (l - L2.m[j][e]) - (row == col ? 1.f : 0.f);
+    }
+  }
+  add_product<kLowerRight>(N, sL, sL2T);  // + L L^2
+  WarpTile L4 = zero_tile(), L4T = zero_tile();
+  add_product<kLowerRight>(L4, sL2, sL2T);
+  add_product<kUpperRight>(L4T, sL2T, sL2);
+
+  // L^8 is zero but for its rows 8-15 of columns 0-7, so only that block of
+  // its transpose (n tile 1) is formed, and N L^8 is one (s, j) pair.
+  const SplitTile sL4 = split_tf32<Shape::kLower>(L4), sL4T = split_tf32<Shape::kUpper>(L4T);
+  const SplitTile sN = split_tf32<Shape::kLower>(N);
+  add_product<kLowerRight>(N, sN, sL4T);  // N (I + L^4)
+  WarpTile L8T = zero_tile();
+  add_product<(1 << 1) | (1 << 3)>(L8T, sL4T, sL4);
+
+  const SplitTile sN2 = split_tf32<Shape::kLower>(N), sL8T = split_tf32<Shape::kUpper>(L8T);
+  add_product<1 << 2>(N, sN2, sL8T);  // N (I + L^8)
+  return N;
 }
 
 }  // namespace fkda_dev
 
-extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS)
+// The resident blocks per multiprocessor the kernel is compiled for: 8 (64
+// registers a thread) from sm_90 on; sm_80's code generation spills at 64
+// registers, so 7 (72) there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define FKDA_PREPARE_BLOCKS_COMPILED 7
+#else
+#define FKDA_PREPARE_BLOCKS_COMPILED FKDA_PREPARE_MIN_BLOCKS
+#endif
+
+extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_BLOCKS_COMPILED)
     fkda_prefill_prepare_chunks(const FkdaPrefillParams p) {
   using namespace fkda_dev;
-  // Kd_b, Ki_b, Qd_b for the products; afterwards the inverse's work matrices.
-  __shared__ __align__(16) uint16_t tiles[3][FKDA_CHUNK][kBf16TilePitch];
-  __shared__ __align__(16) float products[2][FKDA_CHUNK][FKDA_CHUNK];  // A, B
-  __shared__ float2 carry[64];                                          // c after token 7
-  __shared__ float2 last_sum[64];                                       // c_last
+  __shared__ __align__(16) uint16_t tiles[3][FKDA_CHUNK][kBf16TilePitch];  // Kd_b, Ki_b, Qd_b
+  __shared__ __align__(16) float a_tile[FKDA_CHUNK][kTransposePitch];     // A, read back transposed
+  __shared__ float2 carry[64];                                            // c after token 7
+  __shared__ float2 last_sum[64];                                         // c_last
   __shared__ float norm_parts[2][2][2][8];  // [q, k][token half][warp of the half][token]
-  __shared__ float b_of[FKDA_CHUNK];
+  __shared__ __align__(8) float b_of[FKDA_CHUNK];
 
   const int64_t slot = blockIdx.x;
   const int head = blockIdx.y;
@@ -124,30 +224,40 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS)
   const int pair = tid & 63;  // channels 2 pair, 2 pair + 1
   const int half = tid >> 6;  // tokens 8 half .. 8 half + 7
   const int first = 8 * half;
-  auto row_of = [&](const FkdaActivation& a) {
-    return static_cast<const uint16_t*>(a.data) + seq.row * a.stride_b + int64_t(head) * a.stride_h;
+  const int rows = len - first;  // of this thread's 8 tokens, those below rows are in the chunk
+  auto token_pointer = [&](const FkdaActivation& a) {
+    return static_cast<const uint16_t*>(a.data) + seq.row * a.stride_b + int64_t(head) * a.stride_h +
+           (t0 + first) * a.stride_t + 2 * pair;
   };
 
   // ---- step 1, 2: loads, gate, norm partial sums, beta ----------------------
+  // The addresses step along the tokens whether or not a token is loaded, so
+  // the loads are predicated, not branched around, and all issue at once.
   uint32_t qv[8], kv[8], gv[8];
   {
-    const uint16_t* q = row_of(p.q) + 2 * pair;
-    const uint16_t* k = row_of(p.k) + 2 * pair;
-    const uint16_t* g = row_of(p.g) + 2 * pair;
+    const uint16_t* q = token_pointer(p.q);
+    const uint16_t* k = token_pointer(p.k);
+    const uint16_t* g = token_pointer(p.g);
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
       qv[r] = kv[r] = gv[r] = 0u;
-      if (first + r < len) {
-        const int64_t tok = t0 + first + r;
-        qv[r] = __ldg(reinterpret_cast<const unsigned int*>(q + tok * p.q.stride_t));
-        kv[r] = __ldg(reinterpret_cast<const unsigned int*>(k + tok * p.k.stride_t));
-        gv[r] = __ldg(reinterpret_cast<const unsigned int*>(g + tok * p.g.stride_t));
+      if (r < rows) {
+        qv[r] = __ldg(reinterpret_cast<const unsigned int*>(q));
+        kv[r] = __ldg(reinterpret_cast<const unsigned int*>(k));
+        gv[r] = __ldg(reinterpret_cast<const unsigned int*>(g));
       }
+      q += p.q.stride_t;
+      k += p.k.stride_t;
+      g += p.g.stride_t;
     }
   }
   if (tid < FKDA_CHUNK) {
     float b = 0.f;
-    if (tid < len) b = sigmoid(bf16_bits(*(row_of(p.beta) + (t0 + tid) * p.beta.stride_t)));
+    if (tid < len) {
+      const uint16_t* beta = static_cast<const uint16_t*>(p.beta.data) + seq.row * p.beta.stride_b +
+                             int64_t(head) * p.beta.stride_h + (t0 + tid) * p.beta.stride_t;
+      b = sigmoid(bf16_bits(*beta));
+    }
     b_of[tid] = b;
   }
   {
@@ -170,9 +280,14 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS)
     const float2 dt = __ldg(reinterpret_cast<const float2*>(p.dt_bias + int64_t(head) * FKDA_HEAD_DIM) + pair);
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
-      const bool valid = first + r < len;
-      c[r][0] = valid ? p.gate_scale * sigmoid(decay_rate * (bf16_lo(gv[r]) + dt.x)) : 0.f;
-      c[r][1] = valid ? p.gate_scale * sigmoid(decay_rate * (bf16_hi(gv[r]) + dt.y)) : 0.f;
+      c[r][0] = p.gate_scale * sigmoid_fast(decay_rate * (bf16_lo(gv[r]) + dt.x));
+      c[r][1] = p.gate_scale * sigmoid_fast(decay_rate * (bf16_hi(gv[r]) + dt.y));
+    }
+    if (rows < 8) {  // only in a sequence's last chunk
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        if (r >= rows) c[r][0] = c[r][1] = 0.f;
+      }
     }
   }
   if (half == 0) {
@@ -209,6 +324,9 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS)
     const int which = (lane >> 3) & 1, r = lane & 7;
     inverse_norm = 1.0f / sqrtf(norm_parts[which][half][0][r] + norm_parts[which][half][1][r] + 1e-6f);
   }
+  // Row first + r of a wide tile: the thread's 4 bytes sit in 16-byte piece
+  // (pair / 4) ^ r (kda_params.h), at the same offset in Kd, Qd and Kr.
+  auto wide_at = [&](int r) { return wide_tile_offset(first + r, 2 * pair); };
   float kn[8][2];
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
@@ -225,116 +343,110 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS)
       qd[e] = qn * up;
       ki[e] = kn[r][e] * exp2_fast(-c[r][e]);
     }
-    const int at = wide_tile_offset(i, 2 * pair);
-    *reinterpret_cast<uint32_t*>(record + FKDA_WS_KD_OFFSET + at) = pack_f16x2(kd[0], kd[1]);
-    *reinterpret_cast<uint32_t*>(record + FKDA_WS_QD_OFFSET + at) = pack_f16x2(qd[0], qd[1]);
+    unsigned char* at = record + wide_at(r);
+    *reinterpret_cast<uint32_t*>(at + FKDA_WS_KD_OFFSET) = pack_f16x2(kd[0], kd[1]);
+    *reinterpret_cast<uint32_t*>(at + FKDA_WS_QD_OFFSET) = pack_f16x2(qd[0], qd[1]);
     *reinterpret_cast<uint32_t*>(&tiles[0][i][2 * pair]) = pack_bf16x2(kd[0], kd[1]);
     *reinterpret_cast<uint32_t*>(&tiles[1][i][2 * pair]) = pack_bf16x2(ki[0], ki[1]);
     *reinterpret_cast<uint32_t*>(&tiles[2][i][2 * pair]) = pack_bf16x2(qd[0], qd[1]);
   }
-  __syncthreads();
-  if (half == 0) c_last = last_sum[pair];
+  auto write_kr = [&](float2 last) {
 #pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    const uint32_t kr = pack_f16x2(kn[r][0] * exp2_fast(c_last.x - c[r][0]), kn[r][1] * exp2_fast(c_last.y - c[r][1]));
-    *reinterpret_cast<uint32_t*>(record + FKDA_WS_KR_OFFSET + wide_tile_offset(first + r, 2 * pair)) = kr;
+    for (int r = 0; r < 8; ++r) {
+      const uint32_t kr = pack_f16x2(kn[r][0] * exp2_fast(last.x - c[r][0]), kn[r][1] * exp2_fast(last.y - c[r][1]));
+      *reinterpret_cast<uint32_t*>(record + FKDA_WS_KR_OFFSET + wide_at(r)) = kr;
+    }
+  };
+  if (half == 1) write_kr(c_last);
+  __syncthreads();
+  if (half == 0) {
+    write_kr(last_sum[pair]);
+    return;
   }
 
-  // ---- step 4: A = Kd_b Ki_b^T (warps 0, 1) and B = Qd_b Ki_b^T (warps 2, 3),
-  // one 8-column half of the 16x16 result a warp.
+  // ---- step 4: A = Kd_b Ki_b^T (warp 2) or B = Qd_b Ki_b^T (warp 3), 16x16 ----
+  const bool inverse_warp = warp == 2;
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   {
-    const int which = warp >> 1, part = warp & 1;
     const uint32_t a_base =
-        smem_address(&tiles[which ? 2 : 0][((lane >> 3) & 1) * 8 + (lane & 7)][(lane >> 4) * 8]);
-    const uint32_t b_base = smem_address(&tiles[1][part * 8 + (lane & 7)][(lane >> 3) * 8]);
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        smem_address(&tiles[inverse_warp ? 0 : 2][((lane >> 3) & 1) * 8 + (lane & 7)][(lane >> 4) * 8]);
+    const uint32_t b_base = smem_address(&tiles[1][lane & 7][(lane >> 3) * 8]);
+    constexpr uint32_t kSecondEight = 8 * kBf16TilePitch * 2;  // bytes to Ki_b's rows 8-15
 #pragma unroll
     for (int step2 = 0; step2 < 4; ++step2) {
-      uint32_t b[4];
-      ldmatrix_x4(b, b_base + step2 * 64);
+      uint32_t b0[4], b1[4];
+      ldmatrix_x4(b0, b_base + step2 * 64);
+      ldmatrix_x4(b1, b_base + kSecondEight + step2 * 64);
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
         uint32_t a[4];
         ldmatrix_x4(a, a_base + (step2 * 2 + kk) * 32);
-        mma_bf16(acc, a, b[2 * kk], b[2 * kk + 1]);
+        mma_bf16(acc[0], a, b0[2 * kk], b0[2 * kk + 1]);
+        mma_bf16(acc[1], a, b1[2 * kk], b1[2 * kk + 1]);
       }
     }
-    const int g = lane >> 2, t = lane & 3;
-    const int j = part * 8 + 2 * t;
-    products[which][g][j] = acc[0];
-    products[which][g][j + 1] = acc[1];
-    products[which][g + 8][j] = acc[2];
-    products[which][g + 8][j + 1] = acc[3];
   }
-  __syncthreads();
-
-  // ---- Mqk (every thread two entries) ----------------------------------------
-  {
-    const int r = tid >> 3, j0 = (tid & 7) * 2;
-    const uint32_t mqk = pack_f16x2(j0 <= r ? products[1][r][j0] : 0.f, j0 + 1 <= r ? products[1][r][j0 + 1] : 0.f);
-    *reinterpret_cast<uint32_t*>(record + FKDA_WS_MQK_OFFSET + small_tile_offset(r, j0)) = mqk;
-  }
-  if (warp != 0) return;
-
-  // ---- step 5: INV by the product form, in warp 0 (the tiles are free now) --
-  float* L = reinterpret_cast<float*>(&tiles[0][0][0]);
-  float* L2 = L + FKDA_CHUNK * kSmallPitch;
-  float* L4 = L2 + FKDA_CHUNK * kSmallPitch;
-  float* L8 = L4 + FKDA_CHUNK * kSmallPitch;
-  float* P1 = L8 + FKDA_CHUNK * kSmallPitch;
-  float* P2 = P1 + FKDA_CHUNK * kSmallPitch;
-  const int r0 = (lane >> 2) * 2, c0 = (lane & 3) * 4;
-  {
-    float l[2][4];
+  const int g = lane >> 2, t = lane & 3;
+  if (!inverse_warp) {
+    // Mqk = f16(B) on and below the diagonal.
 #pragma unroll
-    for (int a = 0; a < 2; ++a) {
-      const int i = r0 + a;
+    for (int j = 0; j < 2; ++j) {
+      const int col = 8 * j + 2 * t;
 #pragma unroll
-      for (int b = 0; b < 4; ++b) l[a][b] = c0 + b < i ? b_of[i] * products[0][i][c0 + b] : 0.f;
+      for (int h = 0; h < 2; ++h) {
+        const int row = g + 8 * h;
+        const uint32_t mqk = pack_f16x2(col <= row ? acc[j][2 * h] : 0.f, col + 1 <= row ? acc[j][2 * h + 1] : 0.f);
+        *reinterpret_cast<uint32_t*>(record + FKDA_WS_MQK_OFFSET + small_tile_offset(row, col)) = mqk;
+      }
     }
-    store_block(L, lane, l);
+    return;
+  }
+
+  // ---- step 5: INV by the product form, in warp 2 ---------------------------
+  // L (row i scaled by b[i], strictly lower) from the accumulators; L^T from
+  // A's columns, read back through shared memory.
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    *reinterpret_cast<float2*>(&a_tile[g][8 * j + 2 * t]) = make_float2(acc[j][0], acc[j][1]);
+    *reinterpret_cast<float2*>(&a_tile[g + 8][8 * j + 2 * t]) = make_float2(acc[j][2], acc[j][3]);
   }
   __syncwarp();
-  float x[2][4], y[2][4];
-  block_product(L, L, lane, x);
-  store_block(L2, lane, x);
+  const float b_g = b_of[g], b_g8 = b_of[g + 8];
+  const float2 b_c0 = *reinterpret_cast<const float2*>(&b_of[2 * t]);      // b of columns 2t, 2t + 1
+  const float2 b_c1 = *reinterpret_cast<const float2*>(&b_of[8 + 2 * t]);  // and 8 + 2t, 9 + 2t
+  WarpTile L, LT;
+  L.m[0][0] = 2 * t < g ? b_g * acc[0][0] : 0.f;
+  L.m[0][1] = 2 * t + 1 < g ? b_g * acc[0][1] : 0.f;
+  L.m[0][2] = b_g8 * acc[0][2];
+  L.m[0][3] = b_g8 * acc[0][3];
+  L.m[1][0] = 0.f;
+  L.m[1][1] = 0.f;
+  L.m[1][2] = 2 * t < g ? b_g8 * acc[1][2] : 0.f;
+  L.m[1][3] = 2 * t + 1 < g ? b_g8 * acc[1][3] : 0.f;
+  // L^T[r][col] = L[col][r] = b[col] A[col][r] for r < col: the same
+  // products as L's, so L^T is exactly L's transpose.
+  LT.m[0][0] = g < 2 * t ? b_c0.x * a_tile[2 * t][g] : 0.f;
+  LT.m[0][1] = g < 2 * t + 1 ? b_c0.y * a_tile[2 * t + 1][g] : 0.f;
+  LT.m[0][2] = 0.f;
+  LT.m[0][3] = 0.f;
+  LT.m[1][0] = b_c1.x * a_tile[8 + 2 * t][g];
+  LT.m[1][1] = b_c1.y * a_tile[9 + 2 * t][g];
+  LT.m[1][2] = g < 2 * t ? b_c1.x * a_tile[8 + 2 * t][g + 8] : 0.f;
+  LT.m[1][3] = g < 2 * t + 1 ? b_c1.y * a_tile[9 + 2 * t][g + 8] : 0.f;
+
+  const WarpTile minus_inv = negated_unit_lower_inverse(L, LT, lane);
+  // W = f16(INV diag(b)). b and the record's address are fetched again
+  // rather than kept: the inverse needs every register it can get.
   __syncwarp();
-  // L4 = L2 L2 and P1 = (I - L)(I + L2) = I - L + L2 - L L2.
-  block_product(L2, L2, lane, x);
-  block_product(L, L2, lane, y);
+  unsigned char* w_tile = record_of(p, blockIdx.x, blockIdx.y) + FKDA_WS_W_OFFSET;
 #pragma unroll
-  for (int a = 0; a < 2; ++a) {
-    const float4 l = load_row4(L, r0 + a, c0), l2 = load_row4(L2, r0 + a, c0);
-    const float ls[4] = {l.x, l.y, l.z, l.w}, l2s[4] = {l2.x, l2.y, l2.z, l2.w};
+  for (int j = 0; j < 2; ++j) {
+    const int col = 8 * j + 2 * t;
+    const float2 b = *reinterpret_cast<const float2*>(&b_of[col]);
 #pragma unroll
-    for (int b = 0; b < 4; ++b) y[a][b] = float(r0 + a == c0 + b) - ls[b] + l2s[b] - y[a][b];
-  }
-  store_block(L4, lane, x);
-  store_block(P1, lane, y);
-  __syncwarp();
-  // L8 = L4 L4 and P2 = P1 (I + L4).
-  block_product(L4, L4, lane, x);
-  block_product(P1, L4, lane, y);
-#pragma unroll
-  for (int a = 0; a < 2; ++a) {
-    const float4 p1 = load_row4(P1, r0 + a, c0);
-    y[a][0] += p1.x;
-    y[a][1] += p1.y;
-    y[a][2] += p1.z;
-    y[a][3] += p1.w;
-  }
-  store_block(L8, lane, x);
-  store_block(P2, lane, y);
-  __syncwarp();
-  // INV = P2 (I + L8); W = f16(INV diag(b)).
-  block_product(P2, L8, lane, x);
-#pragma unroll
-  for (int a = 0; a < 2; ++a) {
-    const int i = r0 + a;
-    const float4 p2 = load_row4(P2, i, c0);
-    const float inv[4] = {p2.x + x[a][0], p2.y + x[a][1], p2.z + x[a][2], p2.w + x[a][3]};
-    const uint2 w = make_uint2(pack_f16x2(inv[0] * b_of[c0], inv[1] * b_of[c0 + 1]),
-                               pack_f16x2(inv[2] * b_of[c0 + 2], inv[3] * b_of[c0 + 3]));
-    *reinterpret_cast<uint2*>(record + FKDA_WS_W_OFFSET + small_tile_offset(i, c0)) = w;
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t w = pack_f16x2(minus_inv.m[j][2 * h] * -b.x, minus_inv.m[j][2 * h + 1] * -b.y);
+      *reinterpret_cast<uint32_t*>(w_tile + small_tile_offset(g + 8 * h, col)) = w;
+    }
   }
 }

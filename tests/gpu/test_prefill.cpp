@@ -266,6 +266,10 @@ struct Case {
   fkda_dtype offsets_dtype = FKDA_DTYPE_I64;
   int64_t offsets_stride = 1;
   uint64_t seed = 1;
+  // Added to every key: a shared direction per head, so that keys within a
+  // chunk are correlated and the 16x16 inverse's powers of L are far from 0.
+  float key_shift = 0.f;
+  float beta_shift = 0.f;  // added to every beta logit
 };
 
 // A problem's tensors as host arenas in the case's layouts. The same bytes
@@ -426,6 +430,15 @@ Problem problem_of(const Case& c) {
   Problem p = random_problem(c.shape, c.seed);
   if (c.state_dtype == FKDA_DTYPE_BF16)
     for (float& x : p.initial_state) x = from_bf16(to_bf16(x));
+  if (c.key_shift != 0.f) {
+    const Problem directions = random_problem(ProblemShape{1, 1, p.H, {}, false}, c.seed + 1000);
+    for (size_t i = 0; i < p.k.size(); ++i) {
+      const size_t d = i % size_t(p.K), h = (i / size_t(p.K)) % size_t(p.H);
+      p.k[i] = to_bf16(from_bf16(p.k[i]) + c.key_shift * from_bf16(directions.k[h * size_t(p.K) + d]));
+    }
+  }
+  if (c.beta_shift != 0.f)
+    for (uint16_t& x : p.beta) x = to_bf16(from_bf16(x) + c.beta_shift);
   return p;
 }
 
@@ -591,6 +604,25 @@ TEST_CASE("prefill: gate floors other than -5", "[gpu]") {
     Case c = batched("lower_bound " + std::to_string(lower_bound), 2, 80, 2, 61);
     c.shape.lower_bound = lower_bound;
     check_case(c);
+  }
+}
+
+TEST_CASE("prefill: correlated keys, so that the chunk inverse has large powers", "[gpu]") {
+  // Keys sharing a direction (cosine about 0.5) and betas shifted towards 1
+  // make L's entries large, so L^2, L^4 and L^8 cancel in (I + L)^-1 (the
+  // more so under a weak gate): the tensor-core products of the inverse must
+  // keep the CPU backend's f32-level agreement there.
+  for (float lower_bound : {-5.0f, -0.5f}) {
+    for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+      Case c = with_state(varlen("correlated keys", {16, 100, 333}, 2, 131), dtype, FKDA_STATE_LAYOUT_VK, true,
+                          true);
+      c.name = std::string("correlated keys lb ") + std::to_string(lower_bound) +
+               (dtype == FKDA_DTYPE_F32 ? " f32" : " bf16");
+      c.shape.lower_bound = lower_bound;
+      c.key_shift = 1.0f;
+      c.beta_shift = 1.0f;
+      check_case(c);
+    }
   }
 }
 
