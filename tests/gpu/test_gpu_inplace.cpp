@@ -12,33 +12,17 @@
 #include <vector>
 
 #include "flashkda.h"
+#include "gpu_support.h"
 #include "kda_reference.h"
 
 namespace {
 
-struct Device {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  Device(const Device&) = delete;
-  Device& operator=(const Device&) = delete;
-  explicit Device(size_t n) : bytes(n) { REQUIRE(cudaMalloc(&ptr, n == 0 ? 1 : n) == cudaSuccess); }
-  template <typename T>
-  explicit Device(const std::vector<T>& host) : Device(host.size() * sizeof(T)) {
-    REQUIRE(cudaMemcpy(ptr, host.data(), bytes, cudaMemcpyHostToDevice) == cudaSuccess);
-  }
-  template <typename T>
-  std::vector<T> read() const {
-    std::vector<T> host(bytes / sizeof(T));
-    REQUIRE(cudaMemcpy(host.data(), ptr, bytes, cudaMemcpyDeviceToHost) == cudaSuccess);
-    return host;
-  }
-  ~Device() { cudaFree(ptr); }
-};
+using fkda_test::DeviceBuffer;
 
 // Runs p on the GPU with its initial state in `state`; the final state goes
 // to `final_state`, or back into `state` when final_state is null.
-std::vector<uint16_t> run(const fkda_test::Problem& p, fkda_dtype dtype, fkda_state_layout layout, Device& state,
-                          Device* final_state) {
+std::vector<uint16_t> run(const fkda_test::Problem& p, fkda_dtype dtype, fkda_state_layout layout, DeviceBuffer& state,
+                          DeviceBuffer* final_state) {
   fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
   desc.num_heads = int32_t(p.H);
   desc.backend = FKDA_BACKEND_GPU;
@@ -46,21 +30,21 @@ std::vector<uint16_t> run(const fkda_test::Problem& p, fkda_dtype dtype, fkda_st
   desc.state_layout = layout;
   desc.lower_bound = p.lower_bound;
   fkda_plan_t plan = nullptr;
-  REQUIRE(fkda_plan_create(&desc, &plan) == FKDA_SUCCESS);
-  Device q(p.q), k(p.k), v(p.v), g(p.g), beta(p.beta), A_log(p.A_log), dt_bias(p.dt_bias);
-  Device cu(p.cu_seqlens);
+  FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
+  DeviceBuffer q(p.q), k(p.k), v(p.v), g(p.g), beta(p.beta), A_log(p.A_log), dt_bias(p.dt_bias);
+  DeviceBuffer cu(p.cu_seqlens);
   std::vector<uint16_t> poison(p.q.size(), 0xFFFF);
-  Device out(poison);
-  fkda_test::Buffers buffers{q.ptr, k.ptr, v.ptr, g.ptr, beta.ptr, A_log.ptr, dt_bias.ptr, out.ptr};
-  buffers.initial_state = state.ptr;
-  buffers.final_state = final_state != nullptr ? final_state->ptr : state.ptr;
-  buffers.cu_seqlens = p.cu_seqlens.empty() ? nullptr : cu.ptr;
+  DeviceBuffer out(poison);
+  fkda_test::Buffers buffers{q.get(), k.get(), v.get(), g.get(), beta.get(), A_log.get(), dt_bias.get(), out.get()};
+  buffers.initial_state = state.get();
+  buffers.final_state = final_state != nullptr ? final_state->get() : state.get();
+  buffers.cu_seqlens = p.cu_seqlens.empty() ? nullptr : cu.get();
   const fkda_fwd_args args = fkda_test::make_args(p, buffers, dtype);
   size_t bytes = 0;
-  REQUIRE(fkda_plan_workspace_size(plan, p.B * p.T, p.num_seqs(), &bytes) == FKDA_SUCCESS);
-  Device workspace(bytes);
-  REQUIRE(fkda_fwd(plan, &args, workspace.ptr, bytes, nullptr) == FKDA_SUCCESS);
-  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  FKDA_REQUIRE(fkda_plan_workspace_size(plan, p.B * p.T, p.num_seqs(), &bytes));
+  DeviceBuffer workspace(bytes);
+  FKDA_REQUIRE(fkda_fwd(plan, &args, workspace.get(), bytes, nullptr));
+  CUDA_REQUIRE(cudaDeviceSynchronize());
   fkda_plan_destroy(plan);
   return out.read<uint16_t>();
 }
@@ -85,11 +69,11 @@ TEST_CASE("the final state may overwrite the initial state in place", "[gpu][sta
       for (float x : initial_f32) initial_bf16.push_back(fkda_test::to_bf16(x));
       const bool f32 = dtype == FKDA_DTYPE_F32;
 
-      Device separate_in = f32 ? Device(initial_f32) : Device(initial_bf16);
-      Device separate_out(separate_in.bytes);
+      DeviceBuffer separate_in = f32 ? DeviceBuffer(initial_f32) : DeviceBuffer(initial_bf16);
+      DeviceBuffer separate_out(separate_in.bytes());
       const std::vector<uint16_t> out_separate = run(p, dtype, layout, separate_in, &separate_out);
 
-      Device pooled = f32 ? Device(initial_f32) : Device(initial_bf16);
+      DeviceBuffer pooled = f32 ? DeviceBuffer(initial_f32) : DeviceBuffer(initial_bf16);
       const std::vector<uint16_t> out_in_place = run(p, dtype, layout, pooled, nullptr);
 
       CHECK(std::count(out_separate.begin(), out_separate.end(), uint16_t(0xFFFF)) == 0);  // all written

@@ -9,17 +9,14 @@
 #include <vector>
 
 #include "flashkda.h"
+#include "gpu_support.h"
 #include "kda_reference.h"
 
 namespace {
 
-constexpr int64_t kB = 1, kT = 40, kH = 2, kD = 128;
+using fkda_test::DeviceBuffer;
 
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) { REQUIRE(cudaMalloc(&ptr, bytes) == cudaSuccess); }
-  ~DeviceBuffer() { cudaFree(ptr); }
-};
+constexpr int64_t kB = 1, kT = 40, kH = 2, kD = 128;
 
 fkda_plan_t make_plan(fkda_backend backend) {
   fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
@@ -38,18 +35,18 @@ struct DeviceCall {
   fkda_fwd_args args = FKDA_FWD_ARGS_INIT;
 
   DeviceCall() {
-    for (void* p : {q.ptr, k.ptr, v.ptr, g.ptr, out.ptr}) REQUIRE(cudaMemset(p, 0x3c, act_bytes) == cudaSuccess);
-    REQUIRE(cudaMemset(beta.ptr, 0x3c, size_t(kB * kT * kH) * 2) == cudaSuccess);
-    REQUIRE(cudaMemset(A_log.ptr, 0, kH * 4) == cudaSuccess);
-    REQUIRE(cudaMemset(dt_bias.ptr, 0, kH * kD * 4) == cudaSuccess);
-    args.q = fkda_test::tensor(q.ptr, FKDA_DTYPE_BF16, {kB, kT, kH, kD});
-    args.k = fkda_test::tensor(k.ptr, FKDA_DTYPE_BF16, {kB, kT, kH, kD});
-    args.v = fkda_test::tensor(v.ptr, FKDA_DTYPE_BF16, {kB, kT, kH, kD});
-    args.g = fkda_test::tensor(g.ptr, FKDA_DTYPE_BF16, {kB, kT, kH, kD});
-    args.out = fkda_test::tensor(out.ptr, FKDA_DTYPE_BF16, {kB, kT, kH, kD});
-    args.beta = fkda_test::tensor(beta.ptr, FKDA_DTYPE_BF16, {kB, kT, kH});
-    args.A_log = fkda_test::tensor(A_log.ptr, FKDA_DTYPE_F32, {kH});
-    args.dt_bias = fkda_test::tensor(dt_bias.ptr, FKDA_DTYPE_F32, {kH, kD});
+    for (void* p : {q.get(), k.get(), v.get(), g.get(), out.get()}) REQUIRE(cudaMemset(p, 0x3c, act_bytes) == cudaSuccess);
+    REQUIRE(cudaMemset(beta.get(), 0x3c, size_t(kB * kT * kH) * 2) == cudaSuccess);
+    REQUIRE(cudaMemset(A_log.get(), 0, kH * 4) == cudaSuccess);
+    REQUIRE(cudaMemset(dt_bias.get(), 0, kH * kD * 4) == cudaSuccess);
+    args.q = fkda_test::tensor(q.get(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    args.k = fkda_test::tensor(k.get(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    args.v = fkda_test::tensor(v.get(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    args.g = fkda_test::tensor(g.get(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    args.out = fkda_test::tensor(out.get(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    args.beta = fkda_test::tensor(beta.get(), FKDA_DTYPE_BF16, {kB, kT, kH});
+    args.A_log = fkda_test::tensor(A_log.get(), FKDA_DTYPE_F32, {kH});
+    args.dt_bias = fkda_test::tensor(dt_bias.get(), FKDA_DTYPE_F32, {kH, kD});
   }
 };
 
@@ -70,13 +67,13 @@ TEST_CASE("GPU plans reject host memory, CPU plans reject device memory", "[gpu]
   REQUIRE(fkda_plan_workspace_size(gpu, kB * kT, kB, &bytes) == FKDA_SUCCESS);
   DeviceBuffer workspace(bytes);
 
-  REQUIRE(fkda_fwd(gpu, &call.args, workspace.ptr, bytes, nullptr) == FKDA_SUCCESS);
-  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  REQUIRE(fkda_fwd(gpu, &call.args, workspace.get(), bytes, nullptr) == FKDA_SUCCESS);
+  CUDA_REQUIRE(cudaDeviceSynchronize());
 
   std::vector<uint16_t> host_q(size_t(kB * kT * kH * kD), 0x3c00);
   fkda_fwd_args with_host_q = call.args;
   with_host_q.q.data = host_q.data();
-  expect_invalid(fkda_fwd(gpu, &with_host_q, workspace.ptr, bytes, nullptr),
+  expect_invalid(fkda_fwd(gpu, &with_host_q, workspace.get(), bytes, nullptr),
                  "q: host memory passed to a GPU plan");
 
   expect_invalid(fkda_fwd(cpu, &call.args, nullptr, 0, nullptr), "q: device memory passed to a CPU plan");
@@ -94,18 +91,18 @@ TEST_CASE("GPU plans need 16-byte aligned rows and enough workspace", "[gpu][val
   DeviceBuffer workspace(bytes);
 
   fkda_fwd_args misaligned = call.args;
-  misaligned.v.data = static_cast<char*>(call.v.ptr) + 2;
-  expect_invalid(fkda_fwd(gpu, &misaligned, workspace.ptr, bytes, nullptr), "v: GPU plans need 16-byte aligned data");
+  misaligned.v.data = static_cast<char*>(call.v.get()) + 2;
+  expect_invalid(fkda_fwd(gpu, &misaligned, workspace.get(), bytes, nullptr), "v: GPU plans need 16-byte aligned data");
 
   fkda_fwd_args odd_stride = call.args;
   odd_stride.k.shape[1] = kT / 2;
   odd_stride.k.strides[1] = kH * kD + 4;  // rows 8 bytes apart from a 16-byte boundary
   for (fkda_tensor* t : {&odd_stride.q, &odd_stride.v, &odd_stride.g, &odd_stride.out}) t->shape[1] = kT / 2;
   odd_stride.beta.shape[1] = kT / 2;
-  expect_invalid(fkda_fwd(gpu, &odd_stride, workspace.ptr, bytes, nullptr),
+  expect_invalid(fkda_fwd(gpu, &odd_stride, workspace.get(), bytes, nullptr),
                  "k: GPU plans need strides that are multiples of 8 elements");
 
-  CHECK(fkda_fwd(gpu, &call.args, workspace.ptr, bytes - 1, nullptr) == FKDA_ERROR_WORKSPACE_TOO_SMALL);
+  CHECK(fkda_fwd(gpu, &call.args, workspace.get(), bytes - 1, nullptr) == FKDA_ERROR_WORKSPACE_TOO_SMALL);
   CHECK(std::string(fkda_last_error()).rfind("workspace_bytes: ", 0) == 0);
   expect_invalid(fkda_fwd(gpu, &call.args, nullptr, bytes, nullptr), "workspace: NULL");
   std::vector<unsigned char> host_workspace(bytes + 16);

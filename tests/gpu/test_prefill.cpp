@@ -19,24 +19,12 @@
 #include <vector>
 
 #include "flashkda.h"
+#include "gpu_support.h"
 #include "kda_reference.h"
 
 namespace {
 
 using namespace fkda_test;
-
-#define CUDA_REQUIRE(expr)                                                             \
-  do {                                                                                 \
-    const cudaError_t status_ = (expr);                                                \
-    if (status_ != cudaSuccess) FAIL(#expr << ": " << cudaGetErrorString(status_));   \
-  } while (0)
-
-#define FKDA_REQUIRE(expr)                                                             \
-  do {                                                                                 \
-    const fkda_status status_ = (expr);                                                \
-    if (status_ != FKDA_SUCCESS)                                                       \
-      FAIL(#expr << ": " << fkda_status_string(status_) << ": " << fkda_last_error()); \
-  } while (0)
 
 constexpr uint16_t kPoisonBf16 = 0xFFFF;  // a NaN
 constexpr unsigned char kPoisonByte = 0xFF;  // 0xFFFFFFFF is an f32 NaN, 0xFFFF a bf16 NaN
@@ -51,24 +39,6 @@ constexpr Targets kBf16StateTargets{6.0e-3, 5.0e-3};
 // GPU against the CPU backend: the same contract, so only ulp-level
 // differences (hardware exp2, summation order inside the mma) remain.
 constexpr double kCpuAgreement = 1.0e-3;
-
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    CUDA_REQUIRE(cudaMalloc(&data_, std::max<size_t>(bytes, 256)));
-  }
-  ~DeviceBuffer() { cudaFree(data_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void* get() const { return data_; }
-  size_t bytes() const { return bytes_; }
-  void upload(const void* host) { CUDA_REQUIRE(cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice)); }
-  void download(void* host) const { CUDA_REQUIRE(cudaMemcpy(host, data_, bytes_, cudaMemcpyDeviceToHost)); }
-
- private:
-  void* data_ = nullptr;
-  size_t bytes_;
-};
 
 class Stream {
  public:
