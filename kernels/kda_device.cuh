@@ -176,8 +176,9 @@ __device__ __forceinline__ int64_t num_chunks(const Sequence& s) {
   return (s.end - s.begin + FKDA_CHUNK - 1) / FKDA_CHUNK;
 }
 
-__device__ __forceinline__ unsigned char* record_of(const FkdaPrefillParams& p, int64_t slot, int head) {
-  return p.workspace + (slot * p.num_heads + head) * int64_t(FKDA_WS_RECORD_BYTES);
+// The record of a slot of the current window, by its index in the window.
+__device__ __forceinline__ unsigned char* record_of(const FkdaPrefillParams& p, int64_t window_slot, int head) {
+  return p.workspace + (window_slot * p.num_heads + head) * int64_t(FKDA_WS_RECORD_BYTES);
 }
 
 }  // namespace fkda_dev

@@ -43,6 +43,15 @@ static inline FKDA_HOST_DEVICE int64_t fkda_num_chunk_slots(int64_t total_tokens
   return total_tokens / FKDA_CHUNK + num_seqs + 1;
 }
 
+/* The slots are processed in windows of consecutive slots, each by one
+ * preparation and one recurrence launch, so that the workspace holds the
+ * records of one window only. A sequence whose slots run across a window's
+ * end hands its state to the next window through a carry matrix: f32
+ * [num_heads][V][K] per window boundary (the state is never rounded between
+ * windows). Sorted sequences occupy disjoint slot ranges, so at most one
+ * sequence crosses each boundary and one matrix per head suffices. */
+#define FKDA_CARRY_BYTES_PER_HEAD (FKDA_HEAD_DIM * FKDA_HEAD_DIM * 4)
+
 /* The recurrence kernel: one block per (sequence, head, V slice); a warp owns
  * 16 rows of V, so a block has 8 / vsplit warps, and there is one kernel per
  * vsplit (1, 2, 4, 8). Its dynamic shared memory is a ring of
@@ -106,8 +115,12 @@ typedef struct FkdaPrefillParams {
   int64_t seq_len;  /* T: tokens per row (the packed total with cu_seqlens) */
   int64_t num_seqs; /* N */
 
-  unsigned char* workspace; /* num_slots * num_heads records */
-  int64_t num_slots;
+  unsigned char* workspace; /* the window's records: (slot - window_first) * num_heads + head */
+  int64_t num_slots;        /* of the whole call (fkda_num_chunk_slots) */
+  int64_t window_first;     /* the slots [window_first, window_end) of this launch pair */
+  int64_t window_end;
+  const float* carry_in; /* the state entering this window; NULL in the first */
+  float* carry_out;      /* the state leaving it; NULL in the last */
 
   float scale;
   float gate_scale; /* lower_bound * log2(e) */

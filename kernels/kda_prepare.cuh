@@ -16,11 +16,12 @@
 //   INV = (I - L)(I + L^2)(I + L^4)(I + L^8);  W = f16(INV diag(b))                    step 5
 //   write Kd, Qd, Kr, decay, W, Mqk to the slot's workspace record
 //
-// One block of 128 threads per (slot, head). Thread t owns the channel pair
-// 2 (t % 64), +1 for the 8 tokens 8 (t / 64) .. +7: every global access of a
-// warp is one contiguous 128-byte row segment, and the running sum along the
-// tokens stays in registers (the second half of the tokens continues from the
-// first half's total, so the sum keeps its token order). The first half's
+// One block of 128 threads per (slot, head) of the current window. Thread t
+// owns the channel pair 2 (t % 64), +1 for the 8 tokens 8 (t / 64) .. +7:
+// every global access of a warp is one contiguous 128-byte row segment, and
+// the running sum along the tokens stays in registers (the second half of
+// the tokens continues from the first half's total, so the sum keeps its
+// token order). The first half's
 // warps (0, 1) learn c_last only at the second barrier, so they write Kr
 // after it and are done; warps 2 and 3 write theirs before it and then run
 // the 16x16 products on the tensor cores: warp 3 B and Mqk, warp 2 A and the
@@ -204,7 +205,7 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_
   __shared__ float norm_parts[2][2][2][8];  // [q, k][token half][warp of the half][token]
   __shared__ __align__(8) float b_of[FKDA_CHUNK];
 
-  const int64_t slot = blockIdx.x;
+  const int64_t slot = p.window_first + blockIdx.x;  // one block per slot of the window
   const int head = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
@@ -219,7 +220,7 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_
   if (chunk < 0 || chunk >= num_chunks(seq)) return;  // a slot between sequences
   const int64_t t0 = seq.begin + chunk * FKDA_CHUNK;
   const int len = int(seq.end - t0 < FKDA_CHUNK ? seq.end - t0 : FKDA_CHUNK);
-  unsigned char* record = record_of(p, slot, head);
+  unsigned char* record = record_of(p, blockIdx.x, head);
 
   const int pair = tid & 63;  // channels 2 pair, 2 pair + 1
   const int half = tid >> 6;  // tokens 8 half .. 8 half + 7

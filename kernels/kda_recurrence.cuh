@@ -13,6 +13,14 @@
 //     S  = S diag(decay) + Uh^T Kr
 //   final_state[n][h] = S rounded to the state dtype
 //
+// One launch covers the chunks whose slots lie in the current window
+// (kda_params.h): a block starts from the initial state only if its
+// sequence's chunk 0 is in the window, else from the carry the previous
+// window left, and ends with the final state only if its last chunk is, else
+// with the carry for the next window. Both carries are f32, so the windows
+// change no bit of the result. A sequence without chunks is handled by the
+// first window alone.
+//
 // The V rows of S evolve independently, so block (n, h, z) of the grid
 // (N, H, vsplit) takes rows [z 128/vsplit, (z + 1) 128/vsplit) and each of its
 // warps 16 of them, with all 128 K columns, as f32 mma accumulators (64
@@ -162,6 +170,17 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   // Only reachable with unsorted offsets; keeps every record read inside the workspace.
   if (seq.slot_base + chunks > p.num_slots) chunks = p.num_slots - seq.slot_base;
   if (chunks < 0) chunks = 0;
+  // This window's chunks [chunk_first, chunk_end) of the sequence. In the
+  // first window chunk_first is 0 and in the last chunk_end is chunks, so
+  // the carries are never needed where they do not exist. A sequence without
+  // chunks has chunk_first = chunk_end = chunks = 0 in the first window,
+  // wherever its slot lies, so it goes from initial to final state there.
+  int64_t chunk_first = p.window_first - seq.slot_base;
+  if (chunk_first < 0) chunk_first = 0;
+  int64_t chunk_end = p.window_end - seq.slot_base;
+  if (chunk_end > chunks) chunk_end = chunks;
+  if (chunk_end < 0) chunk_end = 0;
+  if (chunks == 0 ? p.window_first != 0 : chunk_first >= chunk_end) return;
 
   StateAccess state;
   state.initial = p.initial_state;
@@ -169,8 +188,23 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   state.bf16 = p.state_is_bf16 != 0;
   state.kv = p.state_is_kv != 0;
   state.base = (n * p.num_heads + head) * int64_t(FKDA_HEAD_DIM * FKDA_HEAD_DIM);
+  // Where the state comes from and goes to: the caller's states, or this
+  // head's f32 V x K carry matrices between windows.
+  StateAccess from = state, to = state;
+  if (chunk_first > 0) {
+    from.initial = p.carry_in;
+    from.bf16 = false;
+    from.kv = false;
+    from.base = int64_t(head) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
+  }
+  if (chunk_end < chunks) {
+    to.final = p.carry_out;
+    to.bf16 = false;
+    to.kv = false;
+    to.base = int64_t(head) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
+  }
   float S[16][4];
-  load_state(state, e0, g, t, S);
+  load_state(from, e0, g, t, S);
 
   const uint32_t stages = smem_address(smem);
   unsigned char* out_tile = smem + FKDA_RECURRENCE_STAGES * kStageBytes + warp * FKDA_OUT_TILE_BYTES;
@@ -178,14 +212,15 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
                       int64_t(head) * p.out.stride_h + e0;
 
   // The next chunk to stage, its record and its first v row.
-  int64_t next = 0;
+  int64_t next = chunk_first;
   const int64_t record_step = int64_t(p.num_heads) * FKDA_WS_RECORD_BYTES;
-  const unsigned char* next_record = record_of(p, seq.slot_base, head);
+  const unsigned char* next_record = record_of(p, seq.slot_base + chunk_first - p.window_first, head);
   const uint16_t* next_v = static_cast<const uint16_t*>(p.v.data) + seq.row * p.v.stride_b +
-                           int64_t(head) * p.v.stride_h + v_block + seq.begin * p.v.stride_t;
+                           int64_t(head) * p.v.stride_h + v_block +
+                           (seq.begin + chunk_first * FKDA_CHUNK) * p.v.stride_t;
   const int64_t v_step = FKDA_CHUNK * p.v.stride_t;
   auto issue = [&]() {
-    if (next < chunks) {
+    if (next < chunk_end) {
       const int64_t left = seq.end - (seq.begin + next * FKDA_CHUNK);
       const uint32_t stage = stages + int(next % FKDA_RECURRENCE_STAGES) * kStageBytes;
       stage_record<kThreads>(stage, next_record);
@@ -214,7 +249,7 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   const uint32_t mqk_lane = FKDA_WS_MQK_OFFSET + small_tile_offset(row_a, col_a);
   const uint32_t v_lane = FKDA_STAGE_V + row_a * kVPitch + (warp * 16 + col_a) * 2;
 
-  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+  for (int64_t chunk = chunk_first; chunk < chunk_end; ++chunk) {
     cp_async_wait<FKDA_RECURRENCE_STAGES - 2>();
     // The chunk's stage is complete for every thread, and every warp is done
     // with the stage that the next issue overwrites (the one of chunk - 1).
@@ -323,7 +358,7 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   // Drain the empty trailing groups before the block's shared memory goes away.
   cp_async_wait<0>();
 
-  if (p.final_state != nullptr) store_state(state, e0, g, t, S);
+  if (to.final != nullptr) store_state(to, e0, g, t, S);
 }
 
 }  // namespace fkda_dev

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # The GPU check, run on a machine with an NVIDIA GPU against a build made
-# elsewhere (or here): the [gpu] tests, the V-split variants, compute-sanitizer
-# (memcheck, racecheck) on the [sanitize] subset, timings of BENCHMARKS.md
-# cases, and what the embedded fatbin holds.
+# elsewhere (or here): the [gpu] tests, the V-split and window-size variants,
+# compute-sanitizer (memcheck, racecheck) on the [sanitize] subset, timings of
+# BENCHMARKS.md cases, and what the embedded fatbin holds.
 #
 #   scripts/gpu_check.sh [BUILD_DIR] [STEP...]
 #
-# BUILD_DIR defaults to build-gpu. STEPs: info tests vsplit memcheck racecheck
-# bench sweep (the default), timing profile. Logs go to $OUT (default ./gpu-check-logs); the
+# BUILD_DIR defaults to build-gpu. STEPs: info tests vsplit window memcheck
+# memcheck_window racecheck bench sweep (the default), timing profile. Logs go to $OUT (default ./gpu-check-logs); the
 # last lines printed are a summary.
 set -uo pipefail
 
 build=${1:-build-gpu}
 shift || true
-steps=${*:-info tests vsplit memcheck racecheck bench sweep}
+steps=${*:-info tests vsplit window memcheck memcheck_window racecheck bench sweep}
 out=${OUT:-$PWD/gpu-check-logs}
 mkdir -p "$out"
 export PATH="$PATH:/usr/local/cuda/bin"
@@ -68,6 +68,18 @@ for s in $steps; do
         echo "=== FKDA_VSPLIT=$v" >>"$out/vsplit.log"
         step "vsplit=$v" 90 "$out/vsplit.log" env FKDA_VSPLIT=$v "$tests" "[vsplit]"
       done
+      ;;
+    window)
+      # Small forced windows put window boundaries inside, at the ends of and
+      # between sequences, so that states cross many of them.
+      for w in 1 3 7; do
+        echo "=== FKDA_WINDOW_SLOTS=$w" >>"$out/window.log"
+        step "window=$w" 240 "$out/window.log" env FKDA_WINDOW_SLOTS=$w "$tests" "[window],[sanitize]"
+      done
+      ;;
+    memcheck_window)
+      step memcheck_w 240 "$out/sanitizer.log" env FKDA_WINDOW_SLOTS=3 compute-sanitizer --tool memcheck \
+        --error-exitcode 3 "$tests" "[sanitize]"
       ;;
     memcheck)
       step memcheck 240 "$out/sanitizer.log" compute-sanitizer --tool memcheck --error-exitcode 3 "$tests" "[sanitize]"

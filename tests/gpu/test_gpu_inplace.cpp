@@ -1,7 +1,8 @@
 // Runtimes keep states in a pool and update them in place: final_state may
 // be the very buffer initial_state points to. Every block reads its rows of
 // a state before it writes them, so the result must be bitwise the one of
-// separate buffers, for every V split (run under FKDA_VSPLIT by gpu_check.sh).
+// separate buffers, for every V split and window size (run under FKDA_VSPLIT
+// and FKDA_WINDOW_SLOTS by gpu_check.sh).
 #include <catch2/catch.hpp>
 
 #include <cuda_runtime.h>
@@ -56,7 +57,7 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
 
 }  // namespace
 
-TEST_CASE("the final state may overwrite the initial state in place", "[gpu][state][vsplit]") {
+TEST_CASE("the final state may overwrite the initial state in place", "[gpu][state][vsplit][window]") {
   fkda_test::ProblemShape shape;
   shape.H = 3;
   shape.lengths = {40, 0, 17, 1};

@@ -496,7 +496,7 @@ Case with_state(Case c, fkda_dtype dtype, fkda_state_layout layout, bool initial
 
 // ------------------------------------------------------------- tests ---
 
-TEST_CASE("prefill: BENCHMARKS.md accuracy cases", "[gpu]") {
+TEST_CASE("prefill: BENCHMARKS.md accuracy cases", "[gpu][window]") {
   for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
     const char* suffix = dtype == FKDA_DTYPE_F32 ? " f32" : " bf16";
     check_case(with_state(batched(std::string("T=1024 H=4") + suffix, 1, 1024, 4, 11), dtype,
@@ -506,7 +506,7 @@ TEST_CASE("prefill: BENCHMARKS.md accuracy cases", "[gpu]") {
   }
 }
 
-TEST_CASE("prefill: varlen with empty, short, chunk-edge and long sequences", "[gpu][vsplit]") {
+TEST_CASE("prefill: varlen with empty, short, chunk-edge and long sequences", "[gpu][vsplit][window]") {
   const std::vector<int64_t> lengths = {0, 1, 15, 16, 17, 0, 33, 200, 5, 0};
   for (fkda_dtype offsets : {FKDA_DTYPE_I64, FKDA_DTYPE_I32}) {
     for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
@@ -521,7 +521,29 @@ TEST_CASE("prefill: varlen with empty, short, chunk-edge and long sequences", "[
   }
 }
 
-TEST_CASE("prefill: every presence of initial and final state", "[gpu][vsplit]") {
+TEST_CASE("prefill: sequences across many windows", "[gpu][window]") {
+  // Under gpu_check.sh's forced small windows (FKDA_WINDOW_SLOTS) the long
+  // sequences cross several window boundaries, the short ones sit inside a
+  // window or start or end at a boundary, and the empty ones fall anywhere.
+  const std::vector<int64_t> lengths = {0, 1, 15, 16, 17, 0, 300, 5, 0, 129, 64, 0, 47};
+  for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+    for (fkda_state_layout layout : {FKDA_STATE_LAYOUT_VK, FKDA_STATE_LAYOUT_KV}) {
+      Case c = with_state(varlen("windows", lengths, 2, 141 + dtype + 10 * layout), dtype, layout, true, true);
+      c.name = std::string("windows ") + (dtype == FKDA_DTYPE_F32 ? "f32 " : "bf16 ") +
+               (layout == FKDA_STATE_LAYOUT_VK ? "VK" : "KV");
+      check_case(c);
+    }
+  }
+  for (int presence = 0; presence < 4; ++presence) {
+    const bool initial = presence & 1, final = presence & 2;
+    Case c = with_state(batched("windows batched", 3, 100, 2, 151 + presence), FKDA_DTYPE_BF16,
+                        FKDA_STATE_LAYOUT_VK, initial, final);
+    c.name = std::string("windows batched initial=") + std::to_string(initial) + " final=" + std::to_string(final);
+    check_case(c);
+  }
+}
+
+TEST_CASE("prefill: every presence of initial and final state", "[gpu][vsplit][window]") {
   for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
     for (int presence = 0; presence < 4; ++presence) {
       const bool initial = presence & 1, final = presence & 2;
@@ -534,7 +556,7 @@ TEST_CASE("prefill: every presence of initial and final state", "[gpu][vsplit]")
   }
 }
 
-TEST_CASE("prefill: strided activations and offsets", "[gpu][vsplit]") {
+TEST_CASE("prefill: strided activations and offsets", "[gpu][vsplit][window]") {
   Case padded = varlen("padded rows, i32 offsets", {40, 0, 17, 64}, 3, 41);
   padded.arrangement = Arrangement::kPadded;
   padded.offsets_dtype = FKDA_DTYPE_I32;
@@ -596,7 +618,7 @@ TEST_CASE("prefill: correlated keys, so that the chunk inverse has large powers"
   }
 }
 
-TEST_CASE("prefill: zero-length sequences copy their initial state bit for bit", "[gpu]") {
+TEST_CASE("prefill: zero-length sequences copy their initial state bit for bit", "[gpu][window]") {
   for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
     Case c = with_state(varlen("empties", {0, 20, 0, 0}, 2, 71), dtype, FKDA_STATE_LAYOUT_KV, true, true);
     const Problem p = problem_of(c);
@@ -625,7 +647,7 @@ TEST_CASE("prefill: zero-length sequences copy their initial state bit for bit",
   }
 }
 
-TEST_CASE("prefill: a sequence split at a chunk boundary equals the whole", "[gpu]") {
+TEST_CASE("prefill: a sequence split at a chunk boundary equals the whole", "[gpu][window]") {
   // With f32 state and a split at a multiple of 16 the chunks are the same,
   // so the state handed from the first half to the second is exact.
   Case whole = batched("whole", 1, 96, 2, 81);
@@ -674,7 +696,7 @@ TEST_CASE("prefill: a sequence split at a chunk boundary equals the whole", "[gp
   CHECK(second_result.final == all.final);
 }
 
-TEST_CASE("prefill: a captured CUDA graph replays the direct run", "[gpu]") {
+TEST_CASE("prefill: a captured CUDA graph replays the direct run", "[gpu][window]") {
   Case c = with_state(varlen("graph", {100, 3, 64, 29}, 4, 91), FKDA_DTYPE_BF16, FKDA_STATE_LAYOUT_VK, true, true);
   const Problem p = problem_of(c);
   const Arenas arenas(p, c);
