@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "flashkda.h"
+#include "kda_reference.h"
 
 #define CUDA_REQUIRE(expr)                                                             \
   do {                                                                                 \
@@ -54,6 +56,50 @@ class DeviceBuffer {
  private:
   void* data_ = nullptr;
   size_t bytes_;
+};
+
+// Approximately N(0, 1) bf16 values from a cheap generator (a sum of four
+// 16-bit uniforms, scaled to unit variance): large problems need hundreds of
+// millions of them, more than the reference generator makes quickly.
+inline std::vector<uint16_t> quick_normals(size_t count, uint64_t seed) {
+  std::vector<uint16_t> values(count);
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = 0; i < count; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    const float sum = float((x & 0xFFFF) + ((x >> 16) & 0xFFFF) + ((x >> 32) & 0xFFFF) + (x >> 48)) / 65536.0f;
+    values[i] = to_bf16((sum - 2.0f) * 1.7320508f);
+  }
+  return values;
+}
+
+// A GPU plan for p's heads and gate floor with this state dtype and layout.
+inline fkda_plan_t gpu_plan(const Problem& p, fkda_dtype state_dtype, fkda_state_layout layout) {
+  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+  desc.num_heads = int32_t(p.H);
+  desc.backend = FKDA_BACKEND_GPU;
+  desc.state_dtype = state_dtype;
+  desc.state_layout = layout;
+  desc.lower_bound = p.lower_bound;
+  fkda_plan_t plan = nullptr;
+  FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
+  return plan;
+}
+
+// p's inputs on the device and an output poisoned with bf16 NaNs (0xFFFF).
+struct DeviceProblem {
+  DeviceBuffer q, k, v, g, beta, A_log, dt_bias, cu_seqlens, out;
+  bool varlen;
+  explicit DeviceProblem(const Problem& p)
+      : q(p.q), k(p.k), v(p.v), g(p.g), beta(p.beta), A_log(p.A_log), dt_bias(p.dt_bias),
+        cu_seqlens(p.cu_seqlens), out(std::vector<uint16_t>(p.q.size(), 0xFFFF)), varlen(!p.cu_seqlens.empty()) {}
+  // The buffers for make_args, states left for the caller to set.
+  Buffers buffers() const {
+    Buffers b{q.get(), k.get(), v.get(), g.get(), beta.get(), A_log.get(), dt_bias.get(), out.get()};
+    b.cu_seqlens = varlen ? cu_seqlens.get() : nullptr;
+    return b;
+  }
 };
 
 }  // namespace fkda_test

@@ -24,22 +24,11 @@ using fkda_test::DeviceBuffer;
 // to `final_state`, or back into `state` when final_state is null.
 std::vector<uint16_t> run(const fkda_test::Problem& p, fkda_dtype dtype, fkda_state_layout layout, DeviceBuffer& state,
                           DeviceBuffer* final_state) {
-  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
-  desc.num_heads = int32_t(p.H);
-  desc.backend = FKDA_BACKEND_GPU;
-  desc.state_dtype = dtype;
-  desc.state_layout = layout;
-  desc.lower_bound = p.lower_bound;
-  fkda_plan_t plan = nullptr;
-  FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
-  DeviceBuffer q(p.q), k(p.k), v(p.v), g(p.g), beta(p.beta), A_log(p.A_log), dt_bias(p.dt_bias);
-  DeviceBuffer cu(p.cu_seqlens);
-  std::vector<uint16_t> poison(p.q.size(), 0xFFFF);
-  DeviceBuffer out(poison);
-  fkda_test::Buffers buffers{q.get(), k.get(), v.get(), g.get(), beta.get(), A_log.get(), dt_bias.get(), out.get()};
+  fkda_plan_t plan = fkda_test::gpu_plan(p, dtype, layout);
+  fkda_test::DeviceProblem device(p);
+  fkda_test::Buffers buffers = device.buffers();
   buffers.initial_state = state.get();
   buffers.final_state = final_state != nullptr ? final_state->get() : state.get();
-  buffers.cu_seqlens = p.cu_seqlens.empty() ? nullptr : cu.get();
   const fkda_fwd_args args = fkda_test::make_args(p, buffers, dtype);
   size_t bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan, p.B * p.T, p.num_seqs(), &bytes));
@@ -47,7 +36,7 @@ std::vector<uint16_t> run(const fkda_test::Problem& p, fkda_dtype dtype, fkda_st
   FKDA_REQUIRE(fkda_fwd(plan, &args, workspace.get(), bytes, nullptr));
   CUDA_REQUIRE(cudaDeviceSynchronize());
   fkda_plan_destroy(plan);
-  return out.read<uint16_t>();
+  return device.out.read<uint16_t>();
 }
 
 template <typename T>

@@ -51,20 +51,6 @@ size_t gpu_workspace(int64_t heads, int64_t tokens, int64_t seqs) {
 
 int64_t total_slots(int64_t tokens, int64_t seqs) { return tokens / 16 + seqs + 1; }
 
-// Approximately N(0, 1) bf16 values from a cheap generator (the problem
-// below has tens of millions of them).
-std::vector<uint16_t> quick_normals(size_t count, uint64_t seed) {
-  std::vector<uint16_t> values(count);
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (size_t i = 0; i < count; ++i) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    const float sum = float((x & 0xFFFF) + ((x >> 16) & 0xFFFF) + ((x >> 32) & 0xFFFF) + (x >> 48)) / 65536.0f;
-    values[i] = fkda_test::to_bf16((sum - 2.0f) * 1.7320508f);
-  }
-  return values;
-}
 
 struct Run {
   std::vector<uint16_t> out;
@@ -74,21 +60,13 @@ struct Run {
 // p on the GPU with initial and final state in `dtype` (V-first); the
 // initial state is given in that dtype's bytes.
 Run run_gpu(const fkda_test::Problem& p, fkda_dtype dtype, const std::vector<unsigned char>& initial) {
-  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
-  desc.num_heads = int32_t(p.H);
-  desc.backend = FKDA_BACKEND_GPU;
-  desc.state_dtype = dtype;
-  desc.lower_bound = p.lower_bound;
-  fkda_plan_t plan = nullptr;
-  FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
-  DeviceBuffer q(p.q), k(p.k), v(p.v), g(p.g), beta(p.beta), A_log(p.A_log), dt_bias(p.dt_bias);
-  DeviceBuffer cu(p.cu_seqlens), initial_state(initial), final_state(initial.size());
-  DeviceBuffer out(std::vector<uint16_t>(p.q.size(), 0xFFFF));
+  fkda_plan_t plan = fkda_test::gpu_plan(p, dtype, FKDA_STATE_LAYOUT_VK);
+  fkda_test::DeviceProblem device(p);
+  DeviceBuffer initial_state(initial), final_state(initial.size());
   CUDA_REQUIRE(cudaMemset(final_state.get(), 0xFF, final_state.bytes()));
-  fkda_test::Buffers buffers{q.get(), k.get(), v.get(), g.get(), beta.get(), A_log.get(), dt_bias.get(), out.get()};
+  fkda_test::Buffers buffers = device.buffers();
   buffers.initial_state = initial_state.get();
   buffers.final_state = final_state.get();
-  buffers.cu_seqlens = p.cu_seqlens.empty() ? nullptr : cu.get();
   const fkda_fwd_args args = fkda_test::make_args(p, buffers, dtype);
   size_t bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan, p.B * p.T, p.num_seqs(), &bytes));
@@ -97,7 +75,7 @@ Run run_gpu(const fkda_test::Problem& p, fkda_dtype dtype, const std::vector<uns
   FKDA_REQUIRE(fkda_fwd(plan, &args, workspace.get(), bytes, nullptr));
   CUDA_REQUIRE(cudaDeviceSynchronize());
   fkda_plan_destroy(plan);
-  return Run{out.read<uint16_t>(), final_state.read<unsigned char>()};
+  return Run{device.out.read<uint16_t>(), final_state.read<unsigned char>()};
 }
 
 }  // namespace
@@ -146,14 +124,14 @@ TEST_CASE("window: several windows give the bits of one window per sequence", "[
   for (int64_t len : lengths) p.cu_seqlens.push_back(p.cu_seqlens.back() + len);
   p.T = p.cu_seqlens.back();
   const size_t token_elems = size_t(p.H * 128);
-  p.q = quick_normals(size_t(p.T) * token_elems, 1);
-  p.k = quick_normals(size_t(p.T) * token_elems, 2);
-  p.v = quick_normals(size_t(p.T) * token_elems, 3);
-  p.g = quick_normals(size_t(p.T) * token_elems, 4);
-  p.beta = quick_normals(size_t(p.T * p.H), 5);
+  p.q = fkda_test::quick_normals(size_t(p.T) * token_elems, 1);
+  p.k = fkda_test::quick_normals(size_t(p.T) * token_elems, 2);
+  p.v = fkda_test::quick_normals(size_t(p.T) * token_elems, 3);
+  p.g = fkda_test::quick_normals(size_t(p.T) * token_elems, 4);
+  p.beta = fkda_test::quick_normals(size_t(p.T * p.H), 5);
   for (int64_t i = 0; i < p.H; ++i) p.A_log.push_back(float(i + 1) / float(p.H + 1));
   for (int64_t i = 0; i < p.H * 128; ++i) p.dt_bias.push_back(float((i * 2654435761u) % 1000) / 1000.0f);
-  const std::vector<uint16_t> state_normals = quick_normals(size_t(p.state_elems()), 6);
+  const std::vector<uint16_t> state_normals = fkda_test::quick_normals(size_t(p.state_elems()), 6);
   const size_t matrices = size_t(p.H) * 128 * 128;  // state elements of one sequence
   if (forced_window_slots() == 0) {
     REQUIRE(gpu_workspace(p.H, p.T, p.num_seqs()) < size_t(total_slots(p.T, 3) * p.H * kRecordBytes));

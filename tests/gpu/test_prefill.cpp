@@ -762,21 +762,6 @@ TEST_CASE("prefill: small cases for compute-sanitizer", "[sanitize]") {
 
 namespace {
 
-// Approximately N(0, 1) bf16 values from a cheap generator: large timing
-// problems need hundreds of millions of them.
-std::vector<uint16_t> quick_normals(size_t count, uint64_t seed) {
-  std::vector<uint16_t> values(count);
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (size_t i = 0; i < count; ++i) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    // Sum of four 16-bit uniforms: mean 2, variance 1/3, scaled to unit variance.
-    const float sum = float((x & 0xFFFF) + ((x >> 16) & 0xFFFF) + ((x >> 32) & 0xFFFF) + (x >> 48)) / 65536.0f;
-    values[i] = to_bf16((sum - 2.0f) * 1.7320508f);
-  }
-  return values;
-}
 
 void time_case(const char* id, int64_t T, int64_t H, fkda_dtype state_dtype) {
   const int64_t tokens = T * H;
