@@ -96,7 +96,9 @@ for s in $steps; do
         step "serving_$tool" 300 "$out/serving_sanitizer.log" compute-sanitizer --tool "$tool" \
           --error-exitcode 3 "$tests" "[decode][sanitize],[pool][sanitize]"
       done
+      step serving_timing 300 "$out/serving_timing.log" "$tests" "[timing][decode],[timing][pool]"
       grep -hE " out [0-9]| state [0-9]|mutation|differing|warps a block|unwritten|FAIL" "$out/serving.log" | tail -n 80
+      grep "^timing" "$out/serving_timing.log" | tee -a "$summary"
       ;;
     timing)
       step timing 120 "$out/timing.log" "$tests" "[timing]"
