@@ -1,6 +1,6 @@
 // Host-side support shared by the tests, fkda-demo and fkda-bench: random
-// KDA problems, bf16 conversions, the fp64 token-by-token recurrence of
-// DESIGN §1 (the accuracy reference), and fkda_tensor builders.
+// KDA problems, bf16 conversions, the fp64 token-by-token recurrence (the
+// accuracy reference, docs/ARCHITECTURE.md section 1), and fkda_tensor builders.
 #pragma once
 
 #include <cstdint>
@@ -56,7 +56,7 @@ Problem random_problem(const ProblemShape& shape, uint64_t seed);
 // 1e-10, so every test of state handling also runs on these inputs.
 ProblemShape slow_decay(ProblemShape shape);
 
-// The fp64 token-by-token recurrence of DESIGN §1 on the bf16 inputs.
+// The fp64 token-by-token recurrence of docs/ARCHITECTURE.md (section 1) on the bf16 inputs.
 // out: [B, T, H, V]; final_state: [N, H, V, K] (V-first).
 struct Reference {
   std::vector<double> out;
