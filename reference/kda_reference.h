@@ -1,6 +1,6 @@
 // Host-side support shared by the tests, fkda-demo and fkda-bench: random
-// KDA problems, bf16 conversions, the fp64 token-by-token recurrence of
-// DESIGN §1 (the accuracy reference), and fkda_tensor builders.
+// KDA problems, bf16 conversions, the fp64 token-by-token recurrence (the
+// accuracy reference, docs/ARCHITECTURE.md section 1), and fkda_tensor builders.
 #pragma once
 
 #include <cstdint>

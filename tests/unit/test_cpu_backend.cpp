@@ -25,7 +25,7 @@ struct Tolerance {
   double out;
   double state;
 };
-// shared/BENCHMARKS.md, relative L2 error against the fp64 recurrence.
+// docs/BENCHMARKS.md, relative L2 error against the fp64 recurrence.
 constexpr Tolerance kBf16StateTargets{6.0e-3, 5.0e-3};
 constexpr Tolerance kF32StateTargets{4.0e-3, 2.9e-3};
 
@@ -339,7 +339,7 @@ std::vector<float> sequence_state(const Problem& p, const std::vector<float>& st
                             state.begin() + std::ptrdiff_t((n + 1) * per_sequence));
 }
 
-// BENCHMARKS.md's accuracy case: T=1024 H=4, and varlen [300, 77, 700] H=4.
+// docs/BENCHMARKS.md's accuracy case: T=1024 H=4, and varlen [300, 77, 700] H=4.
 std::vector<ProblemShape> benchmark_accuracy_shapes() {
   ProblemShape dense, varlen;
   dense.H = varlen.H = 4;
