@@ -512,7 +512,7 @@ fn function_signatures_match_the_header() {
 fn struct_fields_match_the_header() {
     let header = header();
     let decls = rust_decls();
-    assert_eq!(header.structs.len(), 4, "parsed structs: {:?}", header.structs.keys());
+    assert_eq!(header.structs.len(), 5, "parsed structs: {:?}", header.structs.keys());
     for (tag, c_fields) in &header.structs {
         let rust_fields = decls.structs.get(tag).unwrap_or_else(|| panic!("flashkda-sys lacks struct {tag}"));
         let rust: Vec<(String, String)> =
@@ -525,7 +525,7 @@ fn struct_fields_match_the_header() {
 fn enum_constants_and_defines_match_the_header() {
     let header = header();
     let decls = rust_decls();
-    assert_eq!(header.enums.len(), 4, "parsed enums: {:?}", header.enums.keys());
+    assert_eq!(header.enums.len(), 5, "parsed enums: {:?}", header.enums.keys());
     for (enum_name, constants) in &header.enums {
         let alias = decls.aliases.get(enum_name).unwrap_or_else(|| panic!("flashkda-sys lacks {enum_name}"));
         assert_eq!(decls.canonical(alias), "i32", "{enum_name} must be a c_int alias");
@@ -567,11 +567,16 @@ fn rust_layouts() -> Vec<RustLayout> {
         layout!(fkda_tensor { data, dtype, rank, shape, strides }),
         layout!(fkda_plan_desc {
             struct_size, num_heads, head_dim_k, head_dim_v, state_dtype, state_layout, backend,
-            lower_bound,
+            lower_bound, null_slot_rule, debug_checks,
         }),
         layout!(fkda_fwd_args {
             struct_size, q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state,
-            cu_seqlens, scale,
+            cu_seqlens, scale, state_pool, state_indices, has_initial_state, checkpoint_offsets,
+            checkpoints, checkpoint_slots,
+        }),
+        layout!(fkda_decode_args {
+            struct_size, q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_indices,
+            num_accepted_tokens, cu_seqlens, scale,
         }),
         layout!(fkda_device_info {
             struct_size, driver_loaded, driver_version, device_count, device, cc_major, cc_minor,
@@ -618,7 +623,10 @@ fn layouts_match_the_c_compiler() {
             body += &format!("  printf(\"offsetof {tag} {field} %zu\\n\", offsetof(struct {tag}, {field}));\n");
         }
     }
-    let scalar_types = ["fkda_status", "fkda_dtype", "fkda_backend", "fkda_state_layout", "fkda_plan_t", "fkda_stream_t"];
+    let scalar_types = [
+        "fkda_status", "fkda_dtype", "fkda_backend", "fkda_state_layout", "fkda_null_slot_rule",
+        "fkda_plan_t", "fkda_stream_t",
+    ];
     for ty in scalar_types {
         body += &format!("  printf(\"sizeof {ty} %zu\\n\", sizeof({ty}));\n");
     }
@@ -648,6 +656,7 @@ fn layouts_match_the_c_compiler() {
         size_of::<fkda_dtype>(),
         size_of::<fkda_backend>(),
         size_of::<fkda_state_layout>(),
+        size_of::<fkda_null_slot_rule>(),
         size_of::<fkda_plan_t>(),
         size_of::<fkda_stream_t>(),
     ];
@@ -662,11 +671,17 @@ fn init_constants_match_the_macros() {
   fkda_tensor none = FKDA_TENSOR_NONE;
   fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
   fkda_fwd_args args = FKDA_FWD_ARGS_INIT;
+  fkda_decode_args decode = FKDA_DECODE_ARGS_INIT;
   fkda_device_info info = FKDA_DEVICE_INFO_INIT;
   printf("none %d %d %d\n", none.data == NULL, none.dtype, none.rank);
-  printf("desc %zu %d %d %d %d %d %d %.9g\n", desc.struct_size, desc.num_heads, desc.head_dim_k,
-         desc.head_dim_v, desc.state_dtype, desc.state_layout, desc.backend, desc.lower_bound);
-  printf("args %zu %d %.9g\n", args.struct_size, args.q.rank + args.cu_seqlens.rank, args.scale);
+  printf("desc %zu %d %d %d %d %d %d %.9g %d %d\n", desc.struct_size, desc.num_heads,
+         desc.head_dim_k, desc.head_dim_v, desc.state_dtype, desc.state_layout, desc.backend,
+         desc.lower_bound, desc.null_slot_rule, desc.debug_checks);
+  printf("args %zu %d %.9g\n", args.struct_size,
+         args.q.rank + args.cu_seqlens.rank + args.state_pool.rank + args.checkpoint_slots.rank,
+         args.scale);
+  printf("decode %zu %d %.9g\n", decode.struct_size,
+         decode.q.rank + decode.state_pool.rank + decode.cu_seqlens.rank, decode.scale);
   printf("info %zu %d %d\n", info.struct_size, info.device, info.driver_loaded);
 "#;
     let c: HashMap<String, String> = run_c_program("init", body)
@@ -682,16 +697,22 @@ fn init_constants_match_the_macros() {
     assert_eq!(
         c["desc"],
         format!(
-            "{} {} {} {} {} {} {} {}",
+            "{} {} {} {} {} {} {} {} {} {}",
             desc.struct_size, desc.num_heads, desc.head_dim_k, desc.head_dim_v, desc.state_dtype,
-            desc.state_layout, desc.backend, desc.lower_bound
+            desc.state_layout, desc.backend, desc.lower_bound, desc.null_slot_rule, desc.debug_checks
         )
     );
     let args = FKDA_FWD_ARGS_INIT;
     let c_args: Vec<&str> = c["args"].split(' ').collect();
     assert_eq!(c_args[0], args.struct_size.to_string());
-    assert_eq!(c_args[1], (args.q.rank + args.cu_seqlens.rank).to_string());
+    let ranks = args.q.rank + args.cu_seqlens.rank + args.state_pool.rank + args.checkpoint_slots.rank;
+    assert_eq!(c_args[1], ranks.to_string());
     assert_eq!(c_args[2].parse::<f32>().unwrap(), args.scale, "FKDA_FWD_ARGS_INIT scale");
+    let decode = FKDA_DECODE_ARGS_INIT;
+    let c_decode: Vec<&str> = c["decode"].split(' ').collect();
+    assert_eq!(c_decode[0], decode.struct_size.to_string());
+    assert_eq!(c_decode[1], (decode.q.rank + decode.state_pool.rank + decode.cu_seqlens.rank).to_string());
+    assert_eq!(c_decode[2].parse::<f32>().unwrap(), decode.scale, "FKDA_DECODE_ARGS_INIT scale");
     let info = FKDA_DEVICE_INFO_INIT;
     assert_eq!(c["info"], format!("{} {} {}", info.struct_size, info.device, info.driver_loaded));
 }
