@@ -16,6 +16,11 @@ from kda_testing import (
 SLOTS = 10
 HEADS = 2
 SLOW_DECAY = -6.0  # g ~ N(-6, 1): the state read from the pool dominates the result
+# Decode runs the recurrence token by token in f32; prefill is chunked with
+# bf16 operands, as on the GPU (the accuracy targets of the forward tests).
+DECODE_F32_STATE_TOLERANCE = 1e-4
+PREFILL_STATE_TOLERANCE = 5e-3
+BF16_STATE_TOLERANCE = 6e-3
 
 
 def random_pool(rng, heads=HEADS, dtype=np.float32):
@@ -39,9 +44,11 @@ def activations(problem):
                 scale=problem.scale, out=problem.out, A_log=problem.A_log, dt_bias=problem.dt_bias)
 
 
-def assert_pool_call_matches(problem, pool, pool_before, expected_out, expected_pool, padding_rows=()):
+def assert_pool_call_matches(problem, pool, pool_before, expected_out, expected_pool, padding_rows=(),
+                             state_tolerance=DECODE_F32_STATE_TOLERANCE):
     """Every output row written, padding rows zero, out and the written slots
-    close to the reference, every other slot bit for bit as it was."""
+    close to the reference (f32 slots within `state_tolerance`), every other
+    slot bit for bit as it was."""
     out = flashkda.from_bf16(problem.out)
     assert not np.isnan(out).any(), "out: some elements were not written"
     for row in padding_rows:
@@ -53,7 +60,7 @@ def assert_pool_call_matches(problem, pool, pool_before, expected_out, expected_
     assert written, "the reference writes no slot: the test checks nothing"
     for slot in range(SLOTS):
         if slot in written:
-            tolerance = 6e-3 if pool.dtype == np.uint16 else 1e-4
+            tolerance = BF16_STATE_TOLERANCE if pool.dtype == np.uint16 else state_tolerance
             error = rel_l2(widened(pool[slot]), expected_pool[slot])
             assert error <= tolerance, f"state_pool[{slot}]: relative L2 error {error:.2e}"
         else:
@@ -202,7 +209,8 @@ def test_prefill_on_a_pool_equals_contiguous_states(rng):
     expected_out, expected_final = prefill_reference(problem, widened(pool_before[indices]))
     expected_pool = widened(pool_before)
     expected_pool[indices] = expected_final
-    assert_pool_call_matches(problem, pool, pool_before, expected_out, expected_pool)
+    assert_pool_call_matches(problem, pool, pool_before, expected_out, expected_pool,
+                             state_tolerance=PREFILL_STATE_TOLERANCE)
 
 
 def test_prefill_padding_and_sequences_without_initial_state(rng):
@@ -224,7 +232,7 @@ def test_prefill_padding_and_sequences_without_initial_state(rng):
     expected_pool = widened(pool_before)
     expected_pool[4], expected_pool[2] = expected_final[0], expected_final[2]
     assert_pool_call_matches(problem, pool, pool_before, expected_out, expected_pool,
-                             padding_rows=[(0, padded)])
+                             padding_rows=[(0, padded)], state_tolerance=PREFILL_STATE_TOLERANCE)
 
 
 def states_after(problem, initial_states, offsets):
@@ -257,7 +265,7 @@ def test_checkpoints_into_a_tensor(rng, checkpoint_dtype):
 
     initial = widened(pool_before[indices])
     expected = states_after(problem, initial, offsets)
-    tolerance = 6e-3 if checkpoint_dtype == np.uint16 else 1e-4
+    tolerance = BF16_STATE_TOLERANCE if checkpoint_dtype == np.uint16 else PREFILL_STATE_TOLERANCE
     for n, c in np.ndindex(offsets.shape):
         actual = widened(checkpoints[n, c])
         if offsets[n, c] < 0:
@@ -268,7 +276,8 @@ def test_checkpoints_into_a_tensor(rng, checkpoint_dtype):
     expected_out, expected_final = prefill_reference(problem, initial)
     expected_pool = widened(pool_before)
     expected_pool[indices] = expected_final
-    assert_pool_call_matches(problem, pool, pool_before, expected_out, expected_pool)
+    assert_pool_call_matches(problem, pool, pool_before, expected_out, expected_pool,
+                             state_tolerance=PREFILL_STATE_TOLERANCE)
 
 
 def test_checkpoints_into_pool_slots(rng):
@@ -290,7 +299,8 @@ def test_checkpoints_into_pool_slots(rng):
         if offsets[n, c] >= 0 and slots[n, c] >= 0:
             expected_pool[slots[n, c]] = checkpoint_states[n, c]
     expected_pool[indices] = expected_final
-    assert_pool_call_matches(problem, pool, pool_before, expected_out, expected_pool)
+    assert_pool_call_matches(problem, pool, pool_before, expected_out, expected_pool,
+                             state_tolerance=PREFILL_STATE_TOLERANCE)
 
 
 def test_pool_arguments_reach_the_library_by_name(rng):
