@@ -35,7 +35,7 @@ const char* const kUsage = R"(usage: fkda-bench [CASE...] [accuracy] [options]
 Times libflashkda's prefill (fkda_fwd), decode (fkda_decode) and prefill on a
 state pool on one GPU with random inputs and prints median/min/max ms,
 effective GB/s and workspace bytes per case, beside the FlashKDA, FLA and
-target figures.
+target figures of docs/BENCHMARKS.md.
 
 Cases (ids are case-insensitive):
   P1 ... P10          prefill cases
@@ -65,7 +65,7 @@ Cases (ids are case-insensitive):
 
 Options:
   --state bf16|f32    state dtype of the timed cases (default bf16, as in
-                      BENCHMARKS.md); accuracy always runs both
+                      docs/BENCHMARKS.md); accuracy always runs both
   --warmup N          untimed calls before timing (default 10)
   --iters N           timed calls per case (default 100)
   --lower-bound X     gate floor in [-5, 0] (default -5)
@@ -417,7 +417,7 @@ void print_timing_table(const std::vector<CaseRun>& runs, const Options& options
                 bytes <= kP1WorkspaceTargetBytes ? "meets target" : "misses target");
   }
   if (options.timing.state_dtype == FKDA_DTYPE_F32)
-    std::printf("Peers' figures are for bf16 state (FLA: f32); BENCHMARKS.md puts FlashKDA's "
+    std::printf("Peers' figures are for bf16 state (FLA: f32); docs/BENCHMARKS.md puts FlashKDA's "
                 "f32-state figures within 3%% of them.\n");
 }
 
