@@ -13,7 +13,7 @@
 namespace fkda {
 
 // The chunk-16 path keeps exp(16·|lower_bound|) inside bf16/f32 range only
-// for lower_bound >= -5 (DESIGN §1).
+// for lower_bound >= -5 (docs/ARCHITECTURE.md, section 3).
 constexpr float kMinLowerBound = -5.0f;
 constexpr float kMaxLowerBound = 0.0f;
 constexpr int32_t kSupportedHeadDim = 128;
