@@ -419,6 +419,10 @@ TEST_CASE("decode: against the fp64 recurrence", "[gpu][decode]") {
     const Outcome o = compare(s, expected_outcome(zeroed), device.out_bits(), device.pool_now());
     require_detected(s.c.name, "out", o.out_error, kOutTolerance);
     require_detected(s.c.name, "state", o.state_error, kF32StateTolerance);
+    // The CPU agreement check against a CPU run from other starting states.
+    const auto [cpu_out, cpu_pool] = run_cpu(zeroed);
+    require_detected(s.c.name, "CPU agreement", rel_l2(bf16_to_float(device.out_bits()), widen(bf16_to_float(cpu_out))),
+                     kCpuOutAgreement);
   }
 }
 
