@@ -36,9 +36,11 @@ constexpr double kOutTolerance = 2.0e-3;
 constexpr double kF32StateTolerance = 1.0e-6;  // after up to 5 tokens
 constexpr double kF32StateToleranceLong = 4.0e-6;  // after up to 16 tokens in one call
 constexpr double kBf16StateTolerance = 2.0e-3;
-// The prefill's targets, for decode chained against it.
-constexpr double kPrefillOutTolerance = 3.0e-3;
-constexpr double kPrefillF32StateTolerance = 1.0e-3;
+// Decode chained against the prefill: each is held to its own target
+// against fp64 (the prefill's: out 3e-3, f32 state 1e-3), so the two may
+// differ by the sum.
+constexpr double kVsPrefillOut = kOutTolerance + 3.0e-3;
+constexpr double kVsPrefillState = kF32StateToleranceLong + 1.0e-3;
 
 struct DecodeCase {
   std::string name;
@@ -473,9 +475,9 @@ TEST_CASE("decode: five chained steps keep an f32 pool within 1e-6 and equal one
     const double out_gap = rel_l2(decode_out, widen(prefill_out));
     const double state_gap = rel_l2(decoded, widen(prefill_state));
     report(c.name + " vs prefill",
-           {{"out", out_gap, kPrefillOutTolerance}, {"state", state_gap, kPrefillF32StateTolerance}});
-    CHECK(out_gap <= kPrefillOutTolerance);
-    CHECK(state_gap <= kPrefillF32StateTolerance);
+           {{"out", out_gap, kVsPrefillOut}, {"state", state_gap, kVsPrefillState}});
+    CHECK(out_gap <= kVsPrefillOut);
+    CHECK(state_gap <= kVsPrefillState);
 
     if (steps == 5) {
       // Mutation: a chain that lost its last step is far outside both checks.
@@ -491,7 +493,7 @@ TEST_CASE("decode: five chained steps keep an f32 pool within 1e-6 and equal one
       }
       require_detected(c.name, "state vs prefill, last step lost",
                        rel_l2(short_state, widen(prefill_state)),
-                       kPrefillF32StateTolerance);
+                       kVsPrefillState);
     }
   }
 }
