@@ -92,6 +92,12 @@ const std::vector<ServingCase>& serving_cases();
 const ServingCase* find_serving_case(const std::string& id);
 const char* serving_kind_name(ServingKind kind);
 
+// Relative L2 errors of out and the final state: targets and peers' figures.
+struct AccuracyTarget {
+  double out;
+  double final_state;
+};
+
 // The accuracy cases: A1 (T=1024 H=4) and A2 (varlen [300, 77, 700] H=4) on
 // the default inputs, and the long-memory cases LM1 ... LM3 on slow decays
 // with an initial state ~ N(0, 1), whose lost or blurred state shows.
@@ -117,11 +123,6 @@ const std::vector<AccuracyCase>& accuracy_cases();
 // Case-insensitive lookup; nullptr when unknown.
 const AccuracyCase* find_accuracy_case(const std::string& id);
 
-// Relative L2 errors of out and the final state: targets and peers' figures.
-struct AccuracyTarget {
-  double out;
-  double final_state;
-};
 // The target of a case for a state dtype.
 AccuracyTarget accuracy_target(const AccuracyCase& c, fkda_dtype state_dtype);
 
