@@ -376,3 +376,15 @@ def test_pool_arguments_reach_the_library_by_name(rng):
                      state_indices=np.array([1.5], dtype=np.float32),
                      cu_seqlens=problem.cu_seqlens, **activations(problem))
     assert "state_indices" in caught.value.message
+
+
+def test_null_slot_rule_and_debug_checks_reach_the_plan():
+    with flashkda.Plan(HEADS, backend="cpu", null_slot_rule=flashkda.NullSlotRule.NONPOSITIVE,
+                       debug_checks=True) as plan:
+        assert plan.backend == flashkda.Backend.CPU
+    with pytest.raises(flashkda.FlashKDAError) as caught:
+        flashkda.Plan(HEADS, backend="cpu", null_slot_rule="zero")
+    assert caught.value.message.startswith("null_slot_rule:")
+    with pytest.raises(flashkda.FlashKDAError) as caught:
+        flashkda.Plan(HEADS, backend="cpu", null_slot_rule=7)
+    assert "null_slot_rule" in caught.value.message
