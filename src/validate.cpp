@@ -3,12 +3,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "gpu/cuda_driver.h"
+#include "checked_arith.h"
 #include "error.h"
+#include "gpu/cuda_driver.h"
 
 namespace fkda {
 namespace {
@@ -20,7 +23,19 @@ std::string dtype_name(int32_t dtype) {
     case FKDA_DTYPE_F32: return "f32";
     case FKDA_DTYPE_I32: return "i32";
     case FKDA_DTYPE_I64: return "i64";
+    case FKDA_DTYPE_BOOL: return "bool";
     default: return "invalid dtype (" + std::to_string(dtype) + ")";
+  }
+}
+
+int64_t element_bytes(int32_t dtype) {
+  switch (dtype) {
+    case FKDA_DTYPE_BF16:
+    case FKDA_DTYPE_F16: return 2;
+    case FKDA_DTYPE_F32:
+    case FKDA_DTYPE_I32: return 4;
+    case FKDA_DTYPE_I64: return 8;
+    default: return 1;
   }
 }
 
@@ -30,23 +45,58 @@ std::string join(const int64_t* values, int32_t count) {
   return out + "]";
 }
 
+std::string hex_address(const void* data) {
+  char text[2 + 2 * sizeof(uintptr_t) + 1];
+  std::snprintf(text, sizeof text, "0x%llx", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(data)));
+  return text;
+}
+
 // Expected extents; kAny accepts any non-negative extent (the first tensor
 // to mention an axis fixes it for the others).
 constexpr int64_t kAny = -1;
 
 bool present(const fkda_tensor& t) { return !(t.data == nullptr && t.rank == 0); }
 
-int64_t element_count(const fkda_tensor& t) {
-  int64_t n = 1;
-  for (int32_t i = 0; i < t.rank; ++i) n *= t.shape[i];
-  return n;
+// A tensor with a zero extent holds no element: nothing of it is read or
+// written, so its data pointer, strides and alignment are never looked at.
+// Call after the rank and extents are checked.
+bool is_empty(const fkda_tensor& t) {
+  for (int32_t i = 0; i < t.rank; ++i)
+    if (t.shape[i] == 0) return true;
+  return false;
+}
+
+// The memory a non-empty tensor covers must be able to exist: its byte span
+// (first element to the end of the last one) fits in int64, and data + span
+// does not run past the end of the address space. Anything else would only
+// be addressable through wrapped-around offsets.
+void check_span(const fkda_tensor& t, const std::string& n) {
+  auto impossible = [&](const std::string& why) {
+    invalid(n + ": shape " + join(t.shape, t.rank) + " with strides " + join(t.strides, t.rank) + " " + why);
+  };
+  int64_t last = 0;  // element offset of the last element
+  for (int32_t i = 0; i < t.rank; ++i) {
+    if (t.shape[i] <= 1) continue;
+    int64_t step = 0;
+    if (mul_overflows(t.shape[i] - 1, t.strides[i], &step) || add_overflows(last, step, &last)) {
+      impossible("spans more than 2^63 elements");
+    }
+  }
+  int64_t bytes = 0;
+  if (add_overflows(last, 1, &last) || mul_overflows(last, element_bytes(t.dtype), &bytes)) {
+    impossible("spans more than 2^63 bytes");
+  }
+  if (reinterpret_cast<uintptr_t>(t.data) > std::numeric_limits<uintptr_t>::max() - uint64_t(bytes)) {
+    impossible("runs past the end of the address space from data " + hex_address(t.data));
+  }
 }
 
 // What a tensor's strides must be: fully packed (row-major), packed along
 // the last axis only (rows of a strided view), or anything non-negative.
 enum class Strides { kPacked, kRows, kFree };
 
-// Dtype, rank, extents and strides of one tensor.
+// Dtype, rank, extents, strides, span and alignment of one tensor. The
+// stride of an axis of extent 1 is never used, so it is not checked.
 void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<int32_t> dtypes,
                   std::initializer_list<int64_t> shape, Strides strides) {
   const std::string n = name;
@@ -76,10 +126,19 @@ void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<
     }
     ++axis;
   }
+  if (is_empty(t)) return;
+  if (t.data == nullptr) invalid(n + ": data is NULL");
   for (int32_t i = 0; i < rank; ++i) {
-    if (t.strides[i] < 0) invalid(n + ": negative strides are not supported, got " + join(t.strides, rank));
+    if (t.shape[i] > 1 && t.strides[i] < 0) {
+      invalid(n + ": negative strides are not supported, got " + join(t.strides, rank));
+    }
   }
-  if (strides != Strides::kFree && rank > 0 && t.shape[rank - 1] > 1 && t.strides[rank - 1] != 1) {
+  check_span(t, n);
+  if (reinterpret_cast<uintptr_t>(t.data) % element_bytes(t.dtype) != 0) {
+    invalid(n + ": data " + hex_address(t.data) + " is not aligned to its " +
+            std::to_string(element_bytes(t.dtype)) + "-byte elements");
+  }
+  if (strides != Strides::kFree && t.shape[rank - 1] > 1 && t.strides[rank - 1] != 1) {
     invalid(n + ": the last axis must be contiguous (stride 1), got strides " + join(t.strides, rank));
   }
   if (strides == Strides::kPacked) {
@@ -88,18 +147,21 @@ void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<
       if (t.shape[i] > 1 && t.strides[i] != expected) {
         std::vector<int64_t> packed(rank);
         int64_t s = 1;
-        for (int32_t j = rank - 1; j >= 0; --j) { packed[j] = s; s *= t.shape[j]; }
+        for (int32_t j = rank - 1; j >= 0; --j) { packed[j] = s; s = saturating_mul(s, t.shape[j]); }
         invalid(n + ": expected contiguous strides " + join(packed.data(), rank) + ", got " +
                 join(t.strides, rank));
       }
-      expected *= t.shape[i];
+      expected = saturating_mul(expected, t.shape[i]);
     }
   }
-  if (t.data == nullptr && element_count(t) > 0) invalid(n + ": data is NULL");
 }
 
 // A tensor the call writes must not map two elements to one address.
+// Sufficient test: sorted by stride, each axis steps past everything the
+// smaller axes reach. Runs after check_tensor, so the reaches are bounded
+// by the tensor's span; saturation keeps the last one from wrapping.
 void check_no_overlap(const fkda_tensor& t, const char* name) {
+  if (is_empty(t)) return;
   std::vector<int32_t> axes;
   for (int32_t i = 0; i < t.rank; ++i)
     if (t.shape[i] > 1) axes.push_back(i);
@@ -110,16 +172,20 @@ void check_no_overlap(const fkda_tensor& t, const char* name) {
       invalid(std::string(name) + ": strides " + join(t.strides, t.rank) +
               " make elements overlap; an output needs distinct addresses");
     }
-    reach = t.strides[axis] * t.shape[axis];
+    reach = saturating_mul(t.strides[axis], t.shape[axis]);
   }
 }
 
+// The strides the backends address with: 0 for an axis of extent 1 (its
+// stride is unchecked) and for every axis of an empty tensor.
 ActView act_view(const fkda_tensor& t) {
+  const bool empty = is_empty(t);
+  auto stride = [&](int32_t axis) { return empty || t.shape[axis] <= 1 ? 0 : t.strides[axis]; };
   ActView view;
   view.data = t.data;
-  view.stride_b = t.strides[0];
-  view.stride_t = t.strides[1];
-  view.stride_h = t.strides[2];
+  view.stride_b = stride(0);
+  view.stride_t = stride(1);
+  view.stride_h = stride(2);
   return view;
 }
 
@@ -261,6 +327,12 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   check_tensor(a.dt_bias, "dt_bias", {FKDA_DTYPE_F32}, {H, K}, Strides::kPacked);
   check_tensor(a.out, "out", {FKDA_DTYPE_BF16}, {B, T, H, V}, Strides::kRows);
   check_no_overlap(a.out, "out");
+  // out holds B * T * H * V distinct elements inside a span that fits in
+  // int64, so the token count cannot overflow; checked all the same.
+  int64_t total_tokens = 0;
+  if (mul_overflows(B, T, &total_tokens)) {
+    invalid("q: batch " + std::to_string(B) + " times " + std::to_string(T) + " tokens overflows");
+  }
 
   int64_t N = B;
   if (present(a.cu_seqlens)) {
@@ -296,7 +368,7 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
 
   if (!std::isfinite(a.scale)) invalid("scale: must be finite, got " + std::to_string(a.scale));
 
-  const size_t required = plan.workspace_size(B * T, N);
+  const size_t required = plan.workspace_size(total_tokens, N);
   std::vector<Located> located = {{a.q.data, "q"}, {a.k.data, "k"}, {a.v.data, "v"}, {a.g.data, "g"},
                                   {a.beta.data, "beta"}, {a.A_log.data, "A_log"},
                                   {a.dt_bias.data, "dt_bias"}, {a.out.data, "out"},
@@ -311,7 +383,7 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
         {&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.g, "g"}, {&a.out, "out"}, {&a.dt_bias, "dt_bias"},
         {&a.initial_state, "initial_state"}, {&a.final_state, "final_state"}};
     for (const auto& [tensor, name] : rows) {
-      if (present(*tensor)) check_gpu_alignment(*tensor, name);
+      if (present(*tensor) && !is_empty(*tensor)) check_gpu_alignment(*tensor, name);
     }
   } else if (present(a.cu_seqlens)) {
     check_cu_seqlens_contents(a.cu_seqlens, T);
@@ -320,7 +392,7 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   if (workspace_bytes < required) {
     fail(FKDA_ERROR_WORKSPACE_TOO_SMALL,
          "workspace_bytes: " + std::to_string(workspace_bytes) + " bytes given, " +
-             std::to_string(required) + " needed for " + std::to_string(B * T) + " tokens in " +
+             std::to_string(required) + " needed for " + std::to_string(total_tokens) + " tokens in " +
              std::to_string(N) + " sequences (fkda_plan_workspace_size)");
   }
   if (required > 0 && workspace == nullptr) invalid("workspace: NULL, but " + std::to_string(required) + " bytes are needed");
