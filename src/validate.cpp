@@ -9,12 +9,15 @@
 #include <utility>
 #include <vector>
 
+#include "abi_struct.h"
 #include "checked_arith.h"
-#include "error.h"
 #include "gpu/cuda_driver.h"
+#include "error.h"
+#include "validate_checks.h"
+#include "validate_serving.h"
 
 namespace fkda {
-namespace {
+namespace checks {
 
 std::string dtype_name(int32_t dtype) {
   switch (dtype) {
@@ -45,25 +48,20 @@ std::string join(const int64_t* values, int32_t count) {
   return out + "]";
 }
 
-std::string hex_address(const void* data) {
-  char text[2 + 2 * sizeof(uintptr_t) + 1];
-  std::snprintf(text, sizeof text, "0x%llx", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(data)));
-  return text;
-}
-
-// Expected extents; kAny accepts any non-negative extent (the first tensor
-// to mention an axis fixes it for the others).
-constexpr int64_t kAny = -1;
-
 bool present(const fkda_tensor& t) { return !(t.data == nullptr && t.rank == 0); }
 
-// A tensor with a zero extent holds no element: nothing of it is read or
-// written, so its data pointer, strides and alignment are never looked at.
-// Call after the rank and extents are checked.
 bool is_empty(const fkda_tensor& t) {
   for (int32_t i = 0; i < t.rank; ++i)
     if (t.shape[i] == 0) return true;
   return false;
+}
+
+namespace {
+
+std::string hex_address(const void* data) {
+  char text[2 + 2 * sizeof(uintptr_t) + 1];
+  std::snprintf(text, sizeof text, "0x%llx", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(data)));
+  return text;
 }
 
 // The memory a non-empty tensor covers must be able to exist: its byte span
@@ -91,12 +89,10 @@ void check_span(const fkda_tensor& t, const std::string& n) {
   }
 }
 
-// What a tensor's strides must be: fully packed (row-major), packed along
-// the last axis only (rows of a strided view), or anything non-negative.
-enum class Strides { kPacked, kRows, kFree };
+}  // namespace
 
-// Dtype, rank, extents, strides, span and alignment of one tensor. The
-// stride of an axis of extent 1 is never used, so it is not checked.
+// The stride of an axis of extent 1 is never used, so it is not checked;
+// nor is anything of an empty tensor but its rank, dtype and extents.
 void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<int32_t> dtypes,
                   std::initializer_list<int64_t> shape, Strides strides) {
   const std::string n = name;
@@ -156,7 +152,6 @@ void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<
   }
 }
 
-// A tensor the call writes must not map two elements to one address.
 // Sufficient test: sorted by stride, each axis steps past everything the
 // smaller axes reach. Runs after check_tensor, so the reaches are bounded
 // by the tensor's span; saturation keeps the last one from wrapping.
@@ -176,16 +171,16 @@ void check_no_overlap(const fkda_tensor& t, const char* name) {
   }
 }
 
-// The strides the backends address with: 0 for an axis of extent 1 (its
-// stride is unchecked) and for every axis of an empty tensor.
+int64_t used_stride(const fkda_tensor& t, int32_t axis) {
+  return is_empty(t) || t.shape[axis] <= 1 ? 0 : t.strides[axis];
+}
+
 ActView act_view(const fkda_tensor& t) {
-  const bool empty = is_empty(t);
-  auto stride = [&](int32_t axis) { return empty || t.shape[axis] <= 1 ? 0 : t.strides[axis]; };
   ActView view;
   view.data = t.data;
-  view.stride_b = stride(0);
-  view.stride_t = stride(1);
-  view.stride_h = stride(2);
+  view.stride_b = used_stride(t, 0);
+  view.stride_t = used_stride(t, 1);
+  view.stride_h = used_stride(t, 2);
   return view;
 }
 
@@ -201,6 +196,8 @@ void check_gpu_alignment(const fkda_tensor& t, const char* name) {
     }
   }
 }
+
+namespace {
 
 // Where a pointer lives, through the driver's unified addressing.
 enum class Residency { kUnknown, kHost, kDevice };
@@ -231,10 +228,7 @@ PointerInfo pointer_info(const cuda::Driver& d, const void* data) {
   return info;
 }
 
-struct Located {
-  const void* data;
-  const char* name;
-};
+}  // namespace
 
 void check_residency(const Plan& plan, const std::vector<Located>& pointers) {
   if (plan.backend == FKDA_BACKEND_GPU) {
@@ -267,13 +261,16 @@ void check_residency(const Plan& plan, const std::vector<Located>& pointers) {
   }
 }
 
+namespace {
+
 int64_t read_offset(const fkda_tensor& cu, int64_t i) {
   const int64_t at = i * cu.strides[0];
   if (cu.dtype == FKDA_DTYPE_I64) return static_cast<const int64_t*>(cu.data)[at];
   return static_cast<const int32_t*>(cu.data)[at];
 }
 
-// Host-readable offsets (CPU plans): 0 = cu[0] <= cu[1] <= ... <= cu[N] = T.
+}  // namespace
+
 void check_cu_seqlens_contents(const fkda_tensor& cu, int64_t total_tokens) {
   const int64_t count = cu.shape[0];
   if (read_offset(cu, 0) != 0) {
@@ -294,21 +291,8 @@ void check_cu_seqlens_contents(const fkda_tensor& cu, int64_t total_tokens) {
   }
 }
 
-}  // namespace
-
-PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const void* workspace,
-                        size_t workspace_bytes) {
-  if (args == nullptr) invalid("args: NULL");
-  constexpr size_t known = sizeof(fkda_fwd_args);
-  if (args->struct_size != known) {
-    invalid("args: struct_size is " + std::to_string(args->struct_size) + ", expected " +
-            std::to_string(known) + " (initialise with FKDA_FWD_ARGS_INIT; a larger size means "
-            "the caller was built against a newer flashkda.h)");
-  }
+ActivationExtents check_activations(const Plan& plan, const Activations& a) {
   const int64_t H = plan.num_heads, K = plan.head_dim_k, V = plan.head_dim_v;
-  const fkda_fwd_args& a = *args;
-
-  // q fixes B and T; every other tensor is checked against them.
   check_tensor(a.q, "q", {FKDA_DTYPE_BF16}, {kAny, kAny, kAny, kAny}, Strides::kRows);
   if (a.q.shape[2] != H) {
     invalid("q: expected " + std::to_string(H) + " heads (the plan's num_heads) on axis 2, got shape " +
@@ -328,27 +312,44 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   check_tensor(a.out, "out", {FKDA_DTYPE_BF16}, {B, T, H, V}, Strides::kRows);
   check_no_overlap(a.out, "out");
   // out holds B * T * H * V distinct elements inside a span that fits in
-  // int64, so the token count cannot overflow; checked all the same.
+  // int64, so the callers' B * T cannot overflow; checked all the same.
   int64_t total_tokens = 0;
   if (mul_overflows(B, T, &total_tokens)) {
     invalid("q: batch " + std::to_string(B) + " times " + std::to_string(T) + " tokens overflows");
   }
+  return {B, T};
+}
 
-  int64_t N = B;
-  if (present(a.cu_seqlens)) {
-    check_tensor(a.cu_seqlens, "cu_seqlens", {FKDA_DTYPE_I64, FKDA_DTYPE_I32}, {kAny}, Strides::kFree);
-    if (a.cu_seqlens.shape[0] < 2) {
-      invalid("cu_seqlens: needs N + 1 >= 2 offsets, got " + std::to_string(a.cu_seqlens.shape[0]));
-    }
-    if (a.cu_seqlens.shape[0] > 1 && a.cu_seqlens.strides[0] <= 0) {
-      invalid("cu_seqlens: stride must be positive, got " + std::to_string(a.cu_seqlens.strides[0]));
-    }
-    if (B != 1) {
-      invalid("cu_seqlens: varlen input packs all sequences into one row, so q's batch size must "
-              "be 1, got " + std::to_string(B));
-    }
-    N = a.cu_seqlens.shape[0] - 1;
+int64_t check_cu_seqlens(const fkda_tensor& cu, int64_t batch) {
+  if (!present(cu)) return batch;
+  check_tensor(cu, "cu_seqlens", {FKDA_DTYPE_I64, FKDA_DTYPE_I32}, {kAny}, Strides::kFree);
+  if (cu.shape[0] < 2) {
+    invalid("cu_seqlens: needs N + 1 >= 2 offsets, got " + std::to_string(cu.shape[0]));
   }
+  if (cu.shape[0] > 1 && cu.strides[0] <= 0) {
+    invalid("cu_seqlens: stride must be positive, got " + std::to_string(cu.strides[0]));
+  }
+  if (batch != 1) {
+    invalid("cu_seqlens: varlen input packs all sequences into one row, so q's batch size must "
+            "be 1, got " + std::to_string(batch));
+  }
+  return cu.shape[0] - 1;
+}
+
+}  // namespace checks
+
+using namespace checks;
+
+PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const void* workspace,
+                        size_t workspace_bytes) {
+  if (args == nullptr) invalid("args: NULL");
+  // 0.1 ended the struct after `scale`.
+  const fkda_fwd_args a = read_versioned(*args, fkda_fwd_args FKDA_FWD_ARGS_INIT,
+                                         offsetof(fkda_fwd_args, state_pool), "args", "FKDA_FWD_ARGS_INIT");
+  const int64_t H = plan.num_heads, K = plan.head_dim_k, V = plan.head_dim_v;
+  const Activations activations{a.q, a.k, a.v, a.g, a.beta, a.A_log, a.dt_bias, a.out};
+  const auto [B, T] = check_activations(plan, activations);
+  const int64_t N = check_cu_seqlens(a.cu_seqlens, B);
 
   const bool vk = plan.state_layout == FKDA_STATE_LAYOUT_VK;
   auto check_state = [&](const fkda_tensor& t, const char* name) {
@@ -368,7 +369,7 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
 
   if (!std::isfinite(a.scale)) invalid("scale: must be finite, got " + std::to_string(a.scale));
 
-  const size_t required = plan.workspace_size(total_tokens, N);
+  const size_t required = plan.workspace_size(B * T, N);
   std::vector<Located> located = {{a.q.data, "q"}, {a.k.data, "k"}, {a.v.data, "v"}, {a.g.data, "g"},
                                   {a.beta.data, "beta"}, {a.A_log.data, "A_log"},
                                   {a.dt_bias.data, "dt_bias"}, {a.out.data, "out"},
@@ -392,7 +393,7 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   if (workspace_bytes < required) {
     fail(FKDA_ERROR_WORKSPACE_TOO_SMALL,
          "workspace_bytes: " + std::to_string(workspace_bytes) + " bytes given, " +
-             std::to_string(required) + " needed for " + std::to_string(total_tokens) + " tokens in " +
+             std::to_string(required) + " needed for " + std::to_string(B * T) + " tokens in " +
              std::to_string(N) + " sequences (fkda_plan_workspace_size)");
   }
   if (required > 0 && workspace == nullptr) invalid("workspace: NULL, but " + std::to_string(required) + " bytes are needed");
@@ -401,29 +402,10 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   }
 
   PrefillProblem p;
-  p.batch = B;
-  p.seq_len = T;
-  p.num_seqs = N;
-  p.num_heads = plan.num_heads;
-  p.head_dim_k = plan.head_dim_k;
-  p.head_dim_v = plan.head_dim_v;
-  p.q = act_view(a.q);
-  p.k = act_view(a.k);
-  p.v = act_view(a.v);
-  p.g = act_view(a.g);
-  p.beta = act_view(a.beta);
-  p.out = act_view(a.out);
-  p.A_log = static_cast<const float*>(a.A_log.data);
-  p.dt_bias = static_cast<const float*>(a.dt_bias.data);
+  fill_shared_fields(plan, activations, a.cu_seqlens, B, T, N, a.scale, p);
   p.initial_state = present(a.initial_state) ? a.initial_state.data : nullptr;
   p.final_state = present(a.final_state) ? a.final_state.data : nullptr;
-  p.state_dtype = plan.state_dtype;
-  p.state_layout = plan.state_layout;
-  if (present(a.cu_seqlens)) {
-    p.cu_seqlens = SeqOffsets{a.cu_seqlens.data, a.cu_seqlens.dtype, a.cu_seqlens.strides[0]};
-  }
-  p.scale = a.scale;
-  p.lower_bound = plan.lower_bound.load();
+  validate_fwd_serving(plan, a, p);
   return p;
 }
 
