@@ -62,7 +62,7 @@ SEEDS = {
     # Workspace sizing overflowed for huge sequence counts, also from
     # fkda_fwd through cu_seqlens' length.
     "finding_workspace_size_h3_2p62_seqs": sizes(3, 0, 1 << 62, gpu_heads=3),
-    "finding_gpu_workspace_size_huge": sizes(1, (1 << 63) - 1, (1 << 62) - 1, gpu_heads=2**31 - 1),
+    "finding_gpu_workspace_size_huge": sizes(1, (1 << 63) - 1, 1 << 61, gpu_heads=2**31 - 1),
     "finding_cu_seqlens_2p63_offsets": varlen(1, 0, 0, [3, 4]) + fault("cu_seqlens", SHAPE0, raw((1 << 63) - 1)),
     # Data one byte off was accepted and read or written misaligned.
     "finding_q_misaligned": batched(1, 0, 0, 1, 3) + fault("q", DATA_PLUS, plus(1)),
