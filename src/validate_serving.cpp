@@ -24,6 +24,7 @@ std::string str(int64_t x) { return std::to_string(x); }
 // The axes from `first_packed` on must be packed (the [H, V, K] of a state),
 // the axes before it are free but must not make elements overlap.
 void check_packed_from(const fkda_tensor& t, const char* name, int32_t first_packed) {
+  if (is_empty(t)) return;
   std::vector<int64_t> packed(size_t(t.rank), 0);
   int64_t expected = 1;
   bool ok = true;
