@@ -576,8 +576,10 @@ void fuzz_decode(Input& in) {
   const int64_t H = s.H, N = s.N;
   const bool table = flags & kDecodeTable, i32 = flags & kFlagI32Offsets;
   const int32_t state_dtype = state_dtype_of(flags);
-  int64_t W = 1;
-  for (int64_t length : s.lengths) W = table ? std::max(W, length) : 1;
+  // Batched, every row has T tokens, with or without rows.
+  int64_t W = s.varlen ? 1 : std::max<int64_t>(1, s.T);
+  for (int64_t length : s.lengths) W = std::max(W, length);
+  if (!table) W = 1;
   const Slot pool = {"state_pool", &a.state_pool, nullptr, true, 4, {state_dtype}};
   const std::vector<int64_t> pool_shape = {N * W, H, kD, kD};
   call.add(pool, state_dtype, pool_shape, packed_strides(pool_shape), true);

@@ -72,6 +72,7 @@ SEEDS = {
                                        lengths=[16, 3]),
     "valid_checkpoints_tensor": fwd(1, BF16_STATE | INITIAL, HAS_INITIAL | CHECKPOINTS, batch=2, tokens=17),
     "valid_decode_batched": decode(2, KV_LAYOUT, batch=2, tokens=1),
+    "valid_decode_table_no_rows": decode(2, TABLE, batch=0, tokens=11),
     "valid_decode_table": decode(1, TABLE | ACCEPTED | I32_OFFSETS, lenient=LENIENT_UNIT_AXES, lengths=[3, 0, 4]),
     # A stride of 2^62 on an axis longer than 1 was accepted; the offsets
     # wrapped and the CPU backend read (q, k, v, g, beta) or wrote (out) out
