@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 #include "flashkda.h"
@@ -26,6 +27,9 @@ struct Plan {
   int32_t state_layout = FKDA_STATE_LAYOUT_VK;
   fkda_backend backend = FKDA_BACKEND_CPU;  // resolved: CPU or GPU
   std::atomic<float> lower_bound{-5.0f};
+  // The launch shape of the last GPU fkda_fwd (fkda_plan_get_launch_report).
+  mutable std::mutex launch_mutex;
+  mutable fkda_launch_report last_launch = FKDA_LAUNCH_REPORT_INIT;
 
   size_t workspace_size(int64_t total_tokens, int64_t num_seqs) const;
 };
