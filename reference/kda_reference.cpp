@@ -4,6 +4,7 @@
 
 #include "kda_reference.h"
 
+#include <cstddef>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -122,6 +123,27 @@ ProblemShape slow_decay(ProblemShape shape) {
   shape.gate_std = 1.f;
   shape.initial_state_std = 1.f;
   return shape;
+}
+
+Problem token_slice(const Problem& p, int64_t begin, int64_t end) {
+  Problem slice = p;
+  slice.T = end - begin;
+  auto cut = [&](const std::vector<uint16_t>& all, int64_t per_token) {
+    return std::vector<uint16_t>(all.begin() + std::ptrdiff_t(begin * per_token),
+                                 all.begin() + std::ptrdiff_t(end * per_token));
+  };
+  slice.q = cut(p.q, p.H * p.K);
+  slice.k = cut(p.k, p.H * p.K);
+  slice.v = cut(p.v, p.H * p.V);
+  slice.g = cut(p.g, p.H * p.K);
+  slice.beta = cut(p.beta, p.H);
+  return slice;
+}
+
+AccuracyTargets accuracy_targets(fkda_dtype state_dtype, bool slow_decay) {
+  const bool bf16 = state_dtype == FKDA_DTYPE_BF16;
+  if (slow_decay) return bf16 ? AccuracyTargets{3.0e-3, 2.0e-3} : AccuracyTargets{3.0e-3, 1.0e-3};
+  return bf16 ? AccuracyTargets{6.0e-3, 5.0e-3} : AccuracyTargets{4.0e-3, 2.9e-3};
 }
 
 // ------------------------------------------------ the fp64 recurrence ---

@@ -56,6 +56,19 @@ Problem random_problem(const ProblemShape& shape, uint64_t seed);
 // 1e-10, so every test of state handling also runs on these inputs.
 ProblemShape slow_decay(ProblemShape shape);
 
+// Tokens [begin, end) of a single-row problem (B == 1, no cu_seqlens) as a
+// problem of its own; it keeps p's initial state, for the caller to replace.
+Problem token_slice(const Problem& p, int64_t begin, int64_t end);
+
+// shared/BENCHMARKS.md's accuracy targets: the relative L2 error against the
+// fp64 recurrence a backend must stay within, on the default (fast-decay)
+// inputs or on slow_decay() ones, where the state carries most of the output.
+struct AccuracyTargets {
+  double out;
+  double state;
+};
+AccuracyTargets accuracy_targets(fkda_dtype state_dtype, bool slow_decay);
+
 // The fp64 token-by-token recurrence of DESIGN §1 on the bf16 inputs.
 // out: [B, T, H, V]; final_state: [N, H, V, K] (V-first).
 struct Reference {

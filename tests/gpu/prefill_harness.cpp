@@ -221,11 +221,7 @@ Case slowly_decaying(Case c) {
   return c;
 }
 
-Targets targets_of(const Case& c) {
-  const bool bf16 = c.state_dtype == FKDA_DTYPE_BF16;
-  if (c.slow) return bf16 ? kSlowDecayBf16StateTargets : kSlowDecayF32StateTargets;
-  return bf16 ? kBf16StateTargets : kF32StateTargets;
-}
+fkda_ref::AccuracyTargets targets_of(const Case& c) { return fkda_ref::accuracy_targets(c.state_dtype, c.slow); }
 
 Problem problem_of(const Case& c) {
   Problem p = fkda_ref::random_problem(c.shape, c.seed);
@@ -456,7 +452,7 @@ Checked check_case(const Case& c) {
     f.state_vs_ref = fkda_ref::rel_l2(state, ref.final_state);
     f.state_vs_cpu = fkda_ref::rel_l2(state, widen(decode_state(cpu.final, c.state_dtype, c.state_layout)));
   }
-  const Targets targets = targets_of(c);
+  const fkda_ref::AccuracyTargets targets = targets_of(c);
   std::printf("%-44s N=%-3lld H=%-3lld vsplit=%lld windows=%-3lld vs fp64: out %.3e state %.3e | vs CPU: out %.3e "
               "state %.3e\n",
               c.name.c_str(), (long long)N, (long long)p.H, (long long)checked.launch.vsplit,

@@ -25,16 +25,6 @@ using fkda_ref::ProblemShape;
 constexpr uint16_t kPoisonBf16 = 0xFFFF;     // a NaN
 constexpr unsigned char kPoisonByte = 0xFF;  // 0xFFFFFFFF is an f32 NaN, 0xFFFF a bf16 NaN
 
-struct Targets {
-  double out;
-  double state;
-};
-// shared/BENCHMARKS.md: relative L2 error against the fp64 recurrence, on
-// the default (fast-decay) inputs and on slow-decay ones (slow_decay()).
-constexpr Targets kF32StateTargets{4.0e-3, 2.9e-3};
-constexpr Targets kBf16StateTargets{6.0e-3, 5.0e-3};
-constexpr Targets kSlowDecayF32StateTargets{3.0e-3, 1.0e-3};
-constexpr Targets kSlowDecayBf16StateTargets{3.0e-3, 2.0e-3};
 // GPU against the CPU backend, docs/NUMERICS.md: the same rounding contract,
 // so only ulp-level differences (hardware exp2, summation order inside the
 // mma) remain.
@@ -152,7 +142,8 @@ Case varlen(std::string name, std::vector<int64_t> lengths, int64_t H, uint64_t 
 Case with_state(Case c, fkda_dtype dtype, fkda_state_layout layout, bool initial, bool final);
 // The same case on slow-decay inputs.
 Case slowly_decaying(Case c);
-Targets targets_of(const Case& c);
+// The accuracy targets of a case's state dtype and inputs.
+fkda_ref::AccuracyTargets targets_of(const Case& c);
 
 // The problem of a case, with the initial state rounded to the state dtype
 // so that the reference starts from exactly what the kernels read.

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "prefill_harness.h"
@@ -18,22 +19,12 @@ using namespace fkda_test;
 
 namespace {
 
-// Tokens [begin, end) of a single-row problem as a problem of their own,
-// starting from `initial` (f32, V-first; empty: zeros).
+// Tokens [begin, end) of a single-row problem, starting from `initial` (f32,
+// V-first; empty: zeros).
 Problem token_slice(const Problem& p, int64_t begin, int64_t end, std::vector<float> initial) {
   REQUIRE(p.B == 1);
   REQUIRE(p.cu_seqlens.empty());
-  Problem slice = p;
-  slice.T = end - begin;
-  auto cut = [&](const std::vector<uint16_t>& all, int64_t per_token) {
-    return std::vector<uint16_t>(all.begin() + std::ptrdiff_t(begin * per_token),
-                                 all.begin() + std::ptrdiff_t(end * per_token));
-  };
-  slice.q = cut(p.q, p.H * p.K);
-  slice.k = cut(p.k, p.H * p.K);
-  slice.v = cut(p.v, p.H * p.V);
-  slice.g = cut(p.g, p.H * p.K);
-  slice.beta = cut(p.beta, p.H);
+  Problem slice = fkda_ref::token_slice(p, begin, end);
   slice.initial_state = std::move(initial);
   return slice;
 }
@@ -43,7 +34,7 @@ std::vector<T> tail(const std::vector<T>& all, size_t from) {
   return std::vector<T>(all.begin() + std::ptrdiff_t(from), all.end());
 }
 
-void print_margin(const char* what, double out_error, double state_error, const Targets& targets) {
+void print_margin(const char* what, double out_error, double state_error, const fkda_ref::AccuracyTargets& targets) {
   std::printf("GPU mutation %-36s out %.3e (%6.1fx target)  final state %.3e (%6.1fx target)\n", what, out_error,
               out_error / targets.out, state_error, state_error / targets.state);
   std::fflush(stdout);
@@ -122,7 +113,7 @@ TEST_CASE("prefill: a lost or damaged state fails the accuracy check by a wide m
                                             FKDA_STATE_LAYOUT_VK, true, true));
   const Problem p = problem_of(c);
   const fkda_ref::Reference ref = fkda_ref::reference_recurrence(p);
-  const Targets targets = targets_of(c);
+  const fkda_ref::AccuracyTargets targets = targets_of(c);
 
   SECTION("the initial state zeroed for the GPU, not for the reference") {
     const Outputs faithful = run_gpu(p, c);

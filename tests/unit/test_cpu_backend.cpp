@@ -9,6 +9,7 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flashkda.h"
@@ -22,18 +23,6 @@ using namespace fkda_ref;
 constexpr uint16_t kPoisonBf16 = 0x7FC1;
 constexpr uint32_t kPoisonF32 = 0x7FC00001u;
 
-struct Tolerance {
-  double out;
-  double state;
-};
-// shared/BENCHMARKS.md, relative L2 error against the fp64 recurrence.
-constexpr Tolerance kBf16StateTargets{6.0e-3, 5.0e-3};
-constexpr Tolerance kF32StateTargets{4.0e-3, 2.9e-3};
-// On slow-decay inputs (slow_decay()), where the state carries most of the
-// output and a lost or damaged state shows.
-constexpr Tolerance kSlowDecayBf16StateTargets{3.0e-3, 2.0e-3};
-constexpr Tolerance kSlowDecayF32StateTargets{3.0e-3, 1.0e-3};
-
 // Every test of state handling runs on both kinds of input: the default fast
 // decays, and slow decays where the initial state and every hand-off matter.
 enum class Decay { fast, slow };
@@ -41,9 +30,8 @@ constexpr Decay kDecays[] = {Decay::fast, Decay::slow};
 
 ProblemShape with_decay(ProblemShape shape, Decay decay) { return decay == Decay::slow ? slow_decay(shape) : shape; }
 
-Tolerance targets_for(fkda_dtype state_dtype, Decay decay = Decay::fast) {
-  if (decay == Decay::slow) return state_dtype == FKDA_DTYPE_BF16 ? kSlowDecayBf16StateTargets : kSlowDecayF32StateTargets;
-  return state_dtype == FKDA_DTYPE_BF16 ? kBf16StateTargets : kF32StateTargets;
+AccuracyTargets targets_for(fkda_dtype state_dtype, Decay decay = Decay::fast) {
+  return accuracy_targets(state_dtype, decay == Decay::slow);
 }
 
 const char* decay_name(Decay decay) { return decay == Decay::slow ? "slow decay" : "fast decay"; }
@@ -214,6 +202,17 @@ void round_initial_state_to_bf16(Problem& p) {
   for (float& value : p.initial_state) value = from_bf16(to_bf16(value));
 }
 
+// A varlen problem of these decays, its initial state rounded to bf16 so that
+// it serves both state dtypes.
+Problem varlen_problem(int64_t H, std::vector<int64_t> lengths, Decay decay, uint64_t seed) {
+  ProblemShape shape;
+  shape.H = H;
+  shape.lengths = std::move(lengths);
+  Problem p = random_problem(with_decay(shape, decay), seed);
+  round_initial_state_to_bf16(p);
+  return p;
+}
+
 struct PlanHandle {
   fkda_plan_t plan = nullptr;
   ~PlanHandle() { fkda_plan_destroy(plan); }
@@ -334,7 +333,7 @@ struct Errors {
   double state = 0;
 };
 
-Errors check_accuracy(const Problem& p, const RunOptions& o, const RunResult& r, Tolerance tolerance) {
+Errors check_accuracy(const Problem& p, const RunOptions& o, const RunResult& r, AccuracyTargets tolerance) {
   Problem as_run = p;
   if (!o.pass_initial) as_run.initial_state.clear();
   const Reference ref = reference_recurrence(as_run);
@@ -356,24 +355,6 @@ std::vector<float> sequence_state(const Problem& p, const std::vector<float>& st
   const size_t per_sequence = size_t(p.H * p.V * p.K);
   return std::vector<float>(state.begin() + std::ptrdiff_t(n * per_sequence),
                             state.begin() + std::ptrdiff_t((n + 1) * per_sequence));
-}
-
-// Tokens [begin, end) of a single-row problem as a problem of their own.
-Problem token_slice(const Problem& p, int64_t begin, int64_t end) {
-  REQUIRE(p.B == 1);
-  REQUIRE(p.cu_seqlens.empty());
-  Problem slice = p;
-  slice.T = end - begin;
-  auto cut = [&](const std::vector<uint16_t>& all, int64_t per_token) {
-    return std::vector<uint16_t>(all.begin() + std::ptrdiff_t(begin * per_token),
-                                 all.begin() + std::ptrdiff_t(end * per_token));
-  };
-  slice.q = cut(p.q, p.H * p.K);
-  slice.k = cut(p.k, p.H * p.K);
-  slice.v = cut(p.v, p.H * p.V);
-  slice.g = cut(p.g, p.H * p.K);
-  slice.beta = cut(p.beta, p.H);
-  return slice;
 }
 
 // BENCHMARKS.md's accuracy case: T=1024 H=4, and varlen [300, 77, 700] H=4.
@@ -403,7 +384,7 @@ TEST_CASE("CPU backend meets the f32-state accuracy targets on the benchmark cas
     const Problem p = random_problem(shape, 20261130);
     RunOptions o;
     o.state_dtype = FKDA_DTYPE_F32;
-    check_accuracy(p, o, run_cpu(p, o), kF32StateTargets);
+    check_accuracy(p, o, run_cpu(p, o), targets_for(FKDA_DTYPE_F32));
   }
 }
 
@@ -413,7 +394,7 @@ TEST_CASE("CPU backend meets the bf16-state accuracy targets on the benchmark ca
     round_initial_state_to_bf16(p);
     RunOptions o;
     o.state_dtype = FKDA_DTYPE_BF16;
-    check_accuracy(p, o, run_cpu(p, o), kBf16StateTargets);
+    check_accuracy(p, o, run_cpu(p, o), targets_for(FKDA_DTYPE_BF16));
   }
 }
 
@@ -438,11 +419,7 @@ TEST_CASE("CPU backend: batched rows of lengths around the chunk size", "[cpu][b
 TEST_CASE("CPU backend: varlen with empty, single-token and chunk-edge sequences", "[cpu][varlen][state]") {
   for (Decay decay : kDecays) {
     INFO(decay_name(decay));
-    ProblemShape shape;
-    shape.H = 8;
-    shape.lengths = {0, 1, 15, 16, 17, 0, 33, 5};
-    Problem p = random_problem(with_decay(shape, decay), 77);
-    round_initial_state_to_bf16(p);  // serves both state dtypes
+    const Problem p = varlen_problem(8, {0, 1, 15, 16, 17, 0, 33, 5}, decay, 77);
     for (fkda_dtype cu_dtype : {FKDA_DTYPE_I64, FKDA_DTYPE_I32}) {
       for (fkda_dtype state_dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
         RunOptions o;
@@ -461,11 +438,7 @@ TEST_CASE("CPU backend: varlen with empty, single-token and chunk-edge sequences
 TEST_CASE("CPU backend: every presence combination of initial and final state", "[cpu][state]") {
   for (Decay decay : kDecays) {
     INFO(decay_name(decay));
-    ProblemShape shape;
-    shape.H = 2;
-    shape.lengths = {17, 0, 40};
-    Problem p = random_problem(with_decay(shape, decay), 4242);
-    round_initial_state_to_bf16(p);
+    const Problem p = varlen_problem(2, {17, 0, 40}, decay, 4242);
     for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
       for (fkda_state_layout layout : {FKDA_STATE_LAYOUT_VK, FKDA_STATE_LAYOUT_KV}) {
         for (bool pass_initial : {true, false}) {
@@ -495,11 +468,7 @@ TEST_CASE("CPU backend: every presence combination of initial and final state", 
 TEST_CASE("CPU backend: the K-first state layout is the transpose of the V-first one", "[cpu][state]") {
   for (Decay decay : kDecays) {
     INFO(decay_name(decay));
-    ProblemShape shape;
-    shape.H = 3;
-    shape.lengths = {23, 9};
-    Problem p = random_problem(with_decay(shape, decay), 31337);
-    round_initial_state_to_bf16(p);
+    const Problem p = varlen_problem(3, {23, 9}, decay, 31337);
     for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
       RunOptions v_first, k_first;
       v_first.state_dtype = k_first.state_dtype = dtype;
@@ -517,11 +486,7 @@ TEST_CASE("CPU backend: the K-first state layout is the transpose of the V-first
 TEST_CASE("CPU backend: the final state may overwrite the initial state in place", "[cpu][state]") {
   for (Decay decay : kDecays) {
     INFO(decay_name(decay));
-    ProblemShape shape;
-    shape.H = 2;
-    shape.lengths = {30, 0, 18};
-    Problem p = random_problem(with_decay(shape, decay), 5150);
-    round_initial_state_to_bf16(p);
+    const Problem p = varlen_problem(2, {30, 0, 18}, decay, 5150);
     for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
       RunOptions separate, in_place;
       separate.state_dtype = in_place.state_dtype = dtype;
@@ -549,7 +514,7 @@ TEST_CASE("CPU backend: strided q, k, v, g and out views", "[cpu][strides]") {
       RunOptions contiguous, strided;
       strided.layout = layout;
       const RunResult r = run_cpu(p, strided);
-      check_accuracy(p, strided, r, kF32StateTargets);
+      check_accuracy(p, strided, r, targets_for(FKDA_DTYPE_F32));
       // Strides change where the data lives, not a single bit of the result.
       const RunResult reference_layout = run_cpu(p, contiguous);
       CHECK(bitwise_equal(r.out, reference_layout.out));
@@ -565,7 +530,7 @@ TEST_CASE("CPU backend: strided beta and cu_seqlens views", "[cpu][strides]") {
   shape.lengths = {5, 0, 29, 16};
   const Problem p = random_problem(shape, 9100);
   const RunResult contiguous = run_cpu(p, RunOptions{});
-  check_accuracy(p, RunOptions{}, contiguous, kF32StateTargets);
+  check_accuracy(p, RunOptions{}, contiguous, targets_for(FKDA_DTYPE_F32));
   // beta with gaps between heads and tokens; beta stored head-major;
   // cu_seqlens with a stride of 3, as i64 and as i32.
   std::vector<RunOptions> variants(4);
@@ -590,7 +555,7 @@ TEST_CASE("CPU backend: gate floors from -5 to 0", "[cpu][lower_bound]") {
       shape.lower_bound = lower_bound;
       const Problem p = random_problem(shape, 600);
       RunOptions o;
-      check_accuracy(p, o, run_cpu(p, o), kF32StateTargets);
+      check_accuracy(p, o, run_cpu(p, o), targets_for(FKDA_DTYPE_F32));
     }
   }
   SECTION("set on an existing plan") {
@@ -601,7 +566,7 @@ TEST_CASE("CPU backend: gate floors from -5 to 0", "[cpu][lower_bound]") {
     const Problem p = random_problem(shape, 601);
     RunOptions o;
     o.set_lower_bound_after_create = true;  // the plan is created at -5
-    check_accuracy(p, o, run_cpu(p, o), kF32StateTargets);
+    check_accuracy(p, o, run_cpu(p, o), targets_for(FKDA_DTYPE_F32));
   }
 }
 
@@ -641,7 +606,7 @@ TEST_CASE("CPU backend: any finite scale", "[cpu]") {
     Problem p = random_problem(shape, 700);
     p.scale = scale;
     RunOptions o;
-    check_accuracy(p, o, run_cpu(p, o), kF32StateTargets);
+    check_accuracy(p, o, run_cpu(p, o), targets_for(FKDA_DTYPE_F32));
   }
 }
 
@@ -652,7 +617,7 @@ TEST_CASE("CPU backend: two halves through final -> initial state equal the whol
     shape.T = 77;
     shape.H = 2;
     const Problem whole = random_problem(with_decay(shape, decay), 8080);
-    const Tolerance targets = targets_for(FKDA_DTYPE_F32, decay);
+    const AccuracyTargets targets = targets_for(FKDA_DTYPE_F32, decay);
     RunOptions o;
     o.state_dtype = FKDA_DTYPE_F32;
     const RunResult whole_run = run_cpu(whole, o);
@@ -693,7 +658,7 @@ TEST_CASE("CPU backend: a lost or damaged state fails the accuracy check by a wi
   shape.H = 2;
   const Problem p = random_problem(shape, 2718);
   const Reference ref = reference_recurrence(p);
-  const Tolerance targets = kSlowDecayF32StateTargets;
+  const AccuracyTargets targets = targets_for(FKDA_DTYPE_F32, Decay::slow);
   RunOptions o;
   o.state_dtype = FKDA_DTYPE_F32;
   auto report = [&](const char* what, double out_error, double state_error) {

@@ -32,6 +32,7 @@ _STRUCTS = {
     "fkda_plan_desc": _abi.FkdaPlanDesc,
     "fkda_fwd_args": _abi.FkdaFwdArgs,
     "fkda_device_info": _abi.FkdaDeviceInfo,
+    "fkda_launch_report": _abi.FkdaLaunchReport,
 }
 
 

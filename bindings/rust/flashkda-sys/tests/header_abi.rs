@@ -577,6 +577,7 @@ fn rust_layouts() -> Vec<RustLayout> {
             struct_size, driver_loaded, driver_version, device_count, device, cc_major, cc_minor,
             has_kernels, name,
         }),
+        layout!(fkda_launch_report { struct_size, vsplit, windows, slots_per_window }),
     ]
 }
 
