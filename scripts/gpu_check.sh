@@ -8,7 +8,7 @@
 #
 # BUILD_DIR defaults to build-gpu. STEPs (default: the first eight):
 #   info tests vsplit window memcheck racecheck synccheck sm80_ptx
-#   bench bench_f32 timing accuracy demo python sweep profile
+#   serving bench bench_f32 timing accuracy demo python sweep profile
 # sm80_ptx runs the [gpu] tests of a second build whose fatbin holds only
 # compute_80 PTX (the driver compiles it for this GPU, so the sm_80 code
 # runs); it lives in $SM80_PTX_BUILD (default build-sm80-ptx), made with
@@ -154,6 +154,19 @@ for s in $steps; do
       fi
       step_in "$sm80_dir" sm80_ptx 300 "$out/sm80_ptx.log" "$sm80_tests" "[gpu]" --warn NoTests
       ;;
+    serving)
+      # The serving paths (decode, prefill by pool slot with checkpoints),
+      # then compute-sanitizer memcheck and racecheck on their small cases
+      # (also part of the [sanitize] set of the memcheck, racecheck and
+      # synccheck steps).
+      require serving "$tests" || continue
+      step serving 300 "$out/serving.log" "$tests" "[decode],[pool]" --durations yes --warn NoTests
+      for tool in memcheck racecheck; do
+        step "serving_$tool" 300 "$out/serving_sanitizer.log" compute-sanitizer --tool "$tool" \
+          --error-exitcode 3 "$tests" "[decode][sanitize],[pool][sanitize]" --warn NoTests
+      done
+      grep -hE " out [0-9]| state [0-9]|mutation|differing|warps a block|unwritten|FAIL" "$out/serving.log" | tail -n 80
+      ;;
     bench)
       require bench "$build/bench/fkda-bench" || continue
       step bench 200 "$out/bench.log" "$build/bench/fkda-bench" prefill --warmup 5 --iters 30 \
@@ -167,7 +180,7 @@ for s in $steps; do
       tail -n 14 "$out/bench_f32.log" >>"$summary"
       ;;
     timing)
-      # BENCHMARKS.md's P1, P4 and P5 with both state dtypes, timed by fkda-bench.
+      # docs/BENCHMARKS.md's P1, P4 and P5 with both state dtypes, timed by fkda-bench.
       require timing "$build/bench/fkda-bench" || continue
       step timing 120 "$out/timing.log" "$build/bench/fkda-bench" P1 P4 P5 --warmup 5 --iters 30
       step timing_f32 120 "$out/timing.log" "$build/bench/fkda-bench" P1 --state f32 --warmup 5 --iters 30
@@ -214,7 +227,7 @@ for s in $steps; do
       grep -E "^===|fkda_prefill|gpu__time_duration" "$out/profile.txt" | head -60 | tee -a "$summary"
       ;;
     *)
-      failure "$s" "unknown step (known: info tests vsplit window memcheck racecheck synccheck sm80_ptx bench bench_f32 timing accuracy demo python sweep profile)"
+      failure "$s" "unknown step (known: info tests vsplit window memcheck racecheck synccheck sm80_ptx serving bench bench_f32 timing accuracy demo python sweep profile)"
       ;;
   esac
 done

@@ -1,4 +1,4 @@
-// The GPU prefill against the fp64 recurrence (BENCHMARKS.md targets) and
+// The GPU prefill against the fp64 recurrence (docs/BENCHMARKS.md targets) and
 // the CPU backend (docs/NUMERICS.md agreement) on random inputs: the
 // benchmark cases, sequence lengths around the chunk size, memory
 // arrangements, gate floors, correlated keys and saturated gates
@@ -18,7 +18,7 @@ const char* dtype_name(fkda_dtype dtype) { return dtype == FKDA_DTYPE_F32 ? "f32
 
 }  // namespace
 
-TEST_CASE("prefill: BENCHMARKS.md accuracy cases", "[gpu][window]") {
+TEST_CASE("prefill: docs/BENCHMARKS.md accuracy cases", "[gpu][window]") {
   for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
     const std::string suffix = std::string(" ") + dtype_name(dtype);
     const Case dense = with_state(batched("T=1024 H=4" + suffix, 1, 1024, 4, 11), dtype, FKDA_STATE_LAYOUT_VK,

@@ -148,7 +148,7 @@ TEST_CASE("prefill: the automatic windows of a large call give the bits of one w
   }
 }
 
-TEST_CASE("prefill: BENCHMARKS.md's P1 workspace stays within its 340 MB target", "[gpu][launch]") {
+TEST_CASE("prefill: docs/BENCHMARKS.md's P1 workspace stays within its 340 MB target", "[gpu][launch]") {
   const Tuning automatic(0, 0);
   Plan plan(96, FKDA_DTYPE_BF16, FKDA_STATE_LAYOUT_VK, FKDA_BACKEND_GPU, -5.0f);
   size_t bytes = 0;

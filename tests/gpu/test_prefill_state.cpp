@@ -21,12 +21,10 @@ namespace {
 
 // Tokens [begin, end) of a single-row problem, starting from `initial` (f32,
 // V-first; empty: zeros).
-Problem token_slice(const Problem& p, int64_t begin, int64_t end, std::vector<float> initial) {
-  REQUIRE(p.B == 1);
-  REQUIRE(p.cu_seqlens.empty());
-  Problem slice = fkda_ref::token_slice(p, begin, end);
-  slice.initial_state = std::move(initial);
-  return slice;
+Problem tokens_from(const Problem& p, int64_t begin, int64_t end, std::vector<float> initial) {
+  Problem part = fkda_ref::token_range(p, 0, begin, end);
+  part.initial_state = std::move(initial);
+  return part;
 }
 
 template <typename T>
@@ -92,8 +90,8 @@ TEST_CASE("prefill: a sequence split at a chunk boundary equals the whole", "[gp
     INFO(whole.name);
     const Problem p = problem_of(whole);
     const Outputs all = run_gpu(p, whole);
-    const Outputs first = run_gpu(token_slice(p, 0, 48, p.initial_state), whole);
-    const Outputs second = run_gpu(token_slice(p, 48, 96, first.state), whole);
+    const Outputs first = run_gpu(tokens_from(p, 0, 48, p.initial_state), whole);
+    const Outputs second = run_gpu(tokens_from(p, 48, 96, first.state), whole);
 
     std::vector<float> halves = first.out;
     halves.insert(halves.end(), second.out.begin(), second.out.end());
@@ -131,7 +129,7 @@ TEST_CASE("prefill: a lost or damaged state fails the accuracy check by a wide m
 
   SECTION("the state handed across a chunk boundary between calls perturbed or dropped") {
     constexpr int64_t kSplit = 64;
-    const Outputs first = run_gpu(token_slice(p, 0, kSplit, p.initial_state), c);
+    const Outputs first = run_gpu(tokens_from(p, 0, kSplit, p.initial_state), c);
     const std::vector<double> ref_tail = tail(ref.out, size_t(kSplit * p.H * p.V));
     struct HandOff {
       const char* name;
@@ -142,7 +140,7 @@ TEST_CASE("prefill: a lost or damaged state fails the accuracy check by a wide m
       INFO(hand_off.name);
       std::vector<float> handed = first.state;
       for (float& x : handed) x *= hand_off.factor;
-      const Outputs r = run_gpu(token_slice(p, kSplit, p.T, handed), c);
+      const Outputs r = run_gpu(tokens_from(p, kSplit, p.T, handed), c);
       const double out_error = fkda_ref::rel_l2(r.out, ref_tail);
       const double state_error = fkda_ref::rel_l2(r.state, ref.final_state);
       print_margin(hand_off.name, out_error, state_error, targets);

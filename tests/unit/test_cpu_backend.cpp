@@ -357,7 +357,7 @@ std::vector<float> sequence_state(const Problem& p, const std::vector<float>& st
                             state.begin() + std::ptrdiff_t((n + 1) * per_sequence));
 }
 
-// BENCHMARKS.md's accuracy case: T=1024 H=4, and varlen [300, 77, 700] H=4.
+// docs/BENCHMARKS.md's accuracy case: T=1024 H=4, and varlen [300, 77, 700] H=4.
 std::vector<ProblemShape> benchmark_accuracy_shapes() {
   ProblemShape dense, varlen;
   dense.H = varlen.H = 4;
@@ -626,7 +626,8 @@ TEST_CASE("CPU backend: two halves through final -> initial state equal the whol
 
     for (int64_t split : {32, 21}) {
       CAPTURE(split);
-      Problem first = token_slice(whole, 0, split), second = token_slice(whole, split, whole.T);
+      Problem first = token_range(whole, 0, 0, split), second = token_range(whole, 0, split, whole.T);
+      first.initial_state = whole.initial_state;
       const RunResult first_run = run_cpu(first, o);
       second.initial_state = first_run.final_state;
       const RunResult second_run = run_cpu(second, o);
@@ -684,7 +685,8 @@ TEST_CASE("CPU backend: a lost or damaged state fails the accuracy check by a wi
     // Two calls split at token 64 (a chunk boundary): the second starts from
     // the first's final state as it is, scaled by 1.05, or replaced by zeros.
     constexpr int64_t kSplit = 64;
-    const Problem first = token_slice(p, 0, kSplit);
+    Problem first = token_range(p, 0, 0, kSplit);
+    first.initial_state = p.initial_state;
     const RunResult first_run = run_cpu(first, o);
     const std::vector<double> ref_tail = token_range(p, ref.out, kSplit, p.T);
     struct HandOff {
@@ -695,7 +697,7 @@ TEST_CASE("CPU backend: a lost or damaged state fails the accuracy check by a wi
     for (const HandOff& hand_off : {HandOff{"hand-off as is", 1.0f, false}, HandOff{"hand-off scaled by 1.05", 1.05f, true},
                                     HandOff{"hand-off dropped", 0.0f, true}}) {
       INFO(hand_off.name);
-      Problem second = token_slice(p, kSplit, p.T);
+      Problem second = token_range(p, 0, kSplit, p.T);
       second.initial_state = first_run.final_state;
       for (float& x : second.initial_state) x *= hand_off.factor;
       const RunResult r = run_cpu(second, o);
