@@ -168,11 +168,11 @@ TEST_CASE("bad launch tuning variables are errors naming the variable", "[gpu][v
     REQUIRE(fkda_plan_workspace_size(gpu, kB * kT, kB, &forced_bytes) == FKDA_SUCCESS);
     DeviceBuffer forced_workspace(forced_bytes);
     REQUIRE(fkda_fwd(gpu, &call.args, forced_workspace.get(), forced_bytes, nullptr) == FKDA_SUCCESS);
+    CUDA_REQUIRE(cudaDeviceSynchronize());  // before the workspace is freed
     const fkda_launch_report launch = fkda_test::launch_report(gpu);
     CHECK(launch.vsplit == vsplit);
     CHECK(launch.slots_per_window == 1);
     CHECK(launch.windows >= kT / 16);
   }
-  CUDA_REQUIRE(cudaDeviceSynchronize());
   fkda_plan_destroy(gpu);
 }
