@@ -144,7 +144,7 @@ for s in $steps; do
         echo "--- the library the tests load"
         LD_LIBRARY_PATH="$sm80_dir" ldd "$sm80_tests" | grep flashkda
       } >"$out/sm80_ptx.txt" 2>&1
-      if grep -q ELF "$out/sm80_ptx.txt" || ! grep -q "sm_80" "$out/sm80_ptx.txt"; then
+      if grep -q "^ELF file" "$out/sm80_ptx.txt" || ! grep -q "^PTX file.*sm_80" "$out/sm80_ptx.txt"; then
         failure sm80_ptx "$sm80_build/libflashkda.so is not a compute_80 PTX-only build (see sm80_ptx.txt)"
         continue
       fi
