@@ -156,9 +156,10 @@ for s in $steps; do
       ;;
     serving)
       # The serving paths (decode, prefill by pool slot with checkpoints),
-      # then compute-sanitizer memcheck and racecheck on their small cases
-      # (also part of the [sanitize] set of the memcheck, racecheck and
-      # synccheck steps).
+      # compute-sanitizer memcheck and racecheck on their small cases (also
+      # part of the [sanitize] set of the memcheck, racecheck and synccheck
+      # steps), and the timings of fkda-bench's serving cases (D1-D8, S1-S3,
+      # R1, R2).
       require serving "$tests" || continue
       step serving 300 "$out/serving.log" "$tests" "[decode],[pool]" --durations yes --warn NoTests
       for tool in memcheck racecheck; do
@@ -166,6 +167,10 @@ for s in $steps; do
           --error-exitcode 3 "$tests" "[decode][sanitize],[pool][sanitize]" --warn NoTests
       done
       grep -hE " out [0-9]| state [0-9]|mutation|differing|warps a block|unwritten|FAIL" "$out/serving.log" | tail -n 80
+      require serving_bench "$build/bench/fkda-bench" || continue
+      step serving_bench 300 "$out/serving_bench.log" "$build/bench/fkda-bench" serving --warmup 5 --iters 30 \
+        --json "$out/serving_bench.json"
+      tail -n 20 "$out/serving_bench.log" >>"$summary"
       ;;
     bench)
       require bench "$build/bench/fkda-bench" || continue
