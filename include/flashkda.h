@@ -96,7 +96,21 @@ typedef enum fkda_dtype {
 
 /* A strided view of memory. The layout of this struct is frozen.
  * `dtype` holds an fkda_dtype; strides count elements, not bytes.
- * An optional tensor is absent when data == NULL and rank == 0. */
+ * An optional tensor is absent when data == NULL and rank == 0.
+ * Every call accepts a present tensor only when:
+ *  - its extents are >= 0. A tensor with a zero extent is empty: nothing of
+ *    it is read or written, and its data (NULL too), strides and alignment
+ *    are not checked;
+ *  - its strides are >= 0 (negative strides are rejected). The stride of an
+ *    axis of extent 1 is never used and not checked;
+ *  - data is aligned to the element size (2 bytes for bf16, 4 for f32 and
+ *    i32, 8 for i64);
+ *  - its byte span, element size * (1 + sum of (extent - 1) * stride over
+ *    the axes), fits in int64_t and data + span does not pass the end of the
+ *    address space;
+ *  - the axes its argument's description calls contiguous are: "last axis
+ *    contiguous" means stride 1 there, "packed" means row-major strides.
+ * A tensor a call writes must not map two elements to one address. */
 typedef struct fkda_tensor {
   void* data;
   int32_t dtype;
@@ -178,7 +192,10 @@ FKDA_API fkda_status fkda_set_lower_bound(fkda_plan_t plan, float lower_bound);
 FKDA_API fkda_status fkda_get_lower_bound(fkda_plan_t plan, float* lower_bound);
 
 /* Bytes of workspace fkda_fwd needs for `total_tokens` tokens in `num_seqs`
- * sequences (B*T and B without cu_seqlens; T and N with them). */
+ * sequences (B*T and B without cu_seqlens; T and N with them). Any sizes
+ * >= 0 are answered, except GPU workspaces larger than int64_t can count
+ * (FKDA_ERROR_UNSUPPORTED). The workspace passed to fkda_fwd must be 16-byte
+ * aligned (malloc and cudaMalloc memory is). */
 FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
                                               int64_t total_tokens,
                                               int64_t num_seqs,
@@ -188,18 +205,21 @@ FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
 /* Forward (prefill)                                                        */
 /* ------------------------------------------------------------------------ */
 
-/* Shapes (K = V = 128; N = B, or cu_seqlens' length - 1 with B == 1):
- *   q, k, g      bf16 [B, T, H, K]    last stride 1, other strides free
- *   v, out       bf16 [B, T, H, V]    last stride 1, other strides free
- *   beta         bf16 [B, T, H]       strides free
- *   A_log        f32  [H]             contiguous
- *   dt_bias      f32  [H, K]          contiguous
+/* Shapes (K = V = 128; N = B, or cu_seqlens' length - 1 with B == 1), under
+ * the rules of fkda_tensor above:
+ *   q, k, g      bf16 [B, T, H, K]    last axis contiguous
+ *   v, out       bf16 [B, T, H, V]    last axis contiguous
+ *   beta         bf16 [B, T, H]       any strides
+ *   A_log        f32  [H]             packed
+ *   dt_bias      f32  [H, K]          packed
  *   initial_state, final_state        optional, plan's state dtype,
- *                                     [N, H, V, K] (or [N, H, K, V]), contiguous;
+ *                                     [N, H, V, K] (or [N, H, K, V]), packed;
  *                                     they may be the same buffer (updated in place)
- *   cu_seqlens   optional i64 or i32 [N + 1], non-decreasing, from 0 to T
- * q, k, v, g, beta, out, the states and cu_seqlens may be strided views;
- * GPU plans need device-accessible memory and 16-byte aligned rows.
+ *   cu_seqlens   optional i64 or i32 [N + 1], stride > 0, non-decreasing,
+ *                from 0 to T
+ * GPU plans need device memory, and for q, k, v, g, out, dt_bias and the
+ * states data 16-byte aligned and strides (but the last) that are multiples
+ * of 8 elements.
  *
  * States in a pool (instead of initial_state / final_state):
  *   state_pool         plan's state dtype, [slots, H, V, K] (or [slots, H, K, V]):
