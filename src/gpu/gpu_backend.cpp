@@ -145,7 +145,7 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t /*workspa
   params.final_state = problem.final_state;
   params.workspace = static_cast<unsigned char*>(workspace);
   params.num_slots = windows.total_slots;
-  params.gate_scale = problem.lower_bound * 1.4426950408889634f;  // NUMERICS step 1, in f32
+  params.gate_scale = gate_scale(problem.lower_bound);
   params.vsplit = choose_vsplit(problem.num_seqs * problem.num_heads, context.facts);
   params.state_pool = problem.pool.data;
   params.pool_slots = problem.pool.slots;
