@@ -275,6 +275,28 @@ TEST_CASE("bad plan handles and arguments", "[validation]") {
   }
 }
 
+TEST_CASE("launch reports: CPU plans report no launch; bad calls are rejected", "[validation]") {
+  Fixture f;
+  fkda_fwd_args args = f.batched();
+  size_t needed = 0;
+  REQUIRE(fkda_plan_workspace_size(f.plan, kB * kT, kB, &needed) == FKDA_SUCCESS);
+  REQUIRE(fkda_fwd(f.plan, &args, f.workspace.data(), needed, nullptr) == FKDA_SUCCESS);
+  fkda_launch_report report = FKDA_LAUNCH_REPORT_INIT;
+  report.vsplit = report.windows = report.slots_per_window = -1;
+  REQUIRE(fkda_plan_get_launch_report(f.plan, &report) == FKDA_SUCCESS);
+  CHECK(report.struct_size == sizeof(fkda_launch_report));
+  CHECK(report.vsplit == 0);
+  CHECK(report.windows == 0);
+  CHECK(report.slots_per_window == 0);
+
+  check_failure(fkda_plan_get_launch_report(f.plan, nullptr), FKDA_ERROR_INVALID_ARGUMENT, "report: NULL");
+  check_failure(fkda_plan_get_launch_report(nullptr, &report), FKDA_ERROR_INVALID_ARGUMENT, "plan: NULL");
+  fkda_launch_report wrong_size = FKDA_LAUNCH_REPORT_INIT;
+  wrong_size.struct_size = sizeof(fkda_launch_report) + 8;
+  check_failure(fkda_plan_get_launch_report(f.plan, &wrong_size), FKDA_ERROR_INVALID_ARGUMENT,
+                "report: struct_size is");
+}
+
 TEST_CASE("workspace sizes of any magnitude are answered without overflow", "[validation]") {
   fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
   desc.num_heads = 3;
