@@ -216,10 +216,9 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info) {
 FKDA_API fkda_status fkda_plan_get_launch_report(fkda_plan_t plan, fkda_launch_report* report) {
   return guarded([&] {
     require_output(report, "report");
-    if (report->struct_size != sizeof(fkda_launch_report)) {
-      fkda::invalid("report: struct_size is " + std::to_string(report->struct_size) + ", expected " +
-                    std::to_string(sizeof(fkda_launch_report)) + " (initialise with FKDA_LAUNCH_REPORT_INIT)");
-    }
+    // Its first published size is its current one.
+    fkda::read_versioned(*report, fkda_launch_report FKDA_LAUNCH_REPORT_INIT, sizeof(fkda_launch_report),
+                         "report", "FKDA_LAUNCH_REPORT_INIT");
     const fkda::Plan& p = fkda::live_plan(plan);
     std::lock_guard<std::mutex> lock(p.launch_mutex);
     *report = p.last_launch;
