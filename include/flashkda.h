@@ -160,11 +160,13 @@ typedef struct fkda_plan_desc {
   float lower_bound;    /* gate floor in [-5, 0] */
   /* Appended in 0.2 (a desc of the 0.1 size takes the _INIT values): */
   int32_t null_slot_rule; /* fkda_null_slot_rule for state_indices and slot tables */
-  int32_t debug_checks;   /* 1: GPU calls copy device-side indices, offsets and
-                             slot tables to the host and check them before the
-                             launch (synchronises; not for graph capture). The
-                             environment variable FKDA_DEBUG_CHECKS=1 turns it
-                             on for every plan. */
+  int32_t debug_checks;   /* 0 or 1. 1: GPU calls copy device-side indices,
+                             offsets and slot tables to the host and check them
+                             before the launch (synchronises; not for graph
+                             capture); every plan then also reports two
+                             sequences sharing a slot. The environment variable
+                             FKDA_DEBUG_CHECKS=1 turns it on for every plan
+                             created while it is set. */
 } fkda_plan_desc;
 
 #define FKDA_PLAN_DESC_INIT                                                 \
@@ -244,7 +246,11 @@ FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
  * by the host: an index outside the pool is treated as a null index, a bad
  * checkpoint offset is skipped; nothing is ever read or written outside the
  * tensors. Two sequences writing the same slot in one call is undefined
- * (debug_checks reports it). */
+ * (debug_checks reports it).
+ * state_indices excludes initial_state and final_state; a padding sequence
+ * writes no checkpoint either. out, final_state and checkpoints must not
+ * overlap each other or any input (initial_state and final_state may be the
+ * same buffer; the pool is read and written on purpose). */
 typedef struct fkda_fwd_args {
   size_t struct_size; /* sizeof(fkda_fwd_args) */
   fkda_tensor q;
@@ -310,7 +316,7 @@ FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args,
  *   num_accepted_tokens optional i32 or i64 [N], in [1, W], with [N, W]
  *                      indices only; absent means 1 (column 0)
  *   cu_seqlens         optional i32 or i64 [N + 1]
- * A sequence whose starting index is null (plan's null_slot_rule) is
+ * out must not overlap an input or the pool. A sequence whose starting index is null (plan's null_slot_rule) is
  * padding: output rows zero, no state read or written. On CPU plans bad
  * indices, counts and offsets are errors naming the sequence; on GPU plans
  * they are not read by the host and a bad one makes its sequence padding.

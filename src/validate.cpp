@@ -345,7 +345,8 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   if (args == nullptr) invalid("args: NULL");
   // 0.1 ended the struct after `scale`.
   const fkda_fwd_args a = read_versioned(*args, fkda_fwd_args FKDA_FWD_ARGS_INIT,
-                                         offsetof(fkda_fwd_args, state_pool), "args", "FKDA_FWD_ARGS_INIT");
+                                         offsetof(fkda_fwd_args, scale) + sizeof(float), "args",
+                                         "FKDA_FWD_ARGS_INIT");
   const int64_t H = plan.num_heads, K = plan.head_dim_k, V = plan.head_dim_v;
   const Activations activations{a.q, a.k, a.v, a.g, a.beta, a.A_log, a.dt_bias, a.out};
   const auto [B, T] = check_activations(plan, activations);

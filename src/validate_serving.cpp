@@ -236,7 +236,8 @@ void validate_fwd_serving(const Plan& plan, const fkda_fwd_args& a, PrefillProbl
     invalid("state_pool: given without state_indices or checkpoint_slots");
   }
 
-  const std::vector<Named> inputs = {
+  // Everything the call touches; outputs are checked against all of it.
+  const std::vector<Named> touched = {
       {&a.q, "q"},         {&a.k, "k"},           {&a.v, "v"},
       {&a.g, "g"},         {&a.beta, "beta"},     {&a.A_log, "A_log"},
       {&a.dt_bias, "dt_bias"}, {&a.initial_state, "initial_state"}, {&a.cu_seqlens, "cu_seqlens"},
@@ -244,9 +245,10 @@ void validate_fwd_serving(const Plan& plan, const fkda_fwd_args& a, PrefillProbl
       {&a.has_initial_state, "has_initial_state"}, {&a.checkpoint_offsets, "checkpoint_offsets"},
       {&a.checkpoint_slots, "checkpoint_slots"}, {&a.out, "out"}, {&a.final_state, "final_state"},
       {&a.checkpoints, "checkpoints"}};
-  check_disjoint({&a.out, "out"}, inputs);
-  check_disjoint({&a.checkpoints, "checkpoints"}, inputs);
-  std::vector<Named> final_others(inputs);
+  check_disjoint({&a.out, "out"}, touched);
+  check_disjoint({&a.checkpoints, "checkpoints"}, touched);
+  check_disjoint({&a.state_pool, "state_pool"}, touched);
+  std::vector<Named> final_others(touched);
   final_others.erase(std::remove_if(final_others.begin(), final_others.end(),
                                     [](const Named& n) { return std::string(n.name) == "initial_state"; }),
                      final_others.end());
