@@ -465,9 +465,10 @@ void check_call(Input& in, Call& call, const Scalars& scalars, uint8_t lenient, 
     forbidden = forbidden || r == Reach::kForbidden;
     outside = outside || r == Reach::kOutside;
   }
-  // Nothing is read when a forbidden descriptor is rejected, so the call is
-  // safe to make even when another one reaches past its buffer.
-  if (outside && !forbidden) return;
+  // The library may read a possible descriptor's contents (cu_seqlens,
+  // indices) before it reaches a forbidden one, so a call with anything
+  // past its buffer is never made.
+  if (outside) return;
 
   const fkda_status status = invoke();
   const std::string message = fkda_last_error();
