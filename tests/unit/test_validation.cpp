@@ -338,6 +338,21 @@ TEST_CASE("empty tensors: their data, strides and alignment are not looked at", 
   CHECK(std::all_of(f.out.begin(), f.out.end(), [](uint16_t o) { return o == 0xFFFF; }));
 }
 
+TEST_CASE("an empty state pool: its strides are not looked at either", "[validation]") {
+  Fixture f;
+  fkda_fwd_args a = f.batched();
+  for (fkda_tensor* t : {&a.q, &a.k, &a.v, &a.g, &a.out}) *t = fkda_ref::tensor(t->data, FKDA_DTYPE_BF16, {0, kT, kH, kD});
+  a.beta = fkda_ref::tensor(f.beta.data(), FKDA_DTYPE_BF16, {0, kT, kH});
+  a.initial_state = a.final_state = FKDA_TENSOR_NONE;
+  a.state_pool = fkda_ref::tensor(f.final_state.data(), FKDA_DTYPE_F32, {0, kH, kD, kD});
+  set_strides(a.state_pool, {-kHuge, 0, -kHuge, 0});
+  int64_t no_index = 0;
+  a.state_indices = fkda_ref::tensor(&no_index, FKDA_DTYPE_I64, {0});
+  const fkda_status status = f.run(a);
+  INFO(fkda_last_error());
+  CHECK(status == FKDA_SUCCESS);
+}
+
 TEST_CASE("strides of axes of extent 1 are not looked at", "[validation]") {
   Fixture f;
   fkda_fwd_args a = f.varlen();  // batch axis of extent 1
