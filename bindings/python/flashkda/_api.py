@@ -1,21 +1,19 @@
 """Plans, the forward pass and device queries on top of the C ABI."""
 
-import contextlib
 import ctypes
-import sys
+import threading
 from dataclasses import dataclass
 
-from . import _arrays
-from ._abi import Backend, Dtype, FkdaDeviceInfo, FkdaFwdArgs, FkdaPlanDesc, StateLayout
+from . import _arrays, _launch, _plans
+from ._abi import (FWD_TENSOR_FIELDS, Backend, Dtype, FkdaDeviceInfo, FkdaFwdArgs, FkdaPlanDesc,
+                   StateLayout)
 from ._errors import FlashKDAError, invalid_argument
-from ._library import library, load_library
+from ._library import library as _current_library
+from ._library import load_library
 
 _STATE_DTYPE_NAMES = {"bf16": Dtype.BF16, "bfloat16": Dtype.BF16, "f32": Dtype.F32, "float32": Dtype.F32}
 _BACKEND_NAMES = {"auto": Backend.AUTO, "cpu": Backend.CPU, "gpu": Backend.GPU, "cuda": Backend.GPU}
 _LAYOUT_NAMES = {"vk": StateLayout.VK, "kv": StateLayout.KV}
-
-# fkda_fwd_args fields in the order of flash_kda.fwd's arguments; outputs are written.
-_OUTPUTS = ("out", "final_state")
 
 
 def _enum_value(name, value, names):
@@ -56,119 +54,65 @@ def _float(name, value):
         raise invalid_argument(f"{name}: expected a number, got {type(value).__name__}") from None
 
 
-def _stream_handle(stream):
-    """A raw CUstream from an int, a torch stream or a CuPy stream."""
-    if stream is None:
-        return 0
-    for attribute in ("cuda_stream", "ptr", "handle"):
-        handle = getattr(stream, attribute, None)
-        if isinstance(handle, int):
-            return handle
-    try:
-        return int(stream)
-    except (TypeError, ValueError):
-        raise invalid_argument(
-            f"stream: expected a stream handle, a torch or CuPy stream, got {type(stream).__name__}"
-        ) from None
-
-
-class _Call:
-    """The views of one call's arguments.
-
-    Where each array lives is checked by the C library (it asks the driver),
-    so mixing host and device arrays is reported there, naming the argument.
-    The first array given (q, normally) decides the backend of fwd(), the
-    device made current, the launch stream and the workspace's allocator.
-    """
-
-    def __init__(self, arrays):
-        self.views = {}
-        for name, array in arrays.items():
-            if array is not None:
-                self.views[name] = _arrays.view(name, array)
-        self.lead_name = next(iter(self.views), None)
-        self.lead = self.views.get(self.lead_name)
-
-    @property
-    def memory(self):
-        return self.lead.memory if self.lead is not None else None
-
-    def fwd_args(self, scale):
-        args = FkdaFwdArgs.initialized()
-        for name, view in self.views.items():
-            setattr(args, name, _arrays.tensor_of(name, view, writable=name in _OUTPUTS))
-        args.scale = _float("scale", scale)
-        return args
-
-    def device_scope(self):
-        """Makes the arrays' device current, as the library uses the current context."""
-        lead = self.lead
-        if lead is None or lead.memory != _arrays.CUDA or lead.device is None:
-            return contextlib.nullcontext()
-        if lead.framework == "torch":
-            return sys.modules["torch"].cuda.device(lead.device)
-        cupy = sys.modules.get("cupy")
-        if cupy is not None:
-            return cupy.cuda.Device(lead.device)
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available():
-            return torch.cuda.device(lead.device)
-        return contextlib.nullcontext()
-
-    def producer_stream(self):
-        """The stream the producer of the lead array currently works on."""
-        lead = self.lead
-        if lead is None or lead.memory != _arrays.CUDA:
-            return 0
-        if lead.framework == "torch":
-            torch = sys.modules["torch"]
-            return torch.cuda.current_stream(lead.device).cuda_stream
-        if lead.framework == "cupy":
-            return sys.modules["cupy"].cuda.get_current_stream().ptr
-        if lead.framework == "cuda_array_interface":
-            return _arrays.cuda_array_interface_stream(lead.owner[0])
-        return 0
-
-    def allocate_workspace(self, size):
-        """A workspace of `size` bytes in the memory of the arrays, from their producer."""
-        lead = self.lead
-        torch = sys.modules.get("torch")
-        if lead.memory == _arrays.HOST:
-            if lead.framework == "torch":
-                return torch.empty(size, dtype=torch.uint8)
-            import numpy
-
-            return numpy.empty(size, dtype=numpy.uint8)
-        if lead.framework == "torch":
-            return torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", lead.device))
-        cupy = sys.modules.get("cupy")
-        if cupy is not None:
-            if lead.device is None:
-                return cupy.empty(size, dtype=cupy.uint8)
-            with cupy.cuda.Device(lead.device):
-                return cupy.empty(size, dtype=cupy.uint8)
-        if torch is not None and torch.cuda.is_available():
-            device = lead.device if lead.device is not None else torch.cuda.current_device()
-            return torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", device))
-        raise invalid_argument(
-            f"workspace: no allocator known for {lead.framework} device arrays; "
-            f"pass a device buffer of at least {size} bytes"
-        )
-
-
-def _tokens_and_sequences(call):
-    """(total_tokens, num_seqs) as fkda_plan_workspace_size wants them, or None
-    when the shapes are malformed (fkda_fwd then reports what is wrong)."""
-    q = call.views.get("q")
+def _fwd_workspace(plan, views):
+    """fkda_plan_workspace_size for the arguments, or 0 when the shapes are too
+    malformed to size it (fkda_fwd then names the malformed argument)."""
+    q = views["q"]
     if q is None or len(q.shape) != 4:
-        return None
+        return 0
     batch, seq_len = q.shape[0], q.shape[1]
-    cu_seqlens = call.views.get("cu_seqlens")
-    if cu_seqlens is None:
-        return batch * seq_len, batch
-    if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
-        return None
-    return batch * seq_len, cu_seqlens.shape[0] - 1
+    num_seqs = batch
+    cu_seqlens = views["cu_seqlens"]
+    if cu_seqlens is not None:
+        if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
+            return 0
+        num_seqs = cu_seqlens.shape[0] - 1
+    try:
+        return plan.workspace_size(batch * seq_len, num_seqs)
+    except FlashKDAError:
+        return 0
+
+
+def _fwd_plan_shape(views):
+    """(num_heads, state dtype) of the plan flashkda.fwd derives from its arguments:
+    heads from q (else A_log), state dtype from the states given (f32 without)."""
+    num_heads = 1
+    q, A_log = views["q"], views["A_log"]
+    if q is not None and len(q.shape) == 4:
+        num_heads = q.shape[2]
+    elif A_log is not None and len(A_log.shape) == 1:
+        num_heads = A_log.shape[0]
+    state_dtype = Dtype.F32
+    for name in ("initial_state", "final_state"):
+        state = views[name]
+        if state is not None:
+            # Any other dtype: fkda_fwd reports it against the tensor's name.
+            if state.dtype in (Dtype.BF16, Dtype.F32):
+                state_dtype = state.dtype
+            break
+    return num_heads, state_dtype
+
+
+FWD = _launch.EntryPoint(
+    function="fkda_fwd",
+    struct=FkdaFwdArgs,
+    tensors=FWD_TENSOR_FIELDS,
+    outputs=("out", "final_state"),
+    workspace=_fwd_workspace,
+    plan_shape=_fwd_plan_shape,
+)
+
+
+def _cached_block(blocks, key, build):
+    """The argument block for `key` in this thread's `blocks`, built on a miss."""
+    try:
+        block = blocks.get(key)
+    except TypeError:  # an unhashable scale or lower_bound: build() names it
+        return build()
+    if block is None:
+        block = build()
+        _launch.remember(blocks, key, block)
+    return block
 
 
 class Plan:
@@ -190,9 +134,17 @@ class Plan:
         backend=Backend.AUTO,
         lower_bound=-5.0,
         library_path=None,
+        library=None,
     ):
+        """library: a loaded _library.Library (used by the shared plans of
+        flashkda.fwd); library_path loads one; neither: the current one."""
         self._handle = None
-        self._library = load_library(library_path) if library_path is not None else library()
+        self._backend = None
+        # Argument blocks of this plan, per thread (see _launch).
+        self._blocks = threading.local()
+        if library is None:
+            library = load_library(library_path) if library_path is not None else _current_library()
+        self._library = library
         desc = FkdaPlanDesc.initialized()
         desc.num_heads = _int32("num_heads", num_heads)
         desc.head_dim_k = _int32("head_dim_k", head_dim_k)
@@ -210,6 +162,8 @@ class Plan:
     def close(self):
         """Destroys the plan; later calls are no-ops."""
         handle, self._handle = self._handle, None
+        # Blocks hold the raw handle: none may outlive it.
+        self._blocks = threading.local()
         if handle is not None:
             self._library.check(self._library.cdll.fkda_plan_destroy(handle))
 
@@ -243,11 +197,17 @@ class Plan:
     @property
     def backend(self):
         """The backend the plan resolved to: Backend.CPU or Backend.GPU."""
-        value = ctypes.c_int()
-        self._library.check(
-            self._library.cdll.fkda_plan_get_backend(self._live_handle(), ctypes.byref(value))
-        )
-        return Backend(value.value)
+        handle = self._live_handle()
+        if self._backend is None:
+            value = ctypes.c_int()
+            self._library.check(
+                self._library.cdll.fkda_plan_get_backend(handle, ctypes.byref(value))
+            )
+            self._backend = Backend(value.value)
+        return self._backend
+
+    def _backend_memory(self):
+        return _arrays.HOST if self.backend == Backend.CPU else _arrays.CUDA
 
     def get_lower_bound(self):
         value = ctypes.c_float()
@@ -280,105 +240,73 @@ class Plan:
 
     # ------------------------------------------------------------- forward
 
-    def fwd(
-        self,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale,
-        out,
-        A_log,
-        dt_bias,
-        initial_state=None,
-        final_state=None,
-        cu_seqlens=None,
-        workspace=None,
-        stream=None,
-    ):
+    def fwd(self, q, k, v, g, beta, scale, out, A_log, dt_bias, initial_state=None,
+               final_state=None, cu_seqlens=None, workspace=None, stream=None):
         """Runs fkda_fwd, writing `out` (and `final_state`) in place.
 
         workspace: None allocates one of workspace_size() bytes in the arrays'
-        memory (numpy or torch on the host, torch or CuPy on the device).
+        memory from their producer (numpy or torch on the host, torch's or
+        CuPy's caching allocator on the device).
         stream: None launches on the current stream of the arrays' producer
-        (torch.cuda.current_stream(), CuPy's current stream, the stream of a
+        (torch's current stream, CuPy's current stream, the stream of a
         __cuda_array_interface__; the legacy default stream otherwise).
         """
-        handle = self._live_handle()
-        call = _Call(
-            {
-                "q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out,
-                "A_log": A_log, "dt_bias": dt_bias, "initial_state": initial_state,
-                "final_state": final_state, "cu_seqlens": cu_seqlens,
-            }
-        )
-        args = call.fwd_args(scale)
+        arrays = (q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state, cu_seqlens)
+        device, signature, pointers, keep = _launch.describe(
+            _launch.producer_of(q), FWD.tensors, arrays)
 
-        backend_memory = _arrays.HOST if self.backend == Backend.CPU else _arrays.CUDA
-        # Arrays in the wrong memory for the plan are fkda_fwd's to report, by
-        # name, before anything about the workspace.
-        arrays_fit_the_plan = call.lead is not None and call.lead.memory == backend_memory
+        def build():
+            self._live_handle()
+            views = _launch.views_by_name(FWD, arrays)
+            return _launch.ArgumentBlock(FWD, self, views, scale, _launch.placement_of(views))
 
-        workspace_owner = workspace
-        allocated_here = False
-        if workspace is None and arrays_fit_the_plan:
-            sizes = _tokens_and_sequences(call)
-            size = 0
-            if sizes is not None:
-                try:
-                    size = self.workspace_size(*sizes)
-                except FlashKDAError:
-                    size = 0  # fkda_fwd names the malformed argument
-            if size:
-                workspace_owner = call.allocate_workspace(size)
-                allocated_here = True
-        workspace_ptr, workspace_bytes = 0, 0
-        if workspace_owner is not None:
-            workspace_view = _arrays.view("workspace", workspace_owner)
-            # fkda_fwd checks the workspace's size and alignment, not where it lives.
-            if arrays_fit_the_plan and workspace_view.memory != backend_memory:
-                runs = "the CPU backend" if backend_memory == _arrays.HOST else "the GPU backend"
-                raise invalid_argument(
-                    f"workspace: is in {workspace_view.where()} but the plan runs on {runs}"
-                )
-            workspace_ptr, workspace_bytes = _arrays.buffer_of("workspace", workspace_view)
+        block = _cached_block(_launch.thread_blocks(self._blocks), (device, scale, signature), build)
+        block.launch(pointers, workspace, stream)
+        # `keep` holds DLPack capsules (and the like) alive up to here.
+        del keep
 
-        with call.device_scope():
-            stream_handle = (
-                _stream_handle(stream) if stream is not None else call.producer_stream()
-            )
-            status = self._library.cdll.fkda_fwd(
-                handle,
-                ctypes.byref(args),
-                workspace_ptr or None,
-                workspace_bytes,
-                stream_handle or None,
-            )
-            launched_elsewhere = (allocated_here and stream is not None and status == 0
-                                  and call.lead.framework == "torch"
-                                  and call.lead.memory == _arrays.CUDA)
-            if launched_elsewhere:
-                # torch hands a freed block out again on the stream it was
-                # allocated on; recording the launch stream keeps it reserved
-                # until the work queued there is done.
-                torch = sys.modules["torch"]
-                workspace_owner.record_stream(
-                    torch.cuda.ExternalStream(stream_handle, device=call.lead.device))
-        # `call` keeps every array (and DLPack capsule) alive up to here.
-        self._library.check(status)
+    def prepare(self, q, k, v, g, beta, scale, out, A_log, dt_bias, initial_state=None,
+                   final_state=None, cu_seqlens=None, workspace=None, stream=None):
+        """Binds fwd's arguments once and returns a callable that launches
+        fkda_fwd on them with no Python work beyond the ctypes call.
+
+        The callable keeps the arrays, the workspace and this plan alive and
+        reads their memory at every call, so refill the arrays in place to run
+        on new data. workspace: None allocates one now (as fwd does). stream:
+        None reads the producer's current stream at each call, which is what
+        CUDA graph capture needs (torch.cuda.graph captures on its own stream).
+        """
+        arrays = (q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state, cu_seqlens)
+        self._live_handle()
+        views = _launch.views_by_name(FWD, arrays)
+        block = _launch.ArgumentBlock(FWD, self, views, scale, _launch.placement_of(views))
+        pointers = [view.ptr for view in views.values() if view is not None]
+        return _launch.Prepared(block, pointers, views, workspace, stream)
 
 
-def _state_dtype_of(initial_state, final_state):
-    """The plan state dtype implied by the states given (f32 when none)."""
-    for name, state in (("initial_state", initial_state), ("final_state", final_state)):
-        if state is not None:
-            dtype = _arrays.view(name, state).dtype
-            if dtype in (Dtype.BF16, Dtype.F32):
-                return dtype
-            # Any other dtype: fkda_fwd reports it against the tensor's name.
-            return Dtype.F32
-    return Dtype.F32
+# flashkda.fwd's argument blocks, per thread; their plans come from _plans.
+_fwd_blocks = threading.local()
+
+
+def _derived_block(library, arrays, scale, lower_bound):
+    """The argument block of flashkda.fwd for arrays of a layout not seen before,
+    on the shared plan their descriptor names."""
+    views = _launch.views_by_name(FWD, arrays)
+    placement = _launch.placement_of(views)
+    num_heads, state_dtype = FWD.plan_shape(views)
+    descriptor = _plans.Descriptor(
+        library=library,
+        device=placement.device,
+        num_heads=_int32("num_heads", num_heads),
+        head_dim_k=128,
+        head_dim_v=128,
+        state_dtype=int(state_dtype),
+        state_layout=int(StateLayout.VK),
+        backend=int(Backend.GPU if placement.memory == _arrays.CUDA else Backend.CPU),
+        lower_bound=_float("lower_bound", lower_bound),
+    )
+    plan = _plans.cached_plan(descriptor)
+    return _launch.ArgumentBlock(FWD, plan, views, scale, placement)
 
 
 def fwd(
@@ -404,28 +332,21 @@ def fwd(
     there are none). q, k, v, g: [B, T, H, 128] bf16; beta [B, T, H] bf16;
     A_log [H] and dt_bias [H, 128] f32; states [N, H, 128, 128]; cu_seqlens
     [N + 1] int64 or int32.
+
+    Plans and argument blocks are cached by the arguments' layout (shapes,
+    strides, dtypes, device), scale and lower_bound, so a repeated call costs
+    reading the data pointers, a workspace from the producer's allocator and
+    the C call.
     """
-    call = _Call(
-        {"q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out, "A_log": A_log,
-         "dt_bias": dt_bias, "initial_state": initial_state, "final_state": final_state,
-         "cu_seqlens": cu_seqlens}
-    )
-    backend = Backend.GPU if call.memory == _arrays.CUDA else Backend.CPU
-    num_heads = 1
-    if call.views.get("q") is not None and len(call.views["q"].shape) == 4:
-        num_heads = call.views["q"].shape[2]
-    elif call.views.get("A_log") is not None and len(call.views["A_log"].shape) == 1:
-        num_heads = call.views["A_log"].shape[0]
-    with Plan(
-        num_heads,
-        state_dtype=_state_dtype_of(initial_state, final_state),
-        backend=backend,
-        lower_bound=lower_bound,
-    ) as plan:
-        plan.fwd(
-            q, k, v, g, beta, scale, out, A_log, dt_bias,
-            initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens,
-        )
+    arrays = (q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state, cu_seqlens)
+    device, signature, pointers, keep = _launch.describe(
+        _launch.producer_of(q), FWD.tensors, arrays)
+    library = _current_library()
+    block = _cached_block(
+        _launch.thread_blocks(_fwd_blocks), (library, device, scale, lower_bound, signature),
+        lambda: _derived_block(library, arrays, scale, lower_bound))
+    block.launch(pointers)
+    del keep
 
 
 @dataclass(frozen=True)
@@ -444,7 +365,7 @@ class DeviceInfo:
 
 def query_device(device=-1):
     """fkda_query_device: device `device`, or with -1 the current one (else 0)."""
-    lib = library()
+    lib = _current_library()
     info = FkdaDeviceInfo.initialized()
     lib.check(lib.cdll.fkda_query_device(_int32("device", device), ctypes.byref(info)))
     return DeviceInfo(
@@ -461,19 +382,19 @@ def query_device(device=-1):
 
 def version():
     """fkda_version_string() of the loaded library, e.g. "0.1.0"."""
-    return library().cdll.fkda_version_string().decode()
+    return _current_library().cdll.fkda_version_string().decode()
 
 
 def version_number():
     """fkda_version(): MAJOR * 10000 + MINOR * 100 + PATCH of the loaded library."""
-    return int(library().cdll.fkda_version())
+    return int(_current_library().cdll.fkda_version())
 
 
 def status_string(status):
     """fkda_status_string(): the library's static text for a status."""
-    return library().cdll.fkda_status_string(int(status)).decode()
+    return _current_library().cdll.fkda_status_string(int(status)).decode()
 
 
 def last_error():
     """fkda_last_error() on this thread (empty after a successful call)."""
-    return library().cdll.fkda_last_error().decode("utf-8", "replace")
+    return _current_library().cdll.fkda_last_error().decode("utf-8", "replace")
