@@ -16,22 +16,6 @@ from flashkda import FlashKDAError, _api, _launch, _library, _plans
 from kda_testing import BF16_NAN, HEAD_DIM, assert_accurate, make_problem
 
 
-@pytest.fixture
-def block_builds(monkeypatch):
-    """Counts the argument blocks built from now on, starting with no block
-    cached for flashkda.fwd (earlier tests leave theirs)."""
-    monkeypatch.setattr(_api, "_fwd_blocks", threading.local())
-    built = []
-    original = _launch.ArgumentBlock.__init__
-
-    def counting(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        built.append(self)
-
-    monkeypatch.setattr(_launch.ArgumentBlock, "__init__", counting)
-    return built
-
-
 def descriptor(**changes):
     base = _plans.Descriptor(library=_library.library(), device=None, num_heads=3,
                              head_dim_k=HEAD_DIM, head_dim_v=HEAD_DIM,
