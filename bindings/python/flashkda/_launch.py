@@ -79,12 +79,14 @@ class _AnyArrays:
         views = [None if array is None else _arrays.view(name, array)
                  for name, array in zip(names, arrays)]
         signature = tuple(
-            None if v is None
-            else (v.shape, v.byte_strides, v.itemsize, v.dtype, v.dtype_name, v.readonly)
+            None if v is None else (v.shape, v.byte_strides, v.itemsize, v.dtype, v.readonly)
             for v in views
         )
-        lead = views[0]
-        device = None if lead is None else (lead.framework, lead.memory, lead.device)
+        lead = next((v for v in views if v is not None), None)
+        # The stream a __cuda_array_interface__ names belongs to the array, so
+        # it is part of the key: a block then launches on the stream it was built for.
+        device = None if lead is None else (lead.framework, lead.memory, lead.device,
+                                             _arrays.cuda_array_interface_stream(lead))
         pointers = [v.ptr for v in views if v is not None]
         return device, signature, pointers, views
 
@@ -135,13 +137,13 @@ def _stream_handle(stream):
 
 class _Placement:
     """How to reach the memory of the lead array: its device, the producer's
-    current stream, its allocator. Fixed per argument block."""
+    current stream, its allocator. Fixed per argument block; it holds no
+    array, so a cached block keeps no caller's memory alive."""
 
     def __init__(self, lead):
         self.memory = lead.memory if lead is not None else None
         self.framework = lead.framework if lead is not None else None
         self.device = lead.device if lead is not None else None
-        self.lead = lead
         # Host arrays and producers without a stream notion: the legacy default
         # stream (int() is 0), which CPU plans ignore anyway.
         self.stream = int
@@ -157,7 +159,7 @@ class _Placement:
             self.stream = lambda: cupy.cuda.get_current_stream().ptr
             self.current_device = cupy.cuda.runtime.getDevice
         elif self.framework == "cuda_array_interface":
-            self.stream = functools.partial(_arrays.cuda_array_interface_stream, lead.owner[0])
+            self.stream = functools.partial(int, _arrays.cuda_array_interface_stream(lead))
         if self.current_device is None and self.device is not None:
             if cupy is not None:
                 self.current_device = cupy.cuda.runtime.getDevice

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -164,6 +165,15 @@ def test_errors_still_name_the_argument_after_caching(rng):
     with pytest.raises(FlashKDAError) as caught:
         run(problem, k=problem.k[:, :-1])
     assert caught.value.message.startswith("k:")
+
+
+def test_cached_blocks_keep_no_array_alive(rng):
+    problem = make_problem(rng, batch=1, seq_len=22, heads=2)
+    run(problem)
+    watched = [weakref.ref(getattr(problem, name)) for name in ("q", "out", "final_state")]
+    del problem
+    gc.collect()
+    assert all(reference() is None for reference in watched)
 
 
 def test_threads_running_the_same_layout(rng):
