@@ -9,10 +9,10 @@
 namespace fkda_bench {
 namespace {
 
-// Host or device copies of one problem's tensors, as fkda_test::Buffers.
+// Host or device copies of one problem's tensors, as fkda_ref::Buffers.
 class ProblemMemory {
  public:
-  ProblemMemory(const fkda_test::Problem& p, const std::vector<unsigned char>& initial_state,
+  ProblemMemory(const fkda_ref::Problem& p, const std::vector<unsigned char>& initial_state,
                 size_t out_bytes, size_t state_bytes, bool on_device)
       : on_device_(on_device) {
     buffers_.q = place(p.q.data(), p.q.size() * 2);
@@ -31,7 +31,7 @@ class ProblemMemory {
     buffers_.final_state = place(poison_state.data(), state_bytes);
   }
 
-  const fkda_test::Buffers& buffers() const { return buffers_; }
+  const fkda_ref::Buffers& buffers() const { return buffers_; }
 
   std::vector<unsigned char> read(const void* data, size_t bytes) const {
     std::vector<unsigned char> bytes_out(bytes);
@@ -55,7 +55,7 @@ class ProblemMemory {
   }
 
   bool on_device_;
-  fkda_test::Buffers buffers_{};
+  fkda_ref::Buffers buffers_{};
   // Element addresses stay put when a std::vector of buffers grows by move.
   std::vector<DeviceBuffer> device_;
   std::vector<std::vector<unsigned char>> host_;
@@ -69,19 +69,19 @@ std::vector<float> widen(const std::vector<unsigned char>& bytes, fkda_dtype dty
   }
   std::vector<uint16_t> bits(bytes.size() / 2);
   std::memcpy(bits.data(), bytes.data(), bits.size() * 2);
-  return fkda_test::bf16_to_float(bits);
+  return fkda_ref::bf16_to_float(bits);
 }
 
 AccuracyResult run_one(const AccuracyCase& c, fkda_dtype state_dtype, bool on_cpu,
                        float lower_bound, uint64_t seed) {
-  fkda_test::ProblemShape shape;
+  fkda_ref::ProblemShape shape;
   shape.B = 1;
   shape.T = c.T;
   shape.H = c.H;
   shape.lengths = c.lengths;
   shape.with_initial_state = true;
   shape.lower_bound = lower_bound;
-  fkda_test::Problem p = fkda_test::random_problem(shape, seed);
+  fkda_ref::Problem p = fkda_ref::random_problem(shape, seed);
 
   // The library receives a bf16 initial state in that case; the reference
   // starts from exactly those values, so the figure measures the forward
@@ -90,8 +90,8 @@ AccuracyResult run_one(const AccuracyCase& c, fkda_dtype state_dtype, bool on_cp
   if (state_dtype == FKDA_DTYPE_BF16) {
     std::vector<uint16_t> bits(p.initial_state.size());
     for (size_t i = 0; i < bits.size(); ++i) {
-      bits[i] = fkda_test::to_bf16(p.initial_state[i]);
-      p.initial_state[i] = fkda_test::from_bf16(bits[i]);
+      bits[i] = fkda_ref::to_bf16(p.initial_state[i]);
+      p.initial_state[i] = fkda_ref::from_bf16(bits[i]);
     }
     initial_state.resize(bits.size() * 2);
     std::memcpy(initial_state.data(), bits.data(), initial_state.size());
@@ -99,7 +99,7 @@ AccuracyResult run_one(const AccuracyCase& c, fkda_dtype state_dtype, bool on_cp
     initial_state.resize(p.initial_state.size() * 4);
     std::memcpy(initial_state.data(), p.initial_state.data(), initial_state.size());
   }
-  const fkda_test::Reference reference = fkda_test::reference_recurrence(p);
+  const fkda_ref::Reference reference = fkda_ref::reference_recurrence(p);
 
   fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
   desc.num_heads = int32_t(p.H);
@@ -115,7 +115,7 @@ AccuracyResult run_one(const AccuracyCase& c, fkda_dtype state_dtype, bool on_cp
   const size_t out_bytes = size_t(tokens * p.H * p.V) * 2;
   const size_t state_bytes = size_t(p.state_elems()) * state_dtype_bytes(state_dtype);
   ProblemMemory memory(p, initial_state, out_bytes, state_bytes, !on_cpu);
-  const fkda_fwd_args args = fkda_test::make_args(p, memory.buffers(), state_dtype);
+  const fkda_fwd_args args = fkda_ref::make_args(p, memory.buffers(), state_dtype);
 
   if (on_cpu) {
     std::vector<unsigned char> workspace(workspace_bytes);
@@ -137,8 +137,8 @@ AccuracyResult run_one(const AccuracyCase& c, fkda_dtype state_dtype, bool on_cp
   result.shape = c.shape();
   result.state_dtype = state_dtype;
   result.backend = on_cpu ? "CPU" : "GPU";
-  result.out_rel_l2 = fkda_test::rel_l2(out, reference.out);
-  result.state_rel_l2 = fkda_test::rel_l2(final_state, reference.final_state);
+  result.out_rel_l2 = fkda_ref::rel_l2(out, reference.out);
+  result.state_rel_l2 = fkda_ref::rel_l2(final_state, reference.final_state);
   result.target = accuracy_target(state_dtype);
   return result;
 }

@@ -176,7 +176,7 @@ TimingResult time_case(const BenchCase& c, const TimingOptions& options,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - setup_start).count();
 
   // Shapes for make_args; the host vectors of this Problem stay empty.
-  fkda_test::Problem shape;
+  fkda_ref::Problem shape;
   shape.B = c.varlen() ? 1 : c.B;
   shape.T = c.varlen() ? s.tokens : c.T;
   shape.H = c.H;
@@ -186,13 +186,13 @@ TimingResult time_case(const BenchCase& c, const TimingOptions& options,
   std::vector<fkda_fwd_args> args(sets.size());
   for (size_t set = 0; set < sets.size(); ++set) {
     const InputSet& in = sets[set];
-    fkda_test::Buffers buffers{in.q.get(),        in.k.get(),           in.v.get(),
+    fkda_ref::Buffers buffers{in.q.get(),        in.k.get(),           in.v.get(),
                                in.g.get(),        in.beta.get(),        A_log_device.get(),
                                dt_bias_device.get(), in.out.get()};
     buffers.initial_state = in.initial_state.get();
     buffers.final_state = in.final_state.get();
     buffers.cu_seqlens = cu_seqlens_device.get();
-    args[set] = fkda_test::make_args(shape, buffers, options.state_dtype);
+    args[set] = fkda_ref::make_args(shape, buffers, options.state_dtype);
   }
 
   Stream stream;

@@ -6,10 +6,10 @@
 #include <string>
 
 #include "cpu/cpu_backend.h"
-#include "cuda_driver.h"
+#include "gpu/cuda_driver.h"
 #include "error.h"
 #include "flashkda.h"
-#include "gpu_backend.h"
+#include "gpu/gpu_backend.h"
 #include "plan.h"
 #include "validate.h"
 
@@ -120,7 +120,7 @@ FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args, void*
                               size_t workspace_bytes, fkda_stream_t stream) {
   return guarded([&] {
     const fkda::Plan& p = fkda::live_plan(plan);
-    const fkda::FwdProblem problem = fkda::validate_fwd(p, args, workspace, workspace_bytes);
+    const fkda::PrefillProblem problem = fkda::validate_fwd(p, args, workspace, workspace_bytes);
     if (problem.num_seqs == 0) return;  // nothing to compute, nothing to write
     if (p.backend == FKDA_BACKEND_GPU) {
       fkda::gpu::fwd(problem, workspace, workspace_bytes, reinterpret_cast<CUstream>(stream));

@@ -8,9 +8,9 @@
 #include <unordered_set>
 
 #include "cpu/cpu_backend.h"
-#include "cuda_driver.h"
+#include "gpu/cuda_driver.h"
 #include "error.h"
-#include "gpu_backend.h"
+#include "gpu/gpu_backend.h"
 
 namespace fkda {
 namespace {

@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "cuda_driver.h"
+#include "gpu/cuda_driver.h"
 #include "error.h"
 
 namespace fkda {
@@ -230,7 +230,7 @@ void check_cu_seqlens_contents(const fkda_tensor& cu, int64_t total_tokens) {
 
 }  // namespace
 
-FwdProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const void* workspace,
+PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const void* workspace,
                         size_t workspace_bytes) {
   if (args == nullptr) invalid("args: NULL");
   constexpr size_t known = sizeof(fkda_fwd_args);
@@ -328,7 +328,7 @@ FwdProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const void*
     invalid("workspace: must be 16-byte aligned");
   }
 
-  FwdProblem p;
+  PrefillProblem p;
   p.batch = B;
   p.seq_len = T;
   p.num_seqs = N;
@@ -348,9 +348,7 @@ FwdProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const void*
   p.state_dtype = plan.state_dtype;
   p.state_layout = plan.state_layout;
   if (present(a.cu_seqlens)) {
-    p.cu_seqlens = a.cu_seqlens.data;
-    p.cu_seqlens_dtype = a.cu_seqlens.dtype;
-    p.cu_seqlens_stride = a.cu_seqlens.strides[0];
+    p.cu_seqlens = SeqOffsets{a.cu_seqlens.data, a.cu_seqlens.dtype, a.cu_seqlens.strides[0]};
   }
   p.scale = a.scale;
   p.lower_bound = plan.lower_bound.load();

@@ -110,23 +110,23 @@ const uint16_t* token_row(const ActView& view, const HeadTask& task, int64_t tok
          int64_t(task.head) * view.stride_h;
 }
 
-uint16_t* out_row(const FwdProblem& p, const HeadTask& task, int64_t token) {
+uint16_t* out_row(const PrefillProblem& p, const HeadTask& task, int64_t token) {
   // The out view's data is writable; ActView only carries it as const.
   return const_cast<uint16_t*>(token_row(p.out, task, token));
 }
 
-int64_t cu_seqlens_at(const FwdProblem& p, int64_t index) {
-  const int64_t offset = index * p.cu_seqlens_stride;
-  if (p.cu_seqlens_dtype == FKDA_DTYPE_I32) return static_cast<const int32_t*>(p.cu_seqlens)[offset];
-  return static_cast<const int64_t*>(p.cu_seqlens)[offset];
+int64_t cu_seqlens_at(const PrefillProblem& p, int64_t index) {
+  const int64_t offset = index * p.cu_seqlens.stride;
+  if (p.cu_seqlens.dtype == FKDA_DTYPE_I32) return static_cast<const int32_t*>(p.cu_seqlens.data)[offset];
+  return static_cast<const int64_t*>(p.cu_seqlens.data)[offset];
 }
 
-std::vector<HeadTask> head_tasks(const FwdProblem& p) {
+std::vector<HeadTask> head_tasks(const PrefillProblem& p) {
   std::vector<HeadTask> tasks;
   tasks.reserve(size_t(p.num_seqs) * p.num_heads);
   for (int64_t n = 0; n < p.num_seqs; ++n) {
     int64_t row = n, begin = 0, end = p.seq_len;
-    if (p.cu_seqlens != nullptr) {
+    if (p.cu_seqlens.data != nullptr) {
       row = 0;
       begin = std::clamp<int64_t>(cu_seqlens_at(p, n), 0, p.seq_len);
       end = std::clamp<int64_t>(cu_seqlens_at(p, n + 1), begin, p.seq_len);
@@ -141,16 +141,16 @@ std::vector<HeadTask> head_tasks(const FwdProblem& p) {
 
 // ------------------------------------------------------- state (step 7) ---
 
-size_t state_offset(const FwdProblem& p, const HeadTask& task) {
+size_t state_offset(const PrefillProblem& p, const HeadTask& task) {
   return (size_t(task.seq) * p.num_heads + task.head) * size_t(p.head_dim_v) * p.head_dim_k;
 }
 
 // Index of S[e, k] in the caller's layout.
-size_t state_index(const FwdProblem& p, int e, int k) {
+size_t state_index(const PrefillProblem& p, int e, int k) {
   return p.state_layout == FKDA_STATE_LAYOUT_KV ? size_t(k) * p.head_dim_v + e : size_t(e) * p.head_dim_k + k;
 }
 
-void load_initial_state(const FwdProblem& p, const HeadTask& task, ChunkScratch& s) {
+void load_initial_state(const PrefillProblem& p, const HeadTask& task, ChunkScratch& s) {
   if (p.initial_state == nullptr) {
     std::fill(s.state, s.state + size_t(s.V) * s.K, 0.f);
     return;
@@ -166,7 +166,7 @@ void load_initial_state(const FwdProblem& p, const HeadTask& task, ChunkScratch&
   }
 }
 
-void store_final_state(const FwdProblem& p, const HeadTask& task, const ChunkScratch& s) {
+void store_final_state(const PrefillProblem& p, const HeadTask& task, const ChunkScratch& s) {
   if (p.final_state == nullptr) return;
   const size_t base = state_offset(p, task);
   for (int e = 0; e < s.V; ++e) {
@@ -183,7 +183,7 @@ void store_final_state(const FwdProblem& p, const HeadTask& task, const ChunkScr
 
 // ------------------------------------------------------- chunk steps 1-5 ---
 
-void load_chunk(const FwdProblem& p, const HeadTask& task, int64_t first_token, ChunkScratch& s) {
+void load_chunk(const PrefillProblem& p, const HeadTask& task, int64_t first_token, ChunkScratch& s) {
   const int K = s.K, V = s.V;
   for (int i = 0; i < kChunk; ++i) {
     float* q = &s.q[size_t(i) * K];
@@ -217,7 +217,7 @@ void load_chunk(const FwdProblem& p, const HeadTask& task, int64_t first_token, 
 float sigmoid(float x) { return 1.f / (1.f + std::exp2(-x * kLog2e)); }
 
 // Step 1: the gate in base 2 and its running sum over the chunk's tokens.
-void gate_cumsum(const FwdProblem& p, const HeadTask& task, ChunkScratch& s) {
+void gate_cumsum(const PrefillProblem& p, const HeadTask& task, ChunkScratch& s) {
   const int K = s.K;
   const float gate_scale = p.lower_bound * kLog2e;
   const float a_scale = std::exp(p.A_log[task.head]);
@@ -386,7 +386,7 @@ void delta_updates(ChunkScratch& s) {
 }
 
 // Step 6: O = Oi + Mqk Uh, written as bf16 for the chunk's real tokens.
-void write_output(const FwdProblem& p, const HeadTask& task, int64_t first_token, ChunkScratch& s) {
+void write_output(const PrefillProblem& p, const HeadTask& task, int64_t first_token, ChunkScratch& s) {
   const int V = s.V;
   float* o = s.out_f32;
   for (int i = 0; i < s.len; ++i) {
@@ -417,7 +417,7 @@ void advance_state(ChunkScratch& s) {
 
 // ------------------------------------------------------------- drivers ---
 
-void run_head(const FwdProblem& p, const HeadTask& task, ChunkScratch& s) {
+void run_head(const PrefillProblem& p, const HeadTask& task, ChunkScratch& s) {
   load_initial_state(p, task, s);
   for (int64_t first = task.begin; first < task.end; first += kChunk) {
     s.len = static_cast<int>(std::min<int64_t>(kChunk, task.end - first));
@@ -455,7 +455,7 @@ size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads,
   return size_t(workers) * ChunkScratch::floats_needed(head_dim_k, head_dim_v) * sizeof(float);
 }
 
-void fwd(const FwdProblem& problem, void* workspace, size_t workspace_bytes) {
+void fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes) {
   const std::vector<HeadTask> tasks = head_tasks(problem);
   if (tasks.empty()) return;
 

@@ -27,7 +27,7 @@
       FAIL(#expr << ": " << fkda_status_string(status_) << ": " << fkda_last_error()); \
   } while (0)
 
-namespace fkda_test {
+namespace fkda_ref {
 
 class DeviceBuffer {
  public:
@@ -102,4 +102,4 @@ struct DeviceProblem {
   }
 };
 
-}  // namespace fkda_test
+}  // namespace fkda_ref

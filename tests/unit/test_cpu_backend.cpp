@@ -15,7 +15,7 @@
 
 namespace {
 
-using namespace fkda_test;
+using namespace fkda_ref;
 
 // bf16 and f32 quiet NaNs with a payload no computation produces.
 constexpr uint16_t kPoisonBf16 = 0x7FC1;

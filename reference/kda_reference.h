@@ -9,7 +9,7 @@
 
 #include "flashkda.h"
 
-namespace fkda_test {
+namespace fkda_ref {
 
 uint16_t to_bf16(float x);    // round to nearest even; NaN stays NaN
 float from_bf16(uint16_t bits);
@@ -38,11 +38,23 @@ struct ProblemShape {
   std::vector<int64_t> lengths;
   bool with_initial_state = true;
   float lower_bound = -5.f;
+  // g ~ N(gate_mean, gate_std^2); initial state ~ initial_state_std N(0, 1).
+  float gate_mean = 0.f;
+  float gate_std = 1.f;
+  float initial_state_std = 0.1f;
 };
 
-// q, k, v, g, beta ~ N(0, 1); A_log, dt_bias ~ U(0, 1); initial state
-// ~ 0.1 N(0, 1) (BENCHMARKS.md's accuracy case). Deterministic in seed.
+// q, k, v, beta ~ N(0, 1); A_log, dt_bias ~ U(0, 1); g and the initial state
+// as the shape says (by default the fast-decay accuracy case of
+// docs/BENCHMARKS.md). Deterministic in seed.
 Problem random_problem(const ProblemShape& shape, uint64_t seed);
+
+// The same shape with slow decays (the long-memory case LM1): g ~ N(-6, 1)
+// at lower_bound -5 makes 99% of the channels decay slower than e^-0.01 per
+// token, and the initial state ~ N(0, 1). With the default fast decays a
+// lost initial state or chunk hand-off changes the final state by less than
+// 1e-10, so every test of state handling also runs on these inputs.
+ProblemShape slow_decay(ProblemShape shape);
 
 // The fp64 token-by-token recurrence of DESIGN §1 on the bf16 inputs.
 // out: [B, T, H, V]; final_state: [N, H, V, K] (V-first).
@@ -71,4 +83,4 @@ struct Buffers {
 };
 fkda_fwd_args make_args(const Problem& p, const Buffers& buffers, fkda_dtype state_dtype);
 
-}  // namespace fkda_test
+}  // namespace fkda_ref

@@ -1,4 +1,4 @@
-#include "cuda_driver.h"
+#include "gpu/cuda_driver.h"
 
 #include <dlfcn.h>
 

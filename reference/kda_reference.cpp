@@ -10,7 +10,7 @@
 #include <random>
 #include <stdexcept>
 
-namespace fkda_test {
+namespace fkda_ref {
 
 // ---------------------------------------------------------- conversions ---
 
@@ -102,7 +102,8 @@ Problem random_problem(const ProblemShape& shape, uint64_t seed) {
   p.q = bf16_normals(tokens * p.K);
   p.k = bf16_normals(tokens * p.K);
   p.v = bf16_normals(tokens * p.V);
-  p.g = bf16_normals(tokens * p.K);
+  p.g.resize(tokens * static_cast<size_t>(p.K));
+  for (uint16_t& value : p.g) value = to_bf16(shape.gate_mean + shape.gate_std * normal(rng));
   p.beta = bf16_normals(tokens);
   p.A_log.resize(static_cast<size_t>(p.H));
   for (float& value : p.A_log) value = uniform(rng);
@@ -110,9 +111,17 @@ Problem random_problem(const ProblemShape& shape, uint64_t seed) {
   for (float& value : p.dt_bias) value = uniform(rng);
   if (shape.with_initial_state) {
     p.initial_state.resize(static_cast<size_t>(p.state_elems()));
-    for (float& value : p.initial_state) value = 0.1f * normal(rng);
+    for (float& value : p.initial_state) value = shape.initial_state_std * normal(rng);
   }
   return p;
+}
+
+ProblemShape slow_decay(ProblemShape shape) {
+  shape.lower_bound = -5.f;
+  shape.gate_mean = -6.f;
+  shape.gate_std = 1.f;
+  shape.initial_state_std = 1.f;
+  return shape;
 }
 
 // ------------------------------------------------ the fp64 recurrence ---
@@ -238,4 +247,4 @@ fkda_fwd_args make_args(const Problem& p, const Buffers& buffers, fkda_dtype sta
   return args;
 }
 
-}  // namespace fkda_test
+}  // namespace fkda_ref

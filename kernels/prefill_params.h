@@ -1,5 +1,5 @@
 /* Parameters of the prefill kernels, shared by the launch code in
- * src/gpu_backend.cpp and the device code in kernels/. Plain C with fixed-width
+ * src/gpu/gpu_backend.cpp and the device code in kernels/. Plain C with fixed-width
  * types and no CUDA types, so that host translation units include it as is.
  * The struct is passed by value as the single kernel argument. */
 #ifndef FLASHKDA_KERNELS_KDA_PARAMS_H
@@ -76,7 +76,7 @@ static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_smem_bytes(int32_t vsplit
 
 /* The preparation kernel: one block of this many threads per (slot, head),
  * compiled for this many resident blocks per multiprocessor (64 registers a
- * thread) from sm_90 on (kda_prepare.cuh). */
+ * thread) from sm_90 on (prefill_prepare.cuh). */
 #define FKDA_PREPARE_THREADS 128
 #define FKDA_PREPARE_MIN_BLOCKS 8
 

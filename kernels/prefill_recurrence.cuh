@@ -14,7 +14,7 @@
 //   final_state[n][h] = S rounded to the state dtype
 //
 // One launch covers the chunks whose slots lie in the current window
-// (kda_params.h): a block starts from the initial state only if its
+// (prefill_params.h): a block starts from the initial state only if its
 // sequence's chunk 0 is in the window, else from the carry the previous
 // window left, and ends with the final state only if its last chunk is, else
 // with the carry for the next window. Both carries are f32, so the windows
@@ -37,7 +37,7 @@
 // architectures share this path.)
 #pragma once
 
-#include "kda_device.cuh"
+#include "device_common.cuh"
 
 namespace fkda_dev {
 

@@ -7,7 +7,7 @@
 
 #include <stdint.h>
 
-#include "kda_params.h"
+#include "prefill_params.h"
 
 namespace fkda_dev {
 
@@ -124,7 +124,7 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // ------------------------------------------------------ record layout ---
 // Byte offset of element (row, col) in a record's swizzled tiles
-// (kda_params.h): 16 x 128 f16 (Kd, Qd, Kr) and 16 x 16 f16 (W, Mqk).
+// (prefill_params.h): 16 x 128 f16 (Kd, Qd, Kr) and 16 x 16 f16 (W, Mqk).
 __device__ __forceinline__ int wide_tile_offset(int row, int col) {
   return row * 256 + (((col >> 3) ^ (row & 7)) << 4) + (col & 7) * 2;
 }

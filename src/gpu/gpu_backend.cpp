@@ -3,7 +3,7 @@
 // current context and launched on the caller's stream. The launch path
 // allocates nothing, never synchronises and never changes the current
 // context, so a call can be captured in a CUDA graph.
-#include "gpu_backend.h"
+#include "gpu/gpu_backend.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -13,9 +13,9 @@
 #include <mutex>
 #include <string>
 
-#include "cuda_driver.h"
+#include "gpu/cuda_driver.h"
 #include "error.h"
-#include "kda_params.h"
+#include "prefill_params.h"
 
 extern "C" {
 // The fatbin's bytes, placed in .rodata by cmake/embed_fatbin.S.in.
@@ -231,7 +231,7 @@ FkdaActivation kernel_view(const ActView& view) {
 }  // namespace
 
 // The workspace: one window's records, then a carry matrix per head for
-// each boundary between windows (kda_params.h).
+// each boundary between windows (prefill_params.h).
 size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads) {
   if (total_tokens < 0 || num_seqs < 0 || num_heads <= 0) return 0;
   // Each term below at most half the range, so neither they nor their sum overflow.
@@ -251,7 +251,7 @@ size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads)
 // compute_90 PTX is compiled by the driver for anything newer.
 bool has_kernels_for(int cc_major, int /*cc_minor*/) { return cc_major >= 8; }
 
-void fwd(const FwdProblem& problem, void* workspace, size_t /*workspace_bytes*/, CUstream stream) {
+void fwd(const PrefillProblem& problem, void* workspace, size_t /*workspace_bytes*/, CUstream stream) {
   const CUdevice device = cuda::current_device();  // throws FKDA_ERROR_NO_DEVICE without a context
   const cuda::Driver& d = *cuda::driver();
   const Kernels& k = kernels(d);
@@ -281,9 +281,9 @@ void fwd(const FwdProblem& problem, void* workspace, size_t /*workspace_bytes*/,
   params.final_state = problem.final_state;
   params.state_is_bf16 = problem.state_dtype == FKDA_DTYPE_BF16;
   params.state_is_kv = problem.state_layout == FKDA_STATE_LAYOUT_KV;
-  params.cu_seqlens = problem.cu_seqlens;
-  params.cu_seqlens_stride = problem.cu_seqlens_stride;
-  params.cu_seqlens_is_i64 = problem.cu_seqlens_dtype == FKDA_DTYPE_I64;
+  params.cu_seqlens = problem.cu_seqlens.data;
+  params.cu_seqlens_stride = problem.cu_seqlens.stride;
+  params.cu_seqlens_is_i64 = problem.cu_seqlens.dtype == FKDA_DTYPE_I64;
   params.num_heads = problem.num_heads;
   params.seq_len = problem.seq_len;
   params.num_seqs = problem.num_seqs;

@@ -1,0 +1,93 @@
+// The validated description of one forward call, as the backends see it.
+// validate.cpp builds it from fkda_fwd_args; backends trust it completely.
+#pragma once
+
+#include <cstdint>
+
+namespace fkda {
+
+// An activation tensor [B, T, H, D] (or [B, T, H] for beta): strides in
+// elements for the batch, token and head axes; the D axis is contiguous.
+struct ActView {
+  const void* data = nullptr;
+  int64_t stride_b = 0;
+  int64_t stride_t = 0;
+  int64_t stride_h = 0;
+};
+
+// Optional per-sequence integers on the host or the device: [rows] or
+// [rows, cols], dtype FKDA_DTYPE_I32, I64 or BOOL (0 when absent). Element
+// (r, c) sits at r * stride_row + c * stride_col elements.
+struct IndexView {
+  const void* data = nullptr;
+  int32_t dtype = 0;
+  int64_t rows = 0;
+  int64_t cols = 1;
+  int64_t stride_row = 0;
+  int64_t stride_col = 0;
+};
+
+// States addressed by slot: [slots, H, V, K] (or KV) in the plan's state
+// dtype; the slot stride (elements) is free, the rest contiguous.
+struct PoolView {
+  void* data = nullptr;
+  int64_t slots = 0;
+  int64_t slot_stride = 0;
+};
+
+// Optional [N + 1] sequence offsets, dtype FKDA_DTYPE_I32 or I64 (0 when
+// absent). The CPU backend may read them (validated); the GPU backend never
+// reads them on the host.
+struct SeqOffsets {
+  const void* data = nullptr;
+  int32_t dtype = 0;
+  int64_t stride = 1;
+};
+
+struct PrefillProblem {
+  int64_t batch = 0;      // B
+  int64_t seq_len = 0;    // T (tokens per batch row; the packed total with cu_seqlens)
+  int64_t num_seqs = 0;   // N: B, or cu_seqlens length - 1
+  int32_t num_heads = 0;  // H
+  int32_t head_dim_k = 128;
+  int32_t head_dim_v = 128;
+
+  ActView q, k, v, g, beta;  // bf16
+  ActView out;               // bf16, written (data is writable)
+  const float* A_log = nullptr;    // [H]
+  const float* dt_bias = nullptr;  // [H, K]
+
+  // Optional states, contiguous, dtype bf16 or f32 (fkda_dtype values).
+  const void* initial_state = nullptr;
+  void* final_state = nullptr;
+  int32_t state_dtype = 0;
+  int32_t state_layout = 0;  // fkda_state_layout
+
+  SeqOffsets cu_seqlens;  // absent: sequence n is batch row n
+
+  // States in a pool instead of initial_state / final_state: sequence n
+  // reads and writes pool slot state_indices[n] (null: padding, see
+  // null_slot_rule). Both absent unless the call passed them.
+  PoolView pool;
+  IndexView state_indices;      // [N]
+  IndexView has_initial_state;  // [N]: 0 starts from zeros (with either state form)
+  int32_t null_slot_rule = 0;   // fkda_null_slot_rule
+
+  // Checkpoints: the state after checkpoint_offsets[n][c] tokens of sequence
+  // n (multiples of 16, ascending, negative = none), written either to
+  // checkpoints (+ n * checkpoint_stride_n + c * checkpoint_stride_c
+  // elements, [H, V, K] contiguous, dtype checkpoint_dtype) or to pool slot
+  // checkpoint_slots[n][c].
+  IndexView checkpoint_offsets;  // [N, C]
+  void* checkpoints = nullptr;
+  int32_t checkpoint_dtype = 0;
+  int64_t checkpoint_stride_n = 0;
+  int64_t checkpoint_stride_c = 0;
+  IndexView checkpoint_slots;  // [N, C]
+
+  float scale = 0.f;
+  float lower_bound = -5.f;
+  bool debug_checks = false;  // GPU: check device-side indices on the host first
+};
+
+}  // namespace fkda
