@@ -4,6 +4,9 @@
 # Python binding. Does nothing when everything is already there.
 set -euo pipefail
 
+sudo_cmd=()
+[ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+
 packages=(cmake g++ make catch2 nlohmann-json3-dev python3 python3-numpy python3-pytest
           python3-venv python3-pip python3-setuptools python3-wheel binutils pkgconf)
 missing=()
@@ -12,8 +15,6 @@ for p in "${packages[@]}"; do
 done
 if ((${#missing[@]})); then
   echo "installing: ${missing[*]}"
-  sudo_cmd=()
-  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
   "${sudo_cmd[@]}" apt-get update -q
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -q "${missing[@]}"
 fi
@@ -36,10 +37,8 @@ torch_packages=(torch==2.15.0 nvidia-nccl-cu13==2.30.7 nvidia-cusparselt-cu13==0
                 jinja2==3.1.6 markupsafe==3.0.4 fsspec==2026.9.0)
 if ! /usr/bin/python3 -c "import torch" >/dev/null 2>&1; then
   echo "installing torch for /usr/bin/python3 (CPU use, about 1.1 GB)"
-  sudo_cmd=()
-  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
   "${sudo_cmd[@]}" /usr/bin/python3 -m pip install --quiet --no-deps --break-system-packages \
-    "${torch_packages[@]}"
+    --root-user-action=ignore "${torch_packages[@]}"
   # A torch that installs but cannot load would skip the torch tests silently.
   /usr/bin/python3 -c "import torch; torch.ones(1)"
 fi
