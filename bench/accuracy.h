@@ -1,4 +1,4 @@
-// Accuracy mode: BENCHMARKS.md's accuracy cases against the fp64
+// Accuracy mode: docs/BENCHMARKS.md's accuracy cases against the fp64
 // token-by-token recurrence, for bf16 and f32 state.
 #pragma once
 

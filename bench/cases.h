@@ -1,4 +1,4 @@
-// The benchmark cases: the prefill table of shared/BENCHMARKS.md with the
+// The benchmark cases: the prefill table of docs/BENCHMARKS.md with the
 // peers' figures, the accuracy cases and their targets, and cases read from
 // a JSON file.
 #pragma once
@@ -39,7 +39,7 @@ double bytes_moved(const BenchCase& c, fkda_dtype state_dtype);
 // FlashKDA's public workspace sizing: 13,824 bytes per 16-token chunk per head.
 double flashkda_workspace_bytes(const BenchCase& c);
 
-// P1..P10 in BENCHMARKS.md order.
+// P1..P10 in docs/BENCHMARKS.md order.
 const std::vector<BenchCase>& prefill_cases();
 // Case-insensitive lookup of a prefill id; nullptr when unknown.
 const BenchCase* find_prefill_case(const std::string& id);
@@ -54,7 +54,7 @@ std::vector<BenchCase> load_cases_file(const std::string& path);
 // std::runtime_error with a message when a dimension is out of range.
 void validate_case(const BenchCase& c);
 
-// BENCHMARKS.md's accuracy cases: T=1024 H=4 and varlen [300, 77, 700] H=4.
+// docs/BENCHMARKS.md's accuracy cases: T=1024 H=4 and varlen [300, 77, 700] H=4.
 struct AccuracyCase {
   std::string id;
   int64_t T = 0;  // used when lengths is empty

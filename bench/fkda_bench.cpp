@@ -1,4 +1,4 @@
-// fkda-bench: times libflashkda's prefill on the cases of shared/BENCHMARKS.md
+// fkda-bench: times libflashkda's prefill on the cases of docs/BENCHMARKS.md
 // (or custom shapes), prints the peers' figures beside ours, checks accuracy
 // against the fp64 recurrence, and writes the results as JSON.
 #include <cmath>
@@ -32,10 +32,10 @@ const char* const kUsage = R"(usage: fkda-bench [CASE...] [accuracy] [options]
 
 Times libflashkda's prefill (fkda_fwd) on one GPU with random inputs and
 prints median/min/max ms, effective GB/s and workspace bytes per case, beside
-the FlashKDA, FLA and target figures of shared/BENCHMARKS.md.
+the FlashKDA, FLA and target figures of docs/BENCHMARKS.md.
 
 Cases:
-  P1 ... P10          prefill cases of BENCHMARKS.md (case-insensitive)
+  P1 ... P10          prefill cases of docs/BENCHMARKS.md (case-insensitive)
   prefill             all of P1 ... P10 (the default when nothing else is asked)
   all                 prefill and accuracy
   accuracy            relative L2 error of out and final state against the fp64
@@ -50,7 +50,7 @@ Cases:
 
 Options:
   --state bf16|f32    state dtype of the timed cases (default bf16, as in
-                      BENCHMARKS.md); accuracy always runs both
+                      docs/BENCHMARKS.md); accuracy always runs both
   --warmup N          untimed calls before timing (default 10)
   --iters N           timed calls per case (default 100)
   --lower-bound X     gate floor in [-5, 0] (default -5)
@@ -337,7 +337,7 @@ void print_timing_table(const std::vector<CaseRun>& runs, const Options& options
                 bytes <= kP1WorkspaceTargetBytes ? "meets target" : "misses target");
   }
   if (options.timing.state_dtype == FKDA_DTYPE_F32)
-    std::printf("Peers' figures are for bf16 state (FLA: f32); BENCHMARKS.md puts FlashKDA's "
+    std::printf("Peers' figures are for bf16 state (FLA: f32); docs/BENCHMARKS.md puts FlashKDA's "
                 "f32-state figures within 3%% of them.\n");
 }
 

@@ -4,7 +4,7 @@
 // initial state in and the final state out (f32 state), run on the GPU when
 // one is usable and on the CPU reference backend otherwise. The result is
 // checked against the fp64 token-by-token recurrence and the run fails when
-// the error exceeds the f32-state accuracy targets of shared/BENCHMARKS.md.
+// the error exceeds the f32-state accuracy targets of docs/BENCHMARKS.md.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -19,8 +19,8 @@
 
 namespace {
 
-constexpr double kTargetOutRelL2 = 4.0e-3;    // BENCHMARKS.md, f32 state
-constexpr double kTargetStateRelL2 = 2.9e-3;  // BENCHMARKS.md, f32 state
+constexpr double kTargetOutRelL2 = 4.0e-3;    // docs/BENCHMARKS.md, f32 state
+constexpr double kTargetStateRelL2 = 2.9e-3;  // docs/BENCHMARKS.md, f32 state
 constexpr uint64_t kSeed = 20261130;
 
 const char* const kUsage =
@@ -193,7 +193,7 @@ int main(int argc, char** argv) {
     }
   }
 
-  // Random inputs as in BENCHMARKS.md's accuracy case: q, k, v, g, beta
+  // Random inputs as in docs/BENCHMARKS.md's accuracy case: q, k, v, g, beta
   // ~ N(0,1); A_log, dt_bias ~ U(0,1); initial state ~ 0.1 N(0,1).
   fkda_ref::ProblemShape problem_shape;
   problem_shape.H = 4;

@@ -2,7 +2,7 @@
 # The GPU check, run on a machine with an NVIDIA GPU against a build made
 # elsewhere (or here): the [gpu] tests, the V-split and window-size variants,
 # compute-sanitizer (memcheck, racecheck) on the [sanitize] subset, timings of
-# BENCHMARKS.md cases, and what the embedded fatbin holds.
+# docs/BENCHMARKS.md cases, and what the embedded fatbin holds.
 #
 #   scripts/gpu_check.sh [BUILD_DIR] [STEP...]
 #

@@ -1,5 +1,5 @@
-// The CPU reference backend: the chunked algorithm of DESIGN §1 on host
-// memory, rounding where docs/NUMERICS.md says the GPU kernels round.
+// The CPU reference backend: the chunked form (docs/ARCHITECTURE.md, section
+// 2) on host memory, rounding where docs/NUMERICS.md says the GPU kernels round.
 #pragma once
 
 #include <cstddef>

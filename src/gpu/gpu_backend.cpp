@@ -150,14 +150,14 @@ int64_t forced_window_slots() {
 
 // The records of one window take at most kWindowBudgetBytes, unless the
 // window must be larger to hold kWindowSlotsPerSequence slots for each
-// sequence of the call. A quarter of a GB keeps BENCHMARKS.md's P1 (8192
+// sequence of the call. A quarter of a GB keeps docs/BENCHMARKS.md's P1 (8192
 // tokens, 96 heads: 682 MB in one window) within its 340 MB workspace target
 // in three windows, and smaller problems keep one window and their two
 // launches. The floor per sequence is there because a window's recurrence
 // runs only the sequences whose slots the window holds: with many sequences
 // the recurrence has more blocks than the GPU runs at once and packs them
 // into rounds, and cutting it into windows of few chunks per sequence breaks
-// that packing (BENCHMARKS.md's P7 and P8, 6 and 8 sequences of 96 heads, would
+// that packing (docs/BENCHMARKS.md's P7 and P8, 6 and 8 sequences of 96 heads, would
 // lose 10-30% of their recurrence time), while with windows of 160 slots
 // (2560 tokens) per sequence or more only calls whose sequences average more
 // than that are cut, into windows that each keep many chunks per block.

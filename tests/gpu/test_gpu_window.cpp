@@ -87,7 +87,7 @@ TEST_CASE("window: workspace sizes of the window rule", "[gpu][window]") {
   struct Shape {
     int64_t tokens, seqs, heads, windows;  // windows: the count without FKDA_WINDOW_SLOTS
   };
-  // BENCHMARKS.md's P1, P2, P5, P7 (as 6 sequences of its total), P8 and
+  // docs/BENCHMARKS.md's P1, P2, P5, P7 (as 6 sequences of its total), P8 and
   // P10, a long varlen call, and a call without tokens.
   const std::vector<Shape> shapes = {{8192, 1, 96, 3},  {8192, 1, 64, 2},  {32768, 1, 8, 1},  {8192, 6, 96, 1},
                                      {8192, 8, 96, 1},  {512, 1, 32, 1},   {65536, 4, 96, 7}, {0, 3, 4, 1}};
@@ -108,7 +108,7 @@ TEST_CASE("window: workspace sizes of the window rule", "[gpu][window]") {
     const size_t bytes = gpu_workspace(s.heads, s.tokens, s.seqs);
     CHECK(int64_t(bytes) == per_window * s.heads * kRecordBytes + (windows - 1) * s.heads * kCarryBytesPerHead);
   }
-  // shared/BENCHMARKS.md's memory target for P1 (682 MB in one window).
+  // docs/BENCHMARKS.md's memory target for P1 (682 MB in one window).
   if (forced == 0) CHECK(gpu_workspace(96, 8192, 1) <= size_t(340) * 1000 * 1000);
 }
 

@@ -110,7 +110,7 @@ class Problem:
 def make_problem(rng, *, batch=1, seq_len=40, heads=2, seq_lens=None, state_dtype=np.float32,
                  with_initial_state=True, with_final_state=True, cu_seqlens_dtype=np.int64,
                  lower_bound=-5.0):
-    """Random inputs as in BENCHMARKS.md: q, k, v, g, beta ~ N(0, 1) in bf16,
+    """Random inputs as in docs/BENCHMARKS.md: q, k, v, g, beta ~ N(0, 1) in bf16,
     A_log, dt_bias ~ U(0, 1), initial state ~ 0.1 N(0, 1).
 
     With `seq_lens`, a varlen problem: batch 1, T = sum(seq_lens)."""

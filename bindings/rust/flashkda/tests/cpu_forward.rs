@@ -63,7 +63,7 @@ struct Problem {
 }
 
 impl Problem {
-    /// Inputs as in BENCHMARKS.md: q, k, v, g, beta ~ N(0, 1) in bf16;
+    /// Inputs as in docs/BENCHMARKS.md: q, k, v, g, beta ~ N(0, 1) in bf16;
     /// A_log, dt_bias ~ U(0, 1); initial state ~ 0.1 N(0, 1).
     fn random(seed: u64, batch: usize, seq_len: usize, heads: usize, seq_lens: Option<&[usize]>, with_state: bool) -> Problem {
         let mut rng = Rng(seed);
