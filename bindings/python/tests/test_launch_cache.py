@@ -50,6 +50,13 @@ def test_any_other_field_another_plan(change):
     assert _plans.cached_plan(descriptor(**change)) is not _plans.cached_plan(descriptor())
 
 
+def test_another_library_another_plan():
+    other = _library._open(flashkda.library_path(), "loaded again by the test")
+    plan = _plans.cached_plan(descriptor(library=other))
+    assert plan is not _plans.cached_plan(descriptor())
+    assert plan._library is other
+
+
 def test_rejected_descriptor_is_not_cached():
     for _ in range(2):
         with pytest.raises(FlashKDAError) as caught:
