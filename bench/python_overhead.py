@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """What the Python binding adds to the kernel, per case, on one GPU with torch.
 
-For each case: fkda-bench's median (the C call alone), then flashkda.fwd,
-a prepared launch (Plan.prepare) and torch.ops.flashkda.fwd on preallocated
-torch tensors of the same shape, each timed with triton.testing.do_bench
+For each case: fkda-bench's median (the C call alone), then the module
+function (flashkda.fwd for prefill cases P*, flashkda.decode for decode cases
+D*), a prepared launch (Plan.prepare / Plan.prepare_decode) and the torch
+operator (torch.ops.flashkda.fwd / .decode) on preallocated torch tensors of
+the same shape, each timed with triton.testing.do_bench
 (median; CUDA events around each call with the L2 cache flushed before it,
 when triton is missing), and the host time of one call (a loop of calls with
 no synchronisation, divided by their number). Overhead is a call's median
 minus fkda-bench's. Prints a markdown table, and writes it with the figures
 as JSON under $OUT when OUT is set.
 
-    python3 bench/python_overhead.py [--build build] [--cases P10,P1,P4,P6,P9]
+    python3 bench/python_overhead.py [--build build] [--cases P10,P1,P4,P6,P9,D1,D3]
 """
 
 import argparse
@@ -33,14 +35,15 @@ def parse_arguments():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--build", default="build",
                         help="build directory with libflashkda.so.0 and bench/fkda-bench")
-    parser.add_argument("--cases", default="P10,P1,P4,P6,P9",
-                        help="comma-separated fkda-bench case ids")
+    parser.add_argument("--cases", default="P10,P1,P4,P6,P9,D1,D3",
+                        help="comma-separated fkda-bench case ids: prefill P*, decode D*")
     parser.add_argument("--lower-bound", type=float, default=-5.0)
     return parser.parse_args()
 
 
 def kernel_figures(build, cases, lower_bound):
-    """fkda-bench's JSON entries by case id (bf16 state, as in BENCHMARKS.md)."""
+    """fkda-bench's JSON entries by case id (bf16 state for prefill, as in
+    docs/BENCHMARKS.md; decode cases carry their own pool dtype)."""
     with tempfile.TemporaryDirectory() as scratch:
         path = os.path.join(scratch, "kernel.json")
         subprocess.run([os.path.join(build, "bench", "fkda-bench"), *cases, "--state", "bf16",
@@ -48,46 +51,91 @@ def kernel_figures(build, cases, lower_bound):
                        check=True, stdout=subprocess.DEVNULL)
         with open(path) as file:
             document = json.load(file)
-    return {entry["id"]: entry for entry in document["prefill"]}, document
+    entries = document["prefill"] + document.get("serving", [])
+    return {entry["id"]: entry for entry in entries}, document
 
 
-class Inputs:
-    """Random inputs of one case on the GPU, as BENCHMARKS.md draws them."""
+class _Activations:
+    """q, k, v, g, beta, A_log, dt_bias and out of `rows` x `tokens` tokens on
+    the GPU, drawn as docs/BENCHMARKS.md draws them (seeded)."""
 
-    def __init__(self, torch, shape, lower_bound):
-        B, T, H = shape["B"], shape["T"], shape["H"]
-        device = torch.device("cuda")
-        generator = torch.Generator(device=device).manual_seed(1)
+    def __init__(self, torch, rows, tokens, heads, lower_bound):
+        self.generator = torch.Generator(device="cuda").manual_seed(1)
 
-        def normal(*size):
-            return torch.randn(*size, generator=generator, device=device).to(torch.bfloat16)
+        def normal_bf16(*size):
+            return torch.randn(*size, generator=self.generator, device="cuda").to(torch.bfloat16)
 
-        self.q, self.k, self.v, self.g = (normal(B, T, H, HEAD_DIM) for _ in range(4))
-        self.beta = normal(B, T, H)
-        self.A_log = torch.rand(H, generator=generator, device=device)
-        self.dt_bias = torch.rand(H, HEAD_DIM, generator=generator, device=device)
-        num_seqs = shape["num_seqs"]
-        self.initial_state = (0.1 * torch.randn(num_seqs, H, HEAD_DIM, HEAD_DIM, device=device,
-                                                generator=generator)).to(torch.bfloat16)
-        self.final_state = torch.empty_like(self.initial_state)
+        self.q, self.k, self.v, self.g = (normal_bf16(rows, tokens, heads, HEAD_DIM)
+                                          for _ in range(4))
+        self.beta = normal_bf16(rows, tokens, heads)
+        self.A_log = torch.rand(heads, generator=self.generator, device="cuda")
+        self.dt_bias = torch.rand(heads, HEAD_DIM, generator=self.generator, device="cuda")
         self.out = torch.empty_like(self.v)
+        self.scale = HEAD_DIM ** -0.5
+        self.lower_bound = lower_bound
+        self.heads = heads
+
+    def positional(self):
+        """The arguments both entry points start with, up to dt_bias."""
+        return (self.q, self.k, self.v, self.g, self.beta, self.scale, self.out, self.A_log,
+                self.dt_bias)
+
+    def states(self, torch, count, dtype):
+        return (0.1 * torch.randn(count, self.heads, HEAD_DIM, HEAD_DIM, device="cuda",
+                                  generator=self.generator)).to(dtype)
+
+
+class PrefillInputs(_Activations):
+    """A prefill case with bf16 initial and final states."""
+
+    plan_state = "bf16"
+
+    def __init__(self, torch, entry, lower_bound):
+        shape = entry["shape"]
+        super().__init__(torch, shape["B"], shape["T"], shape["H"], lower_bound)
+        self.initial_state = self.states(torch, shape["num_seqs"], torch.bfloat16)
+        self.final_state = torch.empty_like(self.initial_state)
         self.cu_seqlens = None
         if "lengths" in shape:
             offsets = [0]
             for length in shape["lengths"]:
                 offsets.append(offsets[-1] + length)
-            self.cu_seqlens = torch.tensor(offsets, dtype=torch.int64, device=device)
-        self.scale = HEAD_DIM ** -0.5
-        self.lower_bound = lower_bound
-        self.heads = H
+            self.cu_seqlens = torch.tensor(offsets, dtype=torch.int64, device="cuda")
 
-    def positional(self):
-        return (self.q, self.k, self.v, self.g, self.beta, self.scale, self.out, self.A_log,
-                self.dt_bias, self.lower_bound)
+    def calls(self, torch, flashkda, plan):
+        positional = self.positional()
+        optional = dict(initial_state=self.initial_state, final_state=self.final_state,
+                        cu_seqlens=self.cu_seqlens)
+        op = torch.ops.flashkda.fwd.default
+        return {
+            "module": lambda: flashkda.fwd(*positional, self.lower_bound, **optional),
+            "prepared": plan.prepare(*positional, **optional),
+            "op": lambda: op(*positional, self.lower_bound, **optional),
+        }
 
-    def optional(self):
-        return dict(initial_state=self.initial_state, final_state=self.final_state,
-                    cu_seqlens=self.cu_seqlens)
+
+class DecodeInputs(_Activations):
+    """A decode case: one token for each of N sequences, states in a pool
+    whose slots the sequences read and write (every other slot)."""
+
+    def __init__(self, torch, entry, lower_bound):
+        shape = entry["shape"]
+        N = shape["N"]
+        super().__init__(torch, N, 1, shape["H"], lower_bound)
+        self.plan_state = shape["pool_dtype"]
+        pool_dtype = torch.bfloat16 if self.plan_state == "bf16" else torch.float32
+        self.state_pool = self.states(torch, 2 * N + 1, pool_dtype)
+        self.state_indices = torch.arange(1, 2 * N + 1, 2, dtype=torch.int32, device="cuda")
+
+    def calls(self, torch, flashkda, plan):
+        positional = self.positional()
+        pool = (self.state_pool, self.state_indices)
+        op = torch.ops.flashkda.decode.default
+        return {
+            "module": lambda: flashkda.decode(*positional, self.lower_bound, *pool),
+            "prepared": plan.prepare_decode(*positional, *pool),
+            "op": lambda: op(*positional, self.lower_bound, *pool),
+        }
 
 
 def device_timer(torch):
@@ -137,43 +185,39 @@ def host_us_per_call(torch, fn):
 
 
 def measure(torch, flashkda, inputs, timed):
-    positional, optional = inputs.positional(), inputs.optional()
-    plan = flashkda.Plan(inputs.heads, backend="gpu", state_dtype="bf16",
+    plan = flashkda.Plan(inputs.heads, backend="gpu", state_dtype=inputs.plan_state,
                          lower_bound=inputs.lower_bound)
-    prepared = plan.prepare(*positional[:9], **optional)
-    op = torch.ops.flashkda.fwd.default
-    calls = {
-        "flashkda.fwd": lambda: flashkda.fwd(*positional, **optional),
-        "prepared": prepared,
-        "torch.ops.flashkda.fwd": lambda: op(*positional, **optional),
-    }
     figures = {}
-    for name, fn in calls.items():
+    for name, fn in inputs.calls(torch, flashkda, plan).items():
         figures[name] = {"ms": timed(fn), "host_us": host_us_per_call(torch, fn)}
     plan.close()
     return figures
 
 
+CALL_NAMES = ("module", "prepared", "op")
+
+
 def markdown(rows, timer_name, commit):
     lines = [
-        f"Commit {commit}; {timer_name}; bf16 state, initial and final state present, "
-        "preallocated torch tensors. Overhead: a call's median minus fkda-bench's; "
-        f"host µs: wall time of one call in a loop of {HOST_LOOP_CALLS} without synchronisation.",
+        f"Commit {commit}; {timer_name}; preallocated torch tensors; prefill with bf16 "
+        "initial and final state, decode on the case's pool. module: flashkda.fwd "
+        "(P*) or flashkda.decode (D*); prepared: Plan.prepare / prepare_decode; op: "
+        "torch.ops.flashkda.fwd / .decode. Overhead: a call's median minus "
+        f"fkda-bench's; host µs: wall time of one call in a loop of {HOST_LOOP_CALLS} "
+        "without synchronisation.",
         "",
-        "| case | shape | fkda-bench ms | flashkda.fwd ms | overhead µs | prepared ms | "
-        "overhead µs | torch.ops.flashkda.fwd ms | overhead µs | host µs/call (fwd / prepared / op) "
-        "| flash_kda.fwd ms (quoted) |",
+        "| case | shape | fkda-bench ms | module ms | overhead µs | prepared ms | overhead µs "
+        "| op ms | overhead µs | host µs/call (module / prepared / op) | peer ms (quoted) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for row in rows:
         cells = [row["id"], row["shape"], f"{row['kernel_ms']:.3f}"]
-        for name in ("flashkda.fwd", "prepared", "torch.ops.flashkda.fwd"):
+        for name in CALL_NAMES:
             ms = row["calls"][name]["ms"]
             cells += [f"{ms:.3f}", f"{(ms - row['kernel_ms']) * 1e3:+.1f}"]
-        cells.append(" / ".join(f"{row['calls'][name]['host_us']:.1f}"
-                                for name in ("flashkda.fwd", "prepared", "torch.ops.flashkda.fwd")))
-        quoted = row["flashkda_ms"]
-        cells.append("—" if quoted is None else f"{quoted:.3f}")
+        cells.append(" / ".join(f"{row['calls'][name]['host_us']:.1f}" for name in CALL_NAMES))
+        peer, peer_ms = row["peer"]
+        cells.append("—" if peer_ms is None else f"{peer_ms:.3f} ({peer})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -194,12 +238,18 @@ def main():
     rows = []
     for case in cases:
         entry = kernels[case.upper()]
-        inputs = Inputs(torch, entry["shape"], arguments.lower_bound)
+        decode = entry.get("kind") == "decode"
+        if entry.get("kind") not in (None, "decode"):
+            sys.exit(f"python_overhead.py: {case} is a {entry['kind']} case; "
+                     "prefill (P*) and decode (D*) cases only")
+        inputs = (DecodeInputs if decode else PrefillInputs)(torch, entry, arguments.lower_bound)
+        peer = (("FLA", entry["peers"]["fla_ms"]) if decode
+                else ("flash_kda.fwd", entry["peers"]["flashkda_ms"]))
         rows.append({
             "id": entry["id"],
             "shape": entry["shape_text"],
             "kernel_ms": entry["ms"]["median"],
-            "flashkda_ms": entry["peers"]["flashkda_ms"],
+            "peer": peer,
             "calls": measure(torch, flashkda, inputs, timed),
         })
         del inputs

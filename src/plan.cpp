@@ -13,6 +13,7 @@
 #include "gpu/cuda_driver.h"
 #include "error.h"
 #include "gpu/gpu_backend.h"
+#include "validate_checks.h"
 
 namespace fkda {
 namespace {
@@ -25,17 +26,6 @@ std::mutex& registry_mutex() {
 std::unordered_set<const Plan*>& registry() {
   static std::unordered_set<const Plan*> live;
   return live;
-}
-
-std::string dtype_name(int32_t dtype) {
-  switch (dtype) {
-    case FKDA_DTYPE_BF16: return "bf16";
-    case FKDA_DTYPE_F16: return "f16";
-    case FKDA_DTYPE_F32: return "f32";
-    case FKDA_DTYPE_I32: return "i32";
-    case FKDA_DTYPE_I64: return "i64";
-    default: return "invalid dtype " + std::to_string(dtype);
-  }
 }
 
 // FKDA_DEBUG_CHECKS=1 turns the checks on for every plan created afterwards,
@@ -113,7 +103,7 @@ fkda_plan_t create_plan(const fkda_plan_desc* desc) {
                                      std::to_string(desc->head_dim_v));
   }
   if (desc->state_dtype != FKDA_DTYPE_BF16 && desc->state_dtype != FKDA_DTYPE_F32) {
-    invalid("desc.state_dtype: expected bf16 or f32, got " + dtype_name(desc->state_dtype));
+    invalid("desc.state_dtype: expected bf16 or f32, got " + checks::dtype_name(desc->state_dtype));
   }
   if (desc->state_layout != FKDA_STATE_LAYOUT_VK && desc->state_layout != FKDA_STATE_LAYOUT_KV) {
     invalid("desc.state_layout: expected FKDA_STATE_LAYOUT_VK (0) or FKDA_STATE_LAYOUT_KV (1), got " +

@@ -23,6 +23,7 @@ std::string dtype_name(int32_t dtype) {
     case FKDA_DTYPE_F32: return "f32";
     case FKDA_DTYPE_I32: return "i32";
     case FKDA_DTYPE_I64: return "i64";
+    case FKDA_DTYPE_BOOL: return "bool";
     default: return "invalid dtype (" + std::to_string(dtype) + ")";
   }
 }

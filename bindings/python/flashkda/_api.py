@@ -1,12 +1,23 @@
-"""Plans, the forward pass and device queries on top of the C ABI."""
+"""Plans, the forward pass, the decode step and device queries on top of the C ABI."""
 
 import ctypes
 import threading
 from dataclasses import dataclass
 
 from . import _arrays, _launch, _plans
-from ._abi import (FWD_TENSOR_FIELDS, Backend, Dtype, FkdaDeviceInfo, FkdaFwdArgs, FkdaPlanDesc,
-                   StateLayout)
+from ._abi import (
+    DECODE_TENSOR_FIELDS,
+    FWD_POOL_TENSOR_FIELDS,
+    FWD_TENSOR_FIELDS,
+    Backend,
+    Dtype,
+    FkdaDecodeArgs,
+    FkdaDeviceInfo,
+    FkdaFwdArgs,
+    FkdaPlanDesc,
+    NullSlotRule,
+    StateLayout,
+)
 from ._errors import FlashKDAError, invalid_argument
 from ._library import library as _current_library
 from ._library import load_library
@@ -14,6 +25,7 @@ from ._library import load_library
 _STATE_DTYPE_NAMES = {"bf16": Dtype.BF16, "bfloat16": Dtype.BF16, "f32": Dtype.F32, "float32": Dtype.F32}
 _BACKEND_NAMES = {"auto": Backend.AUTO, "cpu": Backend.CPU, "gpu": Backend.GPU, "cuda": Backend.GPU}
 _LAYOUT_NAMES = {"vk": StateLayout.VK, "kv": StateLayout.KV}
+_NULL_SLOT_RULE_NAMES = {"negative": NullSlotRule.NEGATIVE, "nonpositive": NullSlotRule.NONPOSITIVE}
 
 
 def _enum_value(name, value, names):
@@ -54,52 +66,65 @@ def _float(name, value):
         raise invalid_argument(f"{name}: expected a number, got {type(value).__name__}") from None
 
 
-def _fwd_workspace(plan, views):
-    """fkda_plan_workspace_size for the arguments, or 0 when the shapes are too
-    malformed to size it (fkda_fwd then names the malformed argument)."""
-    q = views["q"]
-    if q is None or len(q.shape) != 4:
-        return 0
-    batch, seq_len = q.shape[0], q.shape[1]
-    num_seqs = batch
-    cu_seqlens = views["cu_seqlens"]
-    if cu_seqlens is not None:
-        if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
+def _sized_by(query):
+    """The workspace sizing of an entry point: the plan's `query` (a method
+    name) for the arguments' (total tokens, sequences), or 0 when the shapes
+    are too malformed to size it (the call itself then names the argument)."""
+
+    def workspace(plan, views):
+        q = views["q"]
+        if q is None or len(q.shape) != 4:
             return 0
-        num_seqs = cu_seqlens.shape[0] - 1
-    try:
-        return plan.workspace_size(batch * seq_len, num_seqs)
-    except FlashKDAError:
-        return 0
+        batch, seq_len = q.shape[0], q.shape[1]
+        num_seqs = batch
+        cu_seqlens = views["cu_seqlens"]
+        if cu_seqlens is not None:
+            if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
+                return 0
+            num_seqs = cu_seqlens.shape[0] - 1
+        try:
+            return getattr(plan, query)(batch * seq_len, num_seqs)
+        except FlashKDAError:
+            return 0
+
+    return workspace
 
 
-def _fwd_plan_shape(views):
-    """(num_heads, state dtype) of the plan flashkda.fwd derives from its arguments:
-    heads from q (else A_log), state dtype from the states given (f32 without)."""
-    num_heads = 1
-    q, A_log = views["q"], views["A_log"]
-    if q is not None and len(q.shape) == 4:
-        num_heads = q.shape[2]
-    elif A_log is not None and len(A_log.shape) == 1:
-        num_heads = A_log.shape[0]
-    state_dtype = Dtype.F32
-    for name in ("initial_state", "final_state"):
-        state = views[name]
-        if state is not None:
-            # Any other dtype: fkda_fwd reports it against the tensor's name.
-            if state.dtype in (Dtype.BF16, Dtype.F32):
-                state_dtype = state.dtype
-            break
-    return num_heads, state_dtype
+def _shaped_by(states):
+    """The plan a module-level call derives from its arguments: heads from q
+    (else A_log), state dtype from the first of `states` given (f32 without)."""
+
+    def plan_shape(views):
+        num_heads = 1
+        q, A_log = views["q"], views["A_log"]
+        if q is not None and len(q.shape) == 4:
+            num_heads = q.shape[2]
+        elif A_log is not None and len(A_log.shape) == 1:
+            num_heads = A_log.shape[0]
+        given = [views[name] for name in states if views[name] is not None]
+        # Any dtype but bf16 and f32 is the call's to report, by name.
+        state_dtype = Dtype.BF16 if given and given[0].dtype == Dtype.BF16 else Dtype.F32
+        return num_heads, state_dtype
+
+    return plan_shape
 
 
 FWD = _launch.EntryPoint(
     function="fkda_fwd",
     struct=FkdaFwdArgs,
-    tensors=FWD_TENSOR_FIELDS,
-    outputs=("out", "final_state"),
-    workspace=_fwd_workspace,
-    plan_shape=_fwd_plan_shape,
+    tensors=FWD_TENSOR_FIELDS + FWD_POOL_TENSOR_FIELDS,
+    outputs=("out", "final_state", "state_pool", "checkpoints"),
+    workspace=_sized_by("workspace_size"),
+    plan_shape=_shaped_by(("initial_state", "final_state", "state_pool")),
+)
+
+DECODE = _launch.EntryPoint(
+    function="fkda_decode",
+    struct=FkdaDecodeArgs,
+    tensors=DECODE_TENSOR_FIELDS,
+    outputs=("out", "state_pool"),
+    workspace=_sized_by("decode_workspace_size"),
+    plan_shape=_shaped_by(("state_pool",)),
 )
 
 
@@ -133,6 +158,8 @@ class Plan:
         state_layout=StateLayout.VK,
         backend=Backend.AUTO,
         lower_bound=-5.0,
+        null_slot_rule=NullSlotRule.NEGATIVE,
+        debug_checks=False,
         library_path=None,
         library=None,
     ):
@@ -153,6 +180,8 @@ class Plan:
         desc.state_layout = _enum_value("state_layout", state_layout, _LAYOUT_NAMES)
         desc.backend = _enum_value("backend", backend, _BACKEND_NAMES)
         desc.lower_bound = _float("lower_bound", lower_bound)
+        desc.null_slot_rule = _enum_value("null_slot_rule", null_slot_rule, _NULL_SLOT_RULE_NAMES)
+        desc.debug_checks = 1 if debug_checks else 0
         handle = ctypes.c_void_p()
         self._library.check(self._library.cdll.fkda_plan_create(ctypes.byref(desc), ctypes.byref(handle)))
         self._handle = handle
@@ -227,9 +256,17 @@ class Plan:
 
     def workspace_size(self, total_tokens, num_seqs):
         """Bytes of workspace fwd needs for `total_tokens` tokens in `num_seqs` sequences."""
+        return self._size_query(self._library.cdll.fkda_plan_workspace_size, total_tokens, num_seqs)
+
+    def decode_workspace_size(self, total_tokens, num_seqs):
+        """Bytes of workspace decode needs (0 today; later versions may need some)."""
+        return self._size_query(
+            self._library.cdll.fkda_plan_decode_workspace_size, total_tokens, num_seqs)
+
+    def _size_query(self, function, total_tokens, num_seqs):
         value = ctypes.c_size_t()
         self._library.check(
-            self._library.cdll.fkda_plan_workspace_size(
+            function(
                 self._live_handle(),
                 _int64("total_tokens", total_tokens),
                 _int64("num_seqs", num_seqs),
@@ -238,10 +275,12 @@ class Plan:
         )
         return value.value
 
-    # ------------------------------------------------------------- forward
+    # ------------------------------------------------------- fwd and decode
 
     def fwd(self, q, k, v, g, beta, scale, out, A_log, dt_bias, initial_state=None,
-               final_state=None, cu_seqlens=None, workspace=None, stream=None):
+            final_state=None, cu_seqlens=None, workspace=None, stream=None, *,
+            state_pool=None, state_indices=None, has_initial_state=None,
+            checkpoint_offsets=None, checkpoints=None, checkpoint_slots=None):
         """Runs fkda_fwd, writing `out` (and `final_state`) in place.
 
         workspace: None allocates one of workspace_size() bytes in the arrays'
@@ -250,23 +289,48 @@ class Plan:
         stream: None launches on the current stream of the arrays' producer
         (torch's current stream, CuPy's current stream, the stream of a
         __cuda_array_interface__; the legacy default stream otherwise).
+        state_pool ... checkpoint_slots: states in a pool and checkpoints, as
+        for flashkda.fwd; the pool and the checkpoints are written in place.
         """
-        arrays = (q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state, cu_seqlens)
+        self._run(FWD, (q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state,
+                        cu_seqlens, state_pool, state_indices, has_initial_state,
+                        checkpoint_offsets, checkpoints, checkpoint_slots),
+                  scale, workspace, stream)
+
+    def decode(self, q, k, v, g, beta, scale, out, A_log, dt_bias, state_pool, state_indices,
+               num_accepted_tokens=None, cu_seqlens=None, workspace=None, stream=None):
+        """Runs fkda_decode: 1 to 16 tokens per sequence on states in a pool.
+
+        Writes `out` and updates `state_pool` in place; workspace and stream
+        as for fwd (see flashkda.decode for the arguments).
+        """
+        self._run(DECODE, (q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_indices,
+                           num_accepted_tokens, cu_seqlens),
+                  scale, workspace, stream)
+
+    def _run(self, entry, arrays, scale, workspace, stream):
+        """Launches `entry` on `arrays` (in entry.tensors' order) through this
+        thread's argument block for their layout."""
         device, signature, pointers, keep = _launch.describe(
-            _launch.producer_of(q), FWD.tensors, arrays)
+            _launch.producer_of(arrays[0]), entry.tensors, arrays)
 
         def build():
             self._live_handle()
-            views = _launch.views_by_name(FWD, arrays)
-            return _launch.ArgumentBlock(FWD, self, views, scale, _launch.placement_of(views))
+            views = _launch.views_by_name(entry, arrays)
+            return _launch.ArgumentBlock(entry, self, views, scale, _launch.placement_of(views))
 
-        block = _cached_block(_launch.thread_blocks(self._blocks), (device, scale, signature), build)
+        blocks = _launch.thread_blocks(self._blocks)
+        block = _cached_block(blocks, (entry.function, device, scale, signature), build)
         block.launch(pointers, workspace, stream)
         # `keep` holds DLPack capsules (and the like) alive up to here.
         del keep
 
+    # ----------------------------------------------------- prepared launches
+
     def prepare(self, q, k, v, g, beta, scale, out, A_log, dt_bias, initial_state=None,
-                   final_state=None, cu_seqlens=None, workspace=None, stream=None):
+                final_state=None, cu_seqlens=None, workspace=None, stream=None, *,
+                state_pool=None, state_indices=None, has_initial_state=None,
+                checkpoint_offsets=None, checkpoints=None, checkpoint_slots=None):
         """Binds fwd's arguments once and returns a callable that launches
         fkda_fwd on them with no Python work beyond the ctypes call.
 
@@ -275,55 +339,71 @@ class Plan:
         on new data. workspace: None allocates one now (as fwd does). stream:
         None reads the producer's current stream at each call, which is what
         CUDA graph capture needs (torch.cuda.graph captures on its own stream).
+        The callable is valid until the plan is closed.
         """
-        arrays = (q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state, cu_seqlens)
+        return self._prepare(FWD, (q, k, v, g, beta, A_log, dt_bias, out, initial_state,
+                                   final_state, cu_seqlens, state_pool, state_indices,
+                                   has_initial_state, checkpoint_offsets, checkpoints,
+                                   checkpoint_slots),
+                             scale, workspace, stream)
+
+    def prepare_decode(self, q, k, v, g, beta, scale, out, A_log, dt_bias, state_pool,
+                       state_indices, num_accepted_tokens=None, cu_seqlens=None,
+                       workspace=None, stream=None):
+        """prepare() for decode: a callable launching fkda_decode on bound arrays."""
+        return self._prepare(DECODE, (q, k, v, g, beta, A_log, dt_bias, out, state_pool,
+                                      state_indices, num_accepted_tokens, cu_seqlens),
+                             scale, workspace, stream)
+
+    def _prepare(self, entry, arrays, scale, workspace, stream):
         self._live_handle()
-        views = _launch.views_by_name(FWD, arrays)
-        block = _launch.ArgumentBlock(FWD, self, views, scale, _launch.placement_of(views))
+        views = _launch.views_by_name(entry, arrays)
+        block = _launch.ArgumentBlock(entry, self, views, scale, _launch.placement_of(views))
         pointers = [view.ptr for view in views.values() if view is not None]
         return _launch.Prepared(block, pointers, views, workspace, stream)
 
 
-# flashkda.fwd's argument blocks, per thread; their plans come from _plans.
-_fwd_blocks = threading.local()
+# The argument blocks of flashkda.fwd and flashkda.decode, per thread; their
+# plans come from _plans.
+_derived_blocks = threading.local()
 
 
-def _derived_block(library, arrays, scale, lower_bound):
-    """The argument block of flashkda.fwd for arrays of a layout not seen before,
-    on the shared plan their descriptor names."""
-    views = _launch.views_by_name(FWD, arrays)
-    placement = _launch.placement_of(views)
-    num_heads, state_dtype = FWD.plan_shape(views)
-    descriptor = _plans.Descriptor(
-        library=library,
-        device=placement.device,
-        num_heads=_int32("num_heads", num_heads),
-        head_dim_k=128,
-        head_dim_v=128,
-        state_dtype=int(state_dtype),
-        state_layout=int(StateLayout.VK),
-        backend=int(Backend.GPU if placement.memory == _arrays.CUDA else Backend.CPU),
-        lower_bound=_float("lower_bound", lower_bound),
-    )
-    plan = _plans.cached_plan(descriptor)
-    return _launch.ArgumentBlock(FWD, plan, views, scale, placement)
+def run_derived(entry, arrays, scale, lower_bound, null_slot_rule):
+    """Launches `entry` on a shared plan derived from the arguments: the backend
+    follows where the arrays live, heads and state dtype entry.plan_shape."""
+    library = _current_library()
+    device, signature, pointers, keep = _launch.describe(
+        _launch.producer_of(arrays[0]), entry.tensors, arrays)
+
+    def build():
+        views = _launch.views_by_name(entry, arrays)
+        placement = _launch.placement_of(views)
+        num_heads, state_dtype = entry.plan_shape(views)
+        descriptor = _plans.Descriptor(
+            library=library,
+            device=placement.device,
+            num_heads=_int32("num_heads", num_heads),
+            head_dim_k=128,
+            head_dim_v=128,
+            state_dtype=int(state_dtype),
+            state_layout=int(StateLayout.VK),
+            backend=int(Backend.GPU if placement.memory == _arrays.CUDA else Backend.CPU),
+            lower_bound=_float("lower_bound", lower_bound),
+            null_slot_rule=_enum_value("null_slot_rule", null_slot_rule, _NULL_SLOT_RULE_NAMES),
+        )
+        return _launch.ArgumentBlock(entry, _plans.cached_plan(descriptor), views, scale,
+                                     placement)
+
+    key = (entry.function, library, device, scale, lower_bound, null_slot_rule, signature)
+    block = _cached_block(_launch.thread_blocks(_derived_blocks), key, build)
+    block.launch(pointers)
+    del keep
 
 
-def fwd(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    scale,
-    out,
-    A_log,
-    dt_bias,
-    lower_bound,
-    initial_state=None,
-    final_state=None,
-    cu_seqlens=None,
-):
+def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
+        final_state=None, cu_seqlens=None, *, state_pool=None, state_indices=None,
+        has_initial_state=None, checkpoint_offsets=None, checkpoints=None,
+        checkpoint_slots=None, null_slot_rule=NullSlotRule.NEGATIVE):
     """The KDA forward pass with the arguments of FlashKDA's flash_kda.fwd.
 
     Writes `out` (and `final_state` when given) in place. Host arrays run on
@@ -333,20 +413,29 @@ def fwd(
     A_log [H] and dt_bias [H, 128] f32; states [N, H, 128, 128]; cu_seqlens
     [N + 1] int64 or int32.
 
+    States in a pool, as serving runtimes keep them:
+      state_pool         [slots, H, 128, 128] f32 or bf16, updated in place
+      state_indices      [N] int32/int64: sequence n starts from
+                         state_pool[state_indices[n]] and its final state is
+                         written back there; a null index (null_slot_rule:
+                         "negative" pads with index < 0, "nonpositive" with
+                         index <= 0, keeping slot 0 unused) makes sequence n
+                         padding, with zero output rows and no state touched
+      has_initial_state  [N] bool/int32/int64: 0 starts sequence n from zeros
+      checkpoint_offsets [N, C] int32/int64: token counts (multiples of 16,
+                         ascending, negative = none) whose states are written
+                         to checkpoints [N, C, H, 128, 128] (bf16 or f32) or
+                         to the pool slots checkpoint_slots [N, C]
+
     Plans and argument blocks are cached by the arguments' layout (shapes,
-    strides, dtypes, device), scale and lower_bound, so a repeated call costs
-    reading the data pointers, a workspace from the producer's allocator and
-    the C call.
+    strides, dtypes, device), scale, lower_bound and null_slot_rule, so a
+    repeated call costs reading the data pointers, a workspace from the
+    producer's allocator and the C call.
     """
-    arrays = (q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state, cu_seqlens)
-    device, signature, pointers, keep = _launch.describe(
-        _launch.producer_of(q), FWD.tensors, arrays)
-    library = _current_library()
-    block = _cached_block(
-        _launch.thread_blocks(_fwd_blocks), (library, device, scale, lower_bound, signature),
-        lambda: _derived_block(library, arrays, scale, lower_bound))
-    block.launch(pointers)
-    del keep
+    run_derived(FWD, (q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state,
+                      cu_seqlens, state_pool, state_indices, has_initial_state,
+                      checkpoint_offsets, checkpoints, checkpoint_slots),
+                scale, lower_bound, null_slot_rule)
 
 
 @dataclass(frozen=True)

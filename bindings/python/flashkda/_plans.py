@@ -1,6 +1,6 @@
 """Plans shared by the calls that derive them from their arguments.
 
-flashkda.fwd() needs a plan for every call; creating one costs a C call and
+flashkda.fwd() and flashkda.decode() need a plan for every call; creating one costs a C call and
 a destroy. Plans only hold configuration (their lower_bound is part of the
 key, so a shared plan is never re-bounded), and fkda_fwd on one plan from
 several threads is safe, so one plan per descriptor serves every thread.
@@ -29,6 +29,7 @@ class Descriptor:
     state_layout: int
     backend: int
     lower_bound: float
+    null_slot_rule: int
 
 
 def cached_plan(descriptor):
@@ -50,6 +51,7 @@ def cached_plan(descriptor):
                 state_layout=descriptor.state_layout,
                 backend=descriptor.backend,
                 lower_bound=descriptor.lower_bound,
+                null_slot_rule=descriptor.null_slot_rule,
                 library=descriptor.library,
             )
             if len(_plans) >= _MAX_PLANS:

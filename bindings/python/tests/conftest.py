@@ -37,8 +37,8 @@ def header_path():
 @pytest.fixture
 def block_builds(monkeypatch):
     """Counts the argument blocks built from now on, starting with no block
-    cached for flashkda.fwd (earlier tests leave theirs)."""
-    monkeypatch.setattr(_api, "_fwd_blocks", threading.local())
+    cached for flashkda.fwd and flashkda.decode (earlier tests leave theirs)."""
+    monkeypatch.setattr(_api, "_derived_blocks", threading.local())
     built = []
     original = _launch.ArgumentBlock.__init__
 

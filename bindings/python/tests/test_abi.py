@@ -29,6 +29,7 @@ _STRUCTS = {
     "fkda_tensor": _abi.FkdaTensor,
     "fkda_plan_desc": _abi.FkdaPlanDesc,
     "fkda_fwd_args": _abi.FkdaFwdArgs,
+    "fkda_decode_args": _abi.FkdaDecodeArgs,
     "fkda_device_info": _abi.FkdaDeviceInfo,
 }
 
@@ -87,6 +88,7 @@ def test_enums_match_the_header(header):
         "fkda_dtype": (_abi.Dtype, "FKDA_DTYPE_"),
         "fkda_backend": (_abi.Backend, "FKDA_BACKEND_"),
         "fkda_state_layout": (_abi.StateLayout, "FKDA_STATE_LAYOUT_"),
+        "fkda_null_slot_rule": (_abi.NullSlotRule, "FKDA_NULL_SLOT_"),
     }
     assert set(mirrors) == set(header["enums"])
     for enum_name, (mirror, prefix) in mirrors.items():
@@ -111,10 +113,14 @@ def test_init_values_follow_the_header_macros():
     assert desc.struct_size == ctypes.sizeof(_abi.FkdaPlanDesc)
     assert (desc.head_dim_k, desc.head_dim_v, desc.lower_bound) == (128, 128, -5.0)
     assert desc.state_dtype == _abi.Dtype.F32 and desc.backend == _abi.Backend.AUTO
-    args = _abi.FkdaFwdArgs.initialized()
-    assert args.struct_size == ctypes.sizeof(_abi.FkdaFwdArgs)
-    assert all(getattr(args, name).data is None and getattr(args, name).rank == 0
-               for name in _abi.FWD_TENSOR_FIELDS)
+    assert desc.null_slot_rule == _abi.NullSlotRule.NEGATIVE and desc.debug_checks == 0
+    for struct, fields in ((_abi.FkdaFwdArgs, _abi.FWD_TENSOR_FIELDS + _abi.FWD_POOL_TENSOR_FIELDS),
+                           (_abi.FkdaDecodeArgs, _abi.DECODE_TENSOR_FIELDS)):
+        args = struct.initialized()
+        assert args.struct_size == ctypes.sizeof(struct)
+        assert abs(args.scale - 128 ** -0.5) < 1e-7
+        assert all(getattr(args, name).data is None and getattr(args, name).rank == 0
+                   for name in fields)
     info = _abi.FkdaDeviceInfo.initialized()
     assert info.struct_size == ctypes.sizeof(_abi.FkdaDeviceInfo) and info.device == -1
 

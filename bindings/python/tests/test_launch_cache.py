@@ -22,7 +22,8 @@ def descriptor(**changes):
                              head_dim_k=HEAD_DIM, head_dim_v=HEAD_DIM,
                              state_dtype=int(flashkda.Dtype.F32),
                              state_layout=int(flashkda.StateLayout.VK),
-                             backend=int(flashkda.Backend.CPU), lower_bound=-4.5)
+                             backend=int(flashkda.Backend.CPU), lower_bound=-4.5,
+                             null_slot_rule=int(flashkda.NullSlotRule.NEGATIVE))
     return dataclasses.replace(base, **changes)
 
 
@@ -44,7 +45,7 @@ def test_same_descriptor_same_plan():
 @pytest.mark.parametrize("change", [
     dict(device=0), dict(num_heads=4), dict(state_dtype=int(flashkda.Dtype.BF16)),
     dict(state_layout=int(flashkda.StateLayout.KV)), dict(backend=int(flashkda.Backend.AUTO)),
-    dict(lower_bound=-1.0),
+    dict(lower_bound=-1.0), dict(null_slot_rule=int(flashkda.NullSlotRule.NONPOSITIVE)),
 ], ids=lambda change: next(iter(change)))
 def test_any_other_field_another_plan(change):
     assert _plans.cached_plan(descriptor(**change)) is not _plans.cached_plan(descriptor())
@@ -270,6 +271,27 @@ def test_prepared_launch_of_a_closed_plan(rng):
     with pytest.raises(FlashKDAError) as caught:
         launch()
     assert caught.value.message.startswith("plan:")
+
+
+def test_prepared_decode_equals_decode(rng):
+    problem = make_problem(rng, batch=3, seq_len=2, heads=2, with_initial_state=False,
+                           with_final_state=False)
+    pool = rng.standard_normal((6, 2, HEAD_DIM, HEAD_DIM)).astype(np.float32)
+    indices = np.array([4, 0, 2], dtype=np.int32)
+    arguments = dict(q=problem.q, k=problem.k, v=problem.v, g=problem.g, beta=problem.beta,
+                     scale=problem.scale, A_log=problem.A_log, dt_bias=problem.dt_bias,
+                     state_indices=indices)
+    before = pool.copy()
+    expected_pool, expected_out = pool.copy(), np.empty_like(problem.out)
+    flashkda.decode(lower_bound=problem.lower_bound, out=expected_out, state_pool=expected_pool,
+                    **arguments)
+    with flashkda.Plan(2, backend="cpu", lower_bound=problem.lower_bound) as plan:
+        launch = plan.prepare_decode(out=problem.out, state_pool=pool, **arguments)
+        problem.poison_outputs()
+        launch()
+    np.testing.assert_array_equal(problem.out, expected_out)
+    np.testing.assert_array_equal(pool, expected_pool)
+    assert not np.array_equal(pool[4], before[4]), "the step wrote no slot"
 
 
 def test_prepared_launch_reports_failures(rng):

@@ -66,11 +66,14 @@ CASES = {
 }
 
 
-def test_schema_declares_exactly_the_written_arguments():
-    schema = torch.ops.flashkda.fwd.default._schema
-    written = {argument.name for argument in schema.arguments
-               if argument.alias_info is not None and argument.alias_info.is_write}
-    assert written == {"out", "final_state"}
+@pytest.mark.parametrize("op, written", [
+    ("fwd", {"out", "final_state", "state_pool", "checkpoints"}),
+    ("decode", {"out", "state_pool"}),
+])
+def test_schema_declares_exactly_the_written_arguments(op, written):
+    schema = getattr(torch.ops.flashkda, op).default._schema
+    assert {argument.name for argument in schema.arguments
+            if argument.alias_info is not None and argument.alias_info.is_write} == written
     assert len(schema.returns) == 0
 
 
@@ -94,6 +97,59 @@ def test_op_errors_are_flashkda_errors(rng):
     with pytest.raises(flashkda.FlashKDAError) as caught:
         torch.ops.flashkda.fwd(*args, **call.kwargs())
     assert caught.value.message.startswith("k:")
+
+
+class DecodeCall:
+    """One decode step on a pool of 10 slots, as numpy arrays and as torch tensors."""
+
+    def __init__(self, rng, device):
+        problem = make_problem(rng, batch=4, seq_len=1, heads=2, with_initial_state=False,
+                               with_final_state=False)
+        self.numpy = dict(q=problem.q, k=problem.k, v=problem.v, g=problem.g, beta=problem.beta,
+                          scale=problem.scale, out=problem.out, A_log=problem.A_log,
+                          dt_bias=problem.dt_bias, lower_bound=problem.lower_bound,
+                          state_pool=rng.standard_normal((10, 2, 128, 128)).astype(np.float32),
+                          state_indices=np.array([7, -1, 2, 5], dtype=np.int64))
+        # clone(): on the CPU from_numpy shares memory, and the pool is written.
+        self.torch = {name: to_torch(value, device).clone() if isinstance(value, np.ndarray)
+                      else value for name, value in self.numpy.items()}
+
+    def expected(self):
+        """out and the pool from flashkda.decode on the numpy copies."""
+        flashkda.decode(**self.numpy)
+        return self.numpy["out"], self.numpy["state_pool"]
+
+
+def test_decode_op_equals_flashkda_decode_on_cpu(rng):
+    call = DecodeCall(rng, "cpu")
+    torch.ops.flashkda.decode(**call.torch)
+    out, pool = call.expected()
+    np.testing.assert_array_equal(to_host_bits(call.torch["out"]), out)
+    np.testing.assert_array_equal(to_host_bits(call.torch["state_pool"]), pool)
+
+
+def test_opcheck_decode_on_cpu(rng):
+    call = DecodeCall(rng, "cpu")
+    torch.library.opcheck(torch.ops.flashkda.decode.default, (), call.torch)
+
+
+def test_decode_compiles_without_graph_break_on_cpu(rng):
+    call = DecodeCall(rng, "cpu")
+
+    def step(state_pool, **arguments):
+        torch.ops.flashkda.decode(state_pool=state_pool, **arguments)
+        return arguments["out"].float() + 1.0
+
+    torch._dynamo.reset()
+    counters.clear()
+    arguments = dict(call.torch)
+    pool = arguments.pop("state_pool")
+    result = torch.compile(step, fullgraph=True, backend="aot_eager")(pool, **arguments)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    out, expected_pool = call.expected()
+    np.testing.assert_array_equal(to_host_bits(result),
+                                  flashkda.from_bf16(out).astype(np.float32) + np.float32(1.0))
+    np.testing.assert_array_equal(to_host_bits(pool), expected_pool)
 
 
 def attention_step(q, k, v, g, beta, A_log, dt_bias, initial_state):
