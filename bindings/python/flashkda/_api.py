@@ -144,8 +144,9 @@ class Plan:
     """An fkda_plan_t: configuration, backend, lower_bound and workspace sizing.
 
     Use as a context manager or call close(); a plan that is garbage collected
-    while open is destroyed then. A plan is not to be used by several threads
-    at once.
+    while open is destroyed then. fwd and decode may run on one plan from
+    several threads at once (each thread has its own argument blocks);
+    set_lower_bound and close must not overlap them.
     """
 
     def __init__(
