@@ -399,7 +399,8 @@ ServingRun run_serving_case(const ServingCase& c, const TimingOptions& options,
   size_t sets_run = 1;
   if (on_gpu) {
     static_cast<CallTimes&>(run.timing) = time_calls(call, options, raw_stream);
-    sets_run = std::min(setup.sets().size(), size_t(1 + options.warmup + options.iters));
+    // time_calls runs calls 0 .. warmup + iters - 1, after call(0) above.
+    sets_run = std::min(setup.sets().size(), size_t(std::max(1, options.warmup + options.iters)));
     const double activation_bytes =
         double(setup.activation_elems()) * 2 * 5 + double(c.total_tokens()) * double(c.H) * 2;
     run.timing.bytes_moved = c.state_bytes_moved() + activation_bytes;

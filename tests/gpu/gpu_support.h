@@ -74,12 +74,13 @@ inline std::vector<uint16_t> quick_normals(size_t count, uint64_t seed) {
   return values;
 }
 
-// A GPU plan for p's heads and gate floor with this state dtype, layout and null-slot rule.
-inline fkda_plan_t gpu_plan(const Problem& p, fkda_dtype state_dtype, fkda_state_layout layout,
-                            fkda_null_slot_rule rule = FKDA_NULL_SLOT_NEGATIVE) {
+// A plan for p's heads and gate floor with this state dtype, layout,
+// null-slot rule and backend.
+inline fkda_plan_t plan_for(const Problem& p, fkda_dtype state_dtype, fkda_state_layout layout,
+                            fkda_null_slot_rule rule, fkda_backend backend) {
   fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
   desc.num_heads = int32_t(p.H);
-  desc.backend = FKDA_BACKEND_GPU;
+  desc.backend = backend;
   desc.state_dtype = state_dtype;
   desc.state_layout = layout;
   desc.lower_bound = p.lower_bound;
@@ -87,6 +88,11 @@ inline fkda_plan_t gpu_plan(const Problem& p, fkda_dtype state_dtype, fkda_state
   fkda_plan_t plan = nullptr;
   FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
   return plan;
+}
+
+// A GPU plan for p's heads and gate floor with this state dtype and layout.
+inline fkda_plan_t gpu_plan(const Problem& p, fkda_dtype state_dtype, fkda_state_layout layout) {
+  return plan_for(p, state_dtype, layout, FKDA_NULL_SLOT_NEGATIVE, FKDA_BACKEND_GPU);
 }
 
 // p's inputs on the device and an output poisoned with bf16 NaNs (0xFFFF).
