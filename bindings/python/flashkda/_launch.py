@@ -9,7 +9,6 @@ call whose layout was seen before writes its pointers into the cached block
 and goes straight to the C function, which validates everything again.
 """
 
-import contextlib
 import ctypes
 import functools
 import sys
@@ -166,10 +165,13 @@ class _Placement:
             elif torch is not None and torch.cuda.is_available():
                 self.current_device = torch.cuda.current_device
 
+    def elsewhere(self):
+        """Whether the arrays' device is not the current one (the library
+        launches in the current context)."""
+        return self.current_device is not None and self.current_device() != self.device
+
     def device_scope(self):
-        """Makes the arrays' device current, as the library uses the current context."""
-        if self.current_device is None or self.current_device() == self.device:
-            return contextlib.nullcontext()
+        """Makes the arrays' device current for a block."""
         if self.framework == "torch" or "cupy" not in sys.modules:
             return sys.modules["torch"].cuda.device(self.device)
         return sys.modules["cupy"].cuda.Device(self.device)
@@ -278,9 +280,12 @@ class ArgumentBlock:
         owner, workspace_ptr, workspace_bytes = self._workspace(workspace)
         placement = self.placement
         stream_handle = placement.stream() if stream is None else _stream_handle(stream)
-        with placement.device_scope():
-            status = self.function(self.handle, self.args_ref, workspace_ptr, workspace_bytes,
-                                   stream_handle)
+        arguments = (self.handle, self.args_ref, workspace_ptr, workspace_bytes, stream_handle)
+        if placement.elsewhere():
+            with placement.device_scope():
+                status = self.function(*arguments)
+        else:
+            status = self.function(*arguments)
         if status:
             self.library.check(status)
         if stream is not None and workspace is None and owner is not None \
