@@ -219,3 +219,49 @@ def test_cuda_graph_replay_equals_eager(rng):
     assert torch.equal(call.out, eager_out)
     assert torch.equal(call.final_state, eager_state)
     call.check()
+
+
+def cloned(arguments):
+    return {name: value.clone() if isinstance(value, torch.Tensor) else value
+            for name, value in arguments.items()}
+
+
+@needs_cuda
+def test_decode_op_equals_flashkda_decode_on_cuda(rng):
+    call = DecodeCall(rng, "cuda")
+    reference = cloned(call.torch)
+    torch.ops.flashkda.decode(**call.torch)
+    flashkda.decode(**reference)
+    torch.cuda.synchronize()
+    assert torch.equal(call.torch["out"], reference["out"])
+    assert torch.equal(call.torch["state_pool"], reference["state_pool"])
+    assert not torch.equal(call.torch["state_pool"], to_torch(call.numpy["state_pool"], "cuda"))
+
+
+@needs_cuda
+def test_opcheck_decode_on_cuda(rng):
+    call = DecodeCall(rng, "cuda")
+    torch.library.opcheck(torch.ops.flashkda.decode.default, (), call.torch)
+
+
+@needs_cuda
+def test_prepared_decode_graph_replay_equals_eager(rng):
+    call = DecodeCall(rng, "cuda")
+    reference = cloned(call.torch)
+    arguments = dict(call.torch)
+    lower_bound = arguments.pop("lower_bound")
+    with flashkda.Plan(2, backend="gpu", lower_bound=lower_bound) as plan:
+        launch = plan.prepare_decode(**arguments)
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on a copy of the pool: replay starts from the original
+            plan.decode(**cloned(arguments))
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            launch()
+        graph.replay()
+    flashkda.decode(**reference)
+    torch.cuda.synchronize()
+    assert torch.equal(call.torch["out"], reference["out"])
+    assert torch.equal(call.torch["state_pool"], reference["state_pool"])
