@@ -8,6 +8,7 @@
 #include "cpu/cpu_backend.h"
 #include "cuda_driver.h"
 #include "error.h"
+#include "fkda_build_info.h"
 #include "flashkda.h"
 #include "gpu_backend.h"
 #include "plan.h"
@@ -141,7 +142,9 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info) {
     fkda_device_info result = FKDA_DEVICE_INFO_INIT;
     const fkda::cuda::Driver* d = fkda::cuda::driver();
     if (d == nullptr) {
+      result.driver_version = fkda::cuda::found_driver_version();
       *info = result;
+      if (fkda::cuda::driver_too_old()) fkda::fail(FKDA_ERROR_NO_DEVICE, fkda::cuda::unavailable_reason());
       return;
     }
     result.driver_loaded = 1;
@@ -174,6 +177,23 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info) {
                       "cuDeviceGetAttribute");
     fkda::cuda::check(d->cuDeviceGetName(result.name, sizeof(result.name), handle), "cuDeviceGetName");
     result.has_kernels = fkda::gpu::has_kernels_for(result.cc_major, result.cc_minor) ? 1 : 0;
+    *info = result;
+  });
+}
+
+FKDA_API fkda_status fkda_get_build_info(fkda_build_info* info) {
+  return guarded([&] {
+    require_output(info, "info");
+    if (info->struct_size != sizeof(fkda_build_info)) {
+      fkda::invalid("info: struct_size is " + std::to_string(info->struct_size) + ", expected " +
+                    std::to_string(sizeof(fkda_build_info)) + " (initialise with FKDA_BUILD_INFO_INIT)");
+    }
+    fkda_build_info result = FKDA_BUILD_INFO_INIT;
+    result.cuda_version = FKDA_BUILD_CUDA_VERSION;
+    result.min_driver_version = FKDA_BUILD_MIN_DRIVER_VERSION;
+    static_assert(sizeof(FKDA_BUILD_ARCHITECTURES) <= sizeof(result.architectures),
+                  "fkda_build_info.architectures too small for the fatbin's list");
+    std::memcpy(result.architectures, FKDA_BUILD_ARCHITECTURES, sizeof(FKDA_BUILD_ARCHITECTURES));
     *info = result;
   });
 }

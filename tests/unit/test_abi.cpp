@@ -79,7 +79,7 @@ TEST_CASE("only fkda_* symbols are exported, each under the version node FLASHKD
   for (const char* required : {"fkda_plan_create", "fkda_plan_destroy", "fkda_fwd", "fkda_set_lower_bound",
                                "fkda_get_lower_bound", "fkda_plan_workspace_size", "fkda_status_string",
                                "fkda_last_error", "fkda_version", "fkda_version_string",
-                               "fkda_query_device", "fkda_plan_get_backend"}) {
+                               "fkda_query_device", "fkda_plan_get_backend", "fkda_get_build_info"}) {
     INFO("missing export: " << required);
     CHECK(std::find(exported.begin(), exported.end(), required) != exported.end());
   }
@@ -156,6 +156,26 @@ TEST_CASE("struct layouts are frozen", "[abi]") {
   STATIC_REQUIRE(sizeof(fkda_fwd_args) == 1248);
   STATIC_REQUIRE(offsetof(fkda_device_info, name) == 36);
   STATIC_REQUIRE(sizeof(fkda_device_info) == 296);
+  STATIC_REQUIRE(offsetof(fkda_build_info, min_driver_version) == 12);
+  STATIC_REQUIRE(offsetof(fkda_build_info, architectures) == 16);
+  STATIC_REQUIRE(sizeof(fkda_build_info) == 80);
+}
+
+TEST_CASE("build info names the kernels' CUDA version, images and driver floor", "[abi]") {
+  fkda_build_info info = FKDA_BUILD_INFO_INIT;
+  REQUIRE(fkda_get_build_info(&info) == FKDA_SUCCESS);
+  CHECK(info.cuda_version >= 12000);
+  // The floor is the toolkit's CUDA major.0 (minor version compatibility).
+  CHECK(info.min_driver_version == info.cuda_version / 1000 * 1000);
+  const std::string archs = info.architectures;
+  CHECK(archs.find("sm_80") != std::string::npos);
+  CHECK(archs.find("sm_90a") != std::string::npos);
+
+  CHECK(fkda_get_build_info(nullptr) == FKDA_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(fkda_last_error()).rfind("info: ", 0) == 0);
+  info.struct_size = 8;
+  CHECK(fkda_get_build_info(&info) == FKDA_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(fkda_last_error()).find("FKDA_BUILD_INFO_INIT") != std::string::npos);
 }
 
 TEST_CASE("run-time version matches the header", "[abi]") {
