@@ -9,8 +9,10 @@ from_bf16), and ml_dtypes.bfloat16 arrays are accepted as they are.
 
 from ._abi import Backend, Dtype, StateLayout, Status
 from ._api import (
+    BuildInfo,
     DeviceInfo,
     Plan,
+    build_info,
     fwd,
     last_error,
     query_device,
@@ -26,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "BuildInfo",
     "DeviceInfo",
     "Dtype",
     "FlashKDAError",
@@ -33,6 +36,7 @@ __all__ = [
     "Plan",
     "StateLayout",
     "Status",
+    "build_info",
     "from_bf16",
     "fwd",
     "last_error",

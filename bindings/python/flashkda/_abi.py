@@ -121,6 +121,20 @@ class FkdaDeviceInfo(ctypes.Structure):
         return cls(struct_size=ctypes.sizeof(cls), device=-1)
 
 
+class FkdaBuildInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("cuda_version", ctypes.c_int32),
+        ("min_driver_version", ctypes.c_int32),
+        ("architectures", ctypes.c_char * 64),
+    ]
+
+    @classmethod
+    def initialized(cls):
+        """The values of FKDA_BUILD_INFO_INIT."""
+        return cls(struct_size=ctypes.sizeof(cls))
+
+
 plan_handle = ctypes.c_void_p
 stream_handle = ctypes.c_void_p
 
@@ -144,6 +158,7 @@ PROTOTYPES = {
         [plan_handle, ctypes.POINTER(FkdaFwdArgs), ctypes.c_void_p, ctypes.c_size_t, stream_handle],
     ),
     "fkda_query_device": (c_enum, [ctypes.c_int32, ctypes.POINTER(FkdaDeviceInfo)]),
+    "fkda_get_build_info": (c_enum, [ctypes.POINTER(FkdaBuildInfo)]),
 }
 
 

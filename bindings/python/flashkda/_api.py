@@ -6,7 +6,9 @@ import sys
 from dataclasses import dataclass
 
 from . import _arrays
-from ._abi import Backend, Dtype, FkdaDeviceInfo, FkdaFwdArgs, FkdaPlanDesc, StateLayout
+from ._abi import (
+    Backend, Dtype, FkdaBuildInfo, FkdaDeviceInfo, FkdaFwdArgs, FkdaPlanDesc, StateLayout,
+)
 from ._errors import FlashKDAError, invalid_argument
 from ._library import library, load_library
 
@@ -456,6 +458,27 @@ def query_device(device=-1):
         cc_minor=info.cc_minor,
         has_kernels=bool(info.has_kernels),
         name=info.name.decode("utf-8", "replace"),
+    )
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    """fkda_build_info in Python types; versions as cuDriverGetVersion encodes them."""
+
+    cuda_version: int
+    min_driver_version: int
+    architectures: str
+
+
+def build_info():
+    """fkda_get_build_info: the CUDA version, images and driver floor of the kernels."""
+    info = FkdaBuildInfo.initialized()
+    lib = library()
+    lib.check(lib.cdll.fkda_get_build_info(ctypes.byref(info)))
+    return BuildInfo(
+        cuda_version=info.cuda_version,
+        min_driver_version=info.min_driver_version,
+        architectures=info.architectures.decode("ascii"),
     )
 
 

@@ -185,6 +185,25 @@ pub const FKDA_DEVICE_INFO_INIT: fkda_device_info = fkda_device_info {
     name: [0; 256],
 };
 
+// ------------------------------------------------------------------- build
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct fkda_build_info {
+    pub struct_size: usize,
+    pub cuda_version: i32,
+    pub min_driver_version: i32,
+    pub architectures: [c_char; 64],
+}
+
+/// FKDA_BUILD_INFO_INIT.
+pub const FKDA_BUILD_INFO_INIT: fkda_build_info = fkda_build_info {
+    struct_size: size_of::<fkda_build_info>(),
+    cuda_version: 0,
+    min_driver_version: 0,
+    architectures: [0; 64],
+};
+
 // --------------------------------------------------------------- functions
 
 extern "C" {
@@ -214,4 +233,6 @@ extern "C" {
     ) -> fkda_status;
 
     pub fn fkda_query_device(device: i32, info: *mut fkda_device_info) -> fkda_status;
+
+    pub fn fkda_get_build_info(info: *mut fkda_build_info) -> fkda_status;
 }

@@ -512,7 +512,7 @@ fn function_signatures_match_the_header() {
 fn struct_fields_match_the_header() {
     let header = header();
     let decls = rust_decls();
-    assert_eq!(header.structs.len(), 4, "parsed structs: {:?}", header.structs.keys());
+    assert_eq!(header.structs.len(), 5, "parsed structs: {:?}", header.structs.keys());
     for (tag, c_fields) in &header.structs {
         let rust_fields = decls.structs.get(tag).unwrap_or_else(|| panic!("flashkda-sys lacks struct {tag}"));
         let rust: Vec<(String, String)> =
@@ -577,6 +577,7 @@ fn rust_layouts() -> Vec<RustLayout> {
             struct_size, driver_loaded, driver_version, device_count, device, cc_major, cc_minor,
             has_kernels, name,
         }),
+        layout!(fkda_build_info { struct_size, cuda_version, min_driver_version, architectures }),
     ]
 }
 
@@ -663,11 +664,13 @@ fn init_constants_match_the_macros() {
   fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
   fkda_fwd_args args = FKDA_FWD_ARGS_INIT;
   fkda_device_info info = FKDA_DEVICE_INFO_INIT;
+  fkda_build_info build = FKDA_BUILD_INFO_INIT;
   printf("none %d %d %d\n", none.data == NULL, none.dtype, none.rank);
   printf("desc %zu %d %d %d %d %d %d %.9g\n", desc.struct_size, desc.num_heads, desc.head_dim_k,
          desc.head_dim_v, desc.state_dtype, desc.state_layout, desc.backend, desc.lower_bound);
   printf("args %zu %d %.9g\n", args.struct_size, args.q.rank + args.cu_seqlens.rank, args.scale);
   printf("info %zu %d %d\n", info.struct_size, info.device, info.driver_loaded);
+  printf("build %zu %d %d\n", build.struct_size, build.cuda_version, build.architectures[0]);
 "#;
     let c: HashMap<String, String> = run_c_program("init", body)
         .iter()
@@ -694,4 +697,6 @@ fn init_constants_match_the_macros() {
     assert_eq!(c_args[2].parse::<f32>().unwrap(), args.scale, "FKDA_FWD_ARGS_INIT scale");
     let info = FKDA_DEVICE_INFO_INIT;
     assert_eq!(c["info"], format!("{} {} {}", info.struct_size, info.device, info.driver_loaded));
+    let build = FKDA_BUILD_INFO_INIT;
+    assert_eq!(c["build"], format!("{} {} {}", build.struct_size, build.cuda_version, build.architectures[0]));
 }

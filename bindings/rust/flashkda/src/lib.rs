@@ -641,6 +641,32 @@ pub fn query_device(device: i32) -> Result<DeviceInfo> {
     })
 }
 
+// ------------------------------------------------------------------- build
+
+/// `fkda_build_info` in Rust types; versions as `cuDriverGetVersion` encodes them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BuildInfo {
+    /// CUDA toolkit the kernels were compiled with (12.9 is 12090).
+    pub cuda_version: i32,
+    /// Oldest driver that loads them.
+    pub min_driver_version: i32,
+    /// Images in the fatbin, e.g. "sm_80 sm_90a compute_90".
+    pub architectures: String,
+}
+
+/// `fkda_get_build_info`: the CUDA version, images and driver floor of the kernels.
+pub fn build_info() -> Result<BuildInfo> {
+    let mut info = sys::FKDA_BUILD_INFO_INIT;
+    // SAFETY: valid out pointer with struct_size set.
+    check(unsafe { sys::fkda_get_build_info(&mut info) })?;
+    let bytes: Vec<u8> = info.architectures.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    Ok(BuildInfo {
+        cuda_version: info.cuda_version,
+        min_driver_version: info.min_driver_version,
+        architectures: String::from_utf8_lossy(&bytes).into_owned(),
+    })
+}
+
 /// `fkda_version()`: MAJOR * 10000 + MINOR * 100 + PATCH of the loaded library.
 pub fn version() -> u32 {
     // SAFETY: no arguments, no state.
