@@ -4,7 +4,7 @@
 // initial state in and the final state out (f32 state), run on the GPU when
 // one is usable and on the CPU reference backend otherwise. The result is
 // checked against the fp64 token-by-token recurrence and the run fails when
-// the error exceeds the f32-state accuracy targets of shared/BENCHMARKS.md.
+// the error exceeds the f32-state accuracy targets of docs/BENCHMARKS.md.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -19,8 +19,8 @@
 
 namespace {
 
-constexpr double kTargetOutRelL2 = 4.0e-3;    // BENCHMARKS.md, f32 state
-constexpr double kTargetStateRelL2 = 2.9e-3;  // BENCHMARKS.md, f32 state
+constexpr double kTargetOutRelL2 = 4.0e-3;    // docs/BENCHMARKS.md, f32 state
+constexpr double kTargetStateRelL2 = 2.9e-3;  // docs/BENCHMARKS.md, f32 state
 constexpr uint64_t kSeed = 20261130;
 
 const char* const kUsage =
@@ -193,14 +193,14 @@ int main(int argc, char** argv) {
     }
   }
 
-  // Random inputs as in BENCHMARKS.md's accuracy case: q, k, v, g, beta
+  // Random inputs as in docs/BENCHMARKS.md's accuracy case: q, k, v, g, beta
   // ~ N(0,1); A_log, dt_bias ~ U(0,1); initial state ~ 0.1 N(0,1).
-  fkda_test::ProblemShape problem_shape;
+  fkda_ref::ProblemShape problem_shape;
   problem_shape.H = 4;
   problem_shape.lengths = {300, 77, 700};
   problem_shape.with_initial_state = true;
   problem_shape.lower_bound = -5.0f;
-  const fkda_test::Problem p = fkda_test::random_problem(problem_shape, kSeed);
+  const fkda_ref::Problem p = fkda_ref::random_problem(problem_shape, kSeed);
   const int64_t N = p.num_seqs(), T = p.T, H = p.H, K = p.K, V = p.V;
 
   std::printf("libflashkda %s\n", fkda_version_string());
@@ -219,22 +219,22 @@ int main(int argc, char** argv) {
 
   Memory memory(on_gpu);
   fkda_fwd_args args = FKDA_FWD_ARGS_INIT;
-  args.q = fkda_test::tensor(memory.copy_in(p.q.data(), act_bytes), FKDA_DTYPE_BF16, act_shape);
-  args.k = fkda_test::tensor(memory.copy_in(p.k.data(), act_bytes), FKDA_DTYPE_BF16, act_shape);
-  args.v = fkda_test::tensor(memory.copy_in(p.v.data(), act_bytes), FKDA_DTYPE_BF16, act_shape);
-  args.g = fkda_test::tensor(memory.copy_in(p.g.data(), act_bytes), FKDA_DTYPE_BF16, act_shape);
-  args.beta = fkda_test::tensor(memory.copy_in(p.beta.data(), size_t(T * H) * 2),
+  args.q = fkda_ref::tensor(memory.copy_in(p.q.data(), act_bytes), FKDA_DTYPE_BF16, act_shape);
+  args.k = fkda_ref::tensor(memory.copy_in(p.k.data(), act_bytes), FKDA_DTYPE_BF16, act_shape);
+  args.v = fkda_ref::tensor(memory.copy_in(p.v.data(), act_bytes), FKDA_DTYPE_BF16, act_shape);
+  args.g = fkda_ref::tensor(memory.copy_in(p.g.data(), act_bytes), FKDA_DTYPE_BF16, act_shape);
+  args.beta = fkda_ref::tensor(memory.copy_in(p.beta.data(), size_t(T * H) * 2),
                                 FKDA_DTYPE_BF16, beta_shape);
-  args.A_log = fkda_test::tensor(memory.copy_in(p.A_log.data(), size_t(H) * 4), FKDA_DTYPE_F32, {H});
-  args.dt_bias = fkda_test::tensor(memory.copy_in(p.dt_bias.data(), size_t(H * K) * 4),
+  args.A_log = fkda_ref::tensor(memory.copy_in(p.A_log.data(), size_t(H) * 4), FKDA_DTYPE_F32, {H});
+  args.dt_bias = fkda_ref::tensor(memory.copy_in(p.dt_bias.data(), size_t(H * K) * 4),
                                    FKDA_DTYPE_F32, {H, K});
-  args.initial_state = fkda_test::tensor(memory.copy_in(p.initial_state.data(), state_bytes),
+  args.initial_state = fkda_ref::tensor(memory.copy_in(p.initial_state.data(), state_bytes),
                                          FKDA_DTYPE_F32, state_shape);
-  args.cu_seqlens = fkda_test::tensor(
+  args.cu_seqlens = fkda_ref::tensor(
       memory.copy_in(p.cu_seqlens.data(), p.cu_seqlens.size() * sizeof(int64_t)), FKDA_DTYPE_I64,
       offsets_shape);
-  args.out = fkda_test::tensor(memory.poisoned(act_bytes), FKDA_DTYPE_BF16, act_shape);
-  args.final_state = fkda_test::tensor(memory.poisoned(state_bytes), FKDA_DTYPE_F32, state_shape);
+  args.out = fkda_ref::tensor(memory.poisoned(act_bytes), FKDA_DTYPE_BF16, act_shape);
+  args.final_state = fkda_ref::tensor(memory.poisoned(state_bytes), FKDA_DTYPE_F32, state_shape);
   args.scale = p.scale;
 
   // The caller owns the workspace; the plan says how much it needs.
@@ -294,9 +294,9 @@ int main(int argc, char** argv) {
   memory.copy_out(final_state.data(), args.final_state.data, state_bytes);
   check(fkda_plan_destroy(choice.plan), "fkda_plan_destroy");
 
-  const fkda_test::Reference reference = fkda_test::reference_recurrence(p);
-  const double out_error = fkda_test::rel_l2(fkda_test::bf16_to_float(out_bits), reference.out);
-  const double state_error = fkda_test::rel_l2(final_state, reference.final_state);
+  const fkda_ref::Reference reference = fkda_ref::reference_recurrence(p);
+  const double out_error = fkda_ref::rel_l2(fkda_ref::bf16_to_float(out_bits), reference.out);
+  const double state_error = fkda_ref::rel_l2(final_state, reference.final_state);
   const bool out_ok = out_error <= kTargetOutRelL2;
   const bool state_ok = state_error <= kTargetStateRelL2;
   std::printf("relative L2 error against the fp64 recurrence:\n");

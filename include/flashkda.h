@@ -12,7 +12,10 @@
  *    that return static text or a version number. On failure,
  *    fkda_last_error() holds a thread-local message naming the argument.
  *  - Structs passed by pointer begin with `size_t struct_size`; fill them
- *    with their _INIT macro. Fields are only ever appended.
+ *    with their _INIT macro. Fields are only ever appended, and every size
+ *    from a struct's first published one up to the current one is accepted:
+ *    a program built against an older header keeps working, the fields it
+ *    does not know take their _INIT values. A larger size is rejected.
  *  - The caller owns all memory. GPU calls take workspace and stream per
  *    call, allocate nothing and never synchronise the host.
  */
@@ -23,7 +26,7 @@
 #include <stdint.h>
 
 #define FKDA_VERSION_MAJOR 0
-#define FKDA_VERSION_MINOR 1
+#define FKDA_VERSION_MINOR 2
 #define FKDA_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, the value fkda_version() returns. */
 #define FKDA_VERSION_NUMBER \
@@ -85,7 +88,8 @@ typedef enum fkda_dtype {
   FKDA_DTYPE_F16 = 2,
   FKDA_DTYPE_F32 = 3,
   FKDA_DTYPE_I32 = 4,
-  FKDA_DTYPE_I64 = 5
+  FKDA_DTYPE_I64 = 5,
+  FKDA_DTYPE_BOOL = 6 /* one byte, nonzero is true (has_initial_state) */
 } fkda_dtype;
 
 #define FKDA_MAX_RANK 6
@@ -119,6 +123,15 @@ typedef enum fkda_state_layout {
   FKDA_STATE_LAYOUT_KV = 1  /* [N, H, K, V] */
 } fkda_state_layout;
 
+/* Which slot indices of a state pool mean "no sequence here" (padding):
+ * nothing is read or written for such a sequence and its output rows are
+ * zero. Runtimes differ: some pad with -1 and use slot 0, others reserve
+ * slot 0 as the null slot. */
+typedef enum fkda_null_slot_rule {
+  FKDA_NULL_SLOT_NEGATIVE = 0,    /* index < 0 is padding; slot 0 is a real slot (default) */
+  FKDA_NULL_SLOT_NONPOSITIVE = 1  /* index <= 0 is padding; slot 0 is never touched */
+} fkda_null_slot_rule;
+
 typedef struct fkda_plan_s* fkda_plan_t;
 typedef struct CUstream_st* fkda_stream_t;
 
@@ -131,11 +144,19 @@ typedef struct fkda_plan_desc {
   int32_t state_layout; /* fkda_state_layout */
   int32_t backend;      /* fkda_backend */
   float lower_bound;    /* gate floor in [-5, 0] */
+  /* Appended in 0.2 (a desc of the 0.1 size takes the _INIT values): */
+  int32_t null_slot_rule; /* fkda_null_slot_rule for state_indices and slot tables */
+  int32_t debug_checks;   /* 1: GPU calls copy device-side indices, offsets and
+                             slot tables to the host and check them before the
+                             launch (synchronises; not for graph capture). The
+                             environment variable FKDA_DEBUG_CHECKS=1 turns it
+                             on for every plan. */
 } fkda_plan_desc;
 
 #define FKDA_PLAN_DESC_INIT                                                 \
   { sizeof(fkda_plan_desc), 0, 128, 128, FKDA_DTYPE_F32,                    \
-    FKDA_STATE_LAYOUT_VK, FKDA_BACKEND_AUTO, -5.0f }
+    FKDA_STATE_LAYOUT_VK, FKDA_BACKEND_AUTO, -5.0f,                         \
+    FKDA_NULL_SLOT_NEGATIVE, 0 }
 
 /* Validates `desc` and creates a plan. A plan is a small host object: it
  * allocates no device memory and loads nothing until its first GPU call. */
@@ -176,7 +197,34 @@ FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
  *                                     they may be the same buffer (updated in place)
  *   cu_seqlens   optional i64 or i32 [N + 1], non-decreasing, from 0 to T
  * q, k, v, g, beta, out, the states and cu_seqlens may be strided views;
- * GPU plans need device-accessible memory and 16-byte aligned rows. */
+ * GPU plans need device-accessible memory and 16-byte aligned rows.
+ *
+ * States in a pool (instead of initial_state / final_state):
+ *   state_pool         plan's state dtype, [slots, H, V, K] (or [slots, H, K, V]):
+ *                      the slot stride is free (>= H*V*K), the rest contiguous
+ *   state_indices      i32 or i64 [N]: sequence n starts from
+ *                      state_pool[state_indices[n]] and its final state is
+ *                      written back there, in place. A null index (the
+ *                      plan's null_slot_rule) makes sequence n padding: its
+ *                      output rows are zero and no state is read or written.
+ *   has_initial_state  optional bool, i32 or i64 [N], with initial_state or
+ *                      state_indices: 0 starts sequence n from zeros.
+ * Checkpoints (prefix caching): the state after given token counts of each
+ * sequence, before the final one is written:
+ *   checkpoint_offsets i32 or i64 [N, C]: token counts from the sequence's
+ *                      start, multiples of 16 in [16, length], ascending;
+ *                      a negative entry means "none" (rows may be padded).
+ *   and exactly one destination:
+ *   checkpoints        bf16 or f32 [N, C, H, V, K] (or [N, C, H, K, V]): the
+ *                      N and C strides are free, the rest contiguous; or
+ *   checkpoint_slots   i32 or i64 [N, C]: pool slots of state_pool (null
+ *                      indices are skipped).
+ * On CPU plans every index and offset is checked and a bad one is an error
+ * naming the sequence. On GPU plans they stay on the device and are not read
+ * by the host: an index outside the pool is treated as a null index, a bad
+ * checkpoint offset is skipped; nothing is ever read or written outside the
+ * tensors. Two sequences writing the same slot in one call is undefined
+ * (debug_checks reports it). */
 typedef struct fkda_fwd_args {
   size_t struct_size; /* sizeof(fkda_fwd_args) */
   fkda_tensor q;
@@ -191,13 +239,22 @@ typedef struct fkda_fwd_args {
   fkda_tensor final_state;   /* optional */
   fkda_tensor cu_seqlens;    /* optional: absent means one sequence per row */
   float scale;               /* finite; usually K^-0.5 */
+  /* Appended in 0.2 (args of the 0.1 size leave them absent): */
+  fkda_tensor state_pool;         /* optional, with state_indices or checkpoint_slots */
+  fkda_tensor state_indices;      /* optional [N] */
+  fkda_tensor has_initial_state;  /* optional [N] */
+  fkda_tensor checkpoint_offsets; /* optional [N, C] */
+  fkda_tensor checkpoints;        /* optional [N, C, H, V, K] */
+  fkda_tensor checkpoint_slots;   /* optional [N, C] */
 } fkda_fwd_args;
 
 #define FKDA_FWD_ARGS_INIT                                                   \
   { sizeof(fkda_fwd_args), FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,               \
     FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
     FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
-    FKDA_TENSOR_NONE, 0.08838834764831845f }
+    FKDA_TENSOR_NONE, 0.08838834764831845f, FKDA_TENSOR_NONE,                \
+    FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
+    FKDA_TENSOR_NONE }
 
 /* Runs the KDA forward pass. Every argument is checked before any work
  * starts. GPU plans enqueue on `stream` (NULL: the legacy default stream)
@@ -208,6 +265,71 @@ typedef struct fkda_fwd_args {
 FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args,
                               void* workspace, size_t workspace_bytes,
                               fkda_stream_t stream);
+
+/* ------------------------------------------------------------------------ */
+/* Decode (one or a few tokens per sequence, states in a pool)              */
+/* ------------------------------------------------------------------------ */
+
+/* The token-by-token recurrence for 1 to 16 tokens per sequence, on states
+ * kept in a pool and updated in place. Same gate, norms, beta and scale as
+ * fkda_fwd.
+ *   q, k, g, v, out, beta  as in fkda_fwd: batched [N, T, H, *] (T <= 16
+ *                      tokens for each of N sequences), or packed [1, T, H, *]
+ *                      with cu_seqlens (lengths 0 to 16; zero-length
+ *                      sequences are allowed and touch nothing)
+ *   A_log, dt_bias     as in fkda_fwd
+ *   state_pool         plan's state dtype, [slots, H, V, K] (or [slots, H, K, V]),
+ *                      slot stride free (>= H*V*K), the rest contiguous
+ *   state_indices      i32 or i64, [N]: start from slot state_indices[n], write
+ *                      the state after the sequence's last token back to it;
+ *                      or [N, W] (speculative verify, W >= the longest
+ *                      sequence): start from the slot in column
+ *                      num_accepted_tokens[n] - 1 and write the state after
+ *                      token t into the slot in column t (null columns are
+ *                      not written)
+ *   num_accepted_tokens optional i32 or i64 [N], in [1, W], with [N, W]
+ *                      indices only; absent means 1 (column 0)
+ *   cu_seqlens         optional i32 or i64 [N + 1]
+ * A sequence whose starting index is null (plan's null_slot_rule) is
+ * padding: output rows zero, no state read or written. On CPU plans bad
+ * indices, counts and offsets are errors naming the sequence; on GPU plans
+ * they are not read by the host and a bad one makes its sequence padding.
+ * Two sequences writing the same slot in one call is undefined. */
+typedef struct fkda_decode_args {
+  size_t struct_size; /* sizeof(fkda_decode_args) */
+  fkda_tensor q;
+  fkda_tensor k;
+  fkda_tensor v;
+  fkda_tensor g;
+  fkda_tensor beta;
+  fkda_tensor A_log;
+  fkda_tensor dt_bias;
+  fkda_tensor out;
+  fkda_tensor state_pool;
+  fkda_tensor state_indices;
+  fkda_tensor num_accepted_tokens; /* optional */
+  fkda_tensor cu_seqlens;          /* optional */
+  float scale;                     /* finite; usually K^-0.5 */
+} fkda_decode_args;
+
+#define FKDA_DECODE_ARGS_INIT                                                \
+  { sizeof(fkda_decode_args), FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,            \
+    FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
+    FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
+    FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, 0.08838834764831845f }
+
+/* Bytes of workspace fkda_decode needs for these sizes (0 today: a NULL
+ * workspace is then accepted; ask anyway, later versions may need some). */
+FKDA_API fkda_status fkda_plan_decode_workspace_size(fkda_plan_t plan,
+                                                     int64_t total_tokens,
+                                                     int64_t num_seqs,
+                                                     size_t* bytes);
+
+/* Runs the decode step. GPU plans enqueue on `stream` with no allocation and
+ * no host synchronisation (unless debug_checks is on). */
+FKDA_API fkda_status fkda_decode(fkda_plan_t plan, const fkda_decode_args* args,
+                                 void* workspace, size_t workspace_bytes,
+                                 fkda_stream_t stream);
 
 /* ------------------------------------------------------------------------ */
 /* Devices                                                                  */

@@ -7,7 +7,8 @@ are compared with the header's prototypes. Julia type aliases (`const X = Y`)
 and the package's struct mirrors are resolved; the mirrors of the header's
 structs are compared field by field, and the header's enum constants must be
 defined with the same values. Any exported fkda_* function without a ccall
-wrapper is an error.
+wrapper is an error. The header's side is the description of
+bindings/tools/fkda_header.py (which needs a C compiler: $CC, else cc).
 
     python3 bindings/julia/check_ccalls.py [--header include/flashkda.h]
                                           [--package bindings/julia/FlashKDA]
@@ -347,7 +348,7 @@ def describe(julia_types, spelling):
 
 
 def check(header_path, package_dir):
-    header = fkda_header.parse_header(header_path)
+    header = fkda_header.describe(header_path)
     julia_files = []
     for directory, _, files in os.walk(package_dir):
         for name in sorted(files):
@@ -374,58 +375,63 @@ def check(header_path, package_dir):
             continue
         if not site.name.startswith("fkda_"):
             continue  # not a libflashkda function
-        function = header.functions.get(site.name)
+        function = header["functions"].get(site.name)
         if function is None:
             problems.append(f"{site.where()}: {site.name} is not a function of the header")
             continue
         covered.add(site.name)
-        if len(site.argument_types) != len(function.params):
+        if len(site.argument_types) != len(function["params"]):
             problems.append(
                 f"{site.where()}: {site.name}: {len(site.argument_types)} arguments in the ccall, "
-                f"{len(function.params)} in the header")
+                f"{len(function['params'])} in the header")
             continue
         for index, (julia_type, name, param) in enumerate(
-                zip(site.argument_types, site.argument_names, function.params), start=1):
+                zip(site.argument_types, site.argument_names, function["params"]), start=1):
             if julia_type is None:
                 problems.append(f"{site.where()}: {site.name}: argument {index} ({name}) has no type")
                 continue
             canonical = describe(julia_types, julia_type)
-            if canonical != param.canonical:
+            c_type = fkda_header.without_const(param["canonical"])
+            if canonical != c_type:
                 problems.append(
-                    f"{site.where()}: {site.name}: argument {index} ({param.name}) is {julia_type} "
-                    f"({canonical}), the header has {param.spelling} ({param.canonical})")
+                    f"{site.where()}: {site.name}: argument {index} ({param['name']}) is {julia_type} "
+                    f"({canonical}), the header has {param['spelling']} ({c_type})")
         if site.return_type is None:
             problems.append(f"{site.where()}: {site.name}: the ccall declares no return type")
         else:
             canonical = describe(julia_types, site.return_type)
-            if canonical != function.return_canonical:
+            c_type = fkda_header.without_const(function["return"]["canonical"])
+            if canonical != c_type:
                 problems.append(
                     f"{site.where()}: {site.name}: returns {site.return_type} ({canonical}), "
-                    f"the header has {function.return_spelling} ({function.return_canonical})")
+                    f"the header has {function['return']['spelling']} ({c_type})")
 
-    for name in header.functions:
+    for name in header["functions"]:
         if name not in covered:
             problems.append(f"{name}: exported by the header but the package has no ccall wrapper for it")
 
-    for tag, c_fields in header.structs.items():
+    for tag, layout in header["structs"].items():
+        c_fields = layout["fields"]
         julia_fields = julia_types.structs.get(tag)
         if julia_fields is None:
             problems.append(f"struct {tag}: the package has no plain-field mirror of it")
             continue
         where = julia_fields[0][2] if julia_fields else "?"
         julia_names = [field for field, _, _ in julia_fields]
-        c_names = [f.name for f in c_fields]
+        c_names = [f["name"] for f in c_fields]
         if julia_names != c_names:
             problems.append(f"{where}: struct {tag}: fields {julia_names}, the header has {c_names}")
             continue
         for (field, spelling, _), c_field in zip(julia_fields, c_fields):
             canonical = describe(julia_types, spelling)
-            if canonical != c_field.canonical:
+            c_type = fkda_header.without_const(c_field["canonical"])
+            if canonical != c_type:
                 problems.append(
                     f"{where}: struct {tag}: field {field} is {spelling} ({canonical}), "
-                    f"the header has {c_field.spelling} ({c_field.canonical})")
+                    f"the header has {c_field['spelling']} ({c_type})")
 
-    for constants in header.enums.values():
+    for enum in header["enums"].values():
+        constants = enum["constants"]
         for constant, value in constants.items():
             if constant not in julia_types.constants:
                 problems.append(f"{constant}: enum constant of the header, not defined in the package")
@@ -436,7 +442,7 @@ def check(header_path, package_dir):
                 problems.append(f"{where}: {constant} = {text}, the header has {value}")
 
     summary = (f"{len(sites)} ccalls in {len(julia_files)} files; {len(covered)} of "
-               f"{len(header.functions)} header functions wrapped; {len(header.structs)} structs")
+               f"{len(header['functions'])} header functions wrapped; {len(header['structs'])} structs")
     return problems, summary
 
 

@@ -1,11 +1,12 @@
-// The CPU reference backend: the chunked algorithm of DESIGN §1 on host
-// memory, rounding where docs/NUMERICS.md says the GPU kernels round.
+// The CPU reference backend: the chunked form (docs/ARCHITECTURE.md, section
+// 2) on host memory, rounding where docs/NUMERICS.md says the GPU kernels round.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
-#include "problem.h"
+#include "decode_problem.h"
+#include "prefill_problem.h"
 
 namespace fkda::cpu {
 
@@ -18,6 +19,10 @@ size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads,
 // (16-byte aligned, at least workspace_size() bytes: checked by the caller).
 // The problem has been validated, cu_seqlens contents included. May use
 // several threads.
-void fwd(const FwdProblem& problem, void* workspace, size_t workspace_bytes);
+void fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes);
+
+// Runs the decode step on host memory, the token-by-token recurrence on the
+// pool's states in place. Indices, counts and offsets have been validated.
+void decode(const DecodeProblem& problem);
 
 }  // namespace fkda::cpu

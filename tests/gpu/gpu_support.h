@@ -27,7 +27,7 @@
       FAIL(#expr << ": " << fkda_status_string(status_) << ": " << fkda_last_error()); \
   } while (0)
 
-namespace fkda_test {
+namespace fkda_ref {
 
 class DeviceBuffer {
  public:
@@ -74,14 +74,16 @@ inline std::vector<uint16_t> quick_normals(size_t count, uint64_t seed) {
   return values;
 }
 
-// A GPU plan for p's heads and gate floor with this state dtype and layout.
-inline fkda_plan_t gpu_plan(const Problem& p, fkda_dtype state_dtype, fkda_state_layout layout) {
+// A GPU plan for p's heads and gate floor with this state dtype, layout and null-slot rule.
+inline fkda_plan_t gpu_plan(const Problem& p, fkda_dtype state_dtype, fkda_state_layout layout,
+                            fkda_null_slot_rule rule = FKDA_NULL_SLOT_NEGATIVE) {
   fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
   desc.num_heads = int32_t(p.H);
   desc.backend = FKDA_BACKEND_GPU;
   desc.state_dtype = state_dtype;
   desc.state_layout = layout;
   desc.lower_bound = p.lower_bound;
+  desc.null_slot_rule = rule;
   fkda_plan_t plan = nullptr;
   FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
   return plan;
@@ -102,4 +104,4 @@ struct DeviceProblem {
   }
 };
 
-}  // namespace fkda_test
+}  // namespace fkda_ref

@@ -18,18 +18,18 @@
 
 namespace {
 
-using fkda_test::DeviceBuffer;
+using fkda_ref::DeviceBuffer;
 
 // Runs p on the GPU with its initial state in `state`; the final state goes
 // to `final_state`, or back into `state` when final_state is null.
-std::vector<uint16_t> run(const fkda_test::Problem& p, fkda_dtype dtype, fkda_state_layout layout, DeviceBuffer& state,
+std::vector<uint16_t> run(const fkda_ref::Problem& p, fkda_dtype dtype, fkda_state_layout layout, DeviceBuffer& state,
                           DeviceBuffer* final_state) {
-  fkda_plan_t plan = fkda_test::gpu_plan(p, dtype, layout);
-  fkda_test::DeviceProblem device(p);
-  fkda_test::Buffers buffers = device.buffers();
+  fkda_plan_t plan = fkda_ref::gpu_plan(p, dtype, layout);
+  fkda_ref::DeviceProblem device(p);
+  fkda_ref::Buffers buffers = device.buffers();
   buffers.initial_state = state.get();
   buffers.final_state = final_state != nullptr ? final_state->get() : state.get();
-  const fkda_fwd_args args = fkda_test::make_args(p, buffers, dtype);
+  const fkda_fwd_args args = fkda_ref::make_args(p, buffers, dtype);
   size_t bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan, p.B * p.T, p.num_seqs(), &bytes));
   DeviceBuffer workspace(bytes);
@@ -47,16 +47,16 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
 }  // namespace
 
 TEST_CASE("the final state may overwrite the initial state in place", "[gpu][state][vsplit][window]") {
-  fkda_test::ProblemShape shape;
+  fkda_ref::ProblemShape shape;
   shape.H = 3;
   shape.lengths = {40, 0, 17, 1};
-  const fkda_test::Problem p = fkda_test::random_problem(shape, 4242);
+  const fkda_ref::Problem p = fkda_ref::random_problem(shape, 4242);
   for (fkda_state_layout layout : {FKDA_STATE_LAYOUT_VK, FKDA_STATE_LAYOUT_KV}) {
     for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
       CAPTURE(layout, dtype);
       std::vector<float> initial_f32 = p.initial_state;
       std::vector<uint16_t> initial_bf16;
-      for (float x : initial_f32) initial_bf16.push_back(fkda_test::to_bf16(x));
+      for (float x : initial_f32) initial_bf16.push_back(fkda_ref::to_bf16(x));
       const bool f32 = dtype == FKDA_DTYPE_F32;
 
       DeviceBuffer separate_in = f32 ? DeviceBuffer(initial_f32) : DeviceBuffer(initial_bf16);

@@ -14,7 +14,7 @@
 
 namespace {
 
-using fkda_test::DeviceBuffer;
+using fkda_ref::DeviceBuffer;
 
 constexpr int64_t kB = 1, kT = 40, kH = 2, kD = 128;
 
@@ -39,14 +39,14 @@ struct DeviceCall {
     REQUIRE(cudaMemset(beta.get(), 0x3c, size_t(kB * kT * kH) * 2) == cudaSuccess);
     REQUIRE(cudaMemset(A_log.get(), 0, kH * 4) == cudaSuccess);
     REQUIRE(cudaMemset(dt_bias.get(), 0, kH * kD * 4) == cudaSuccess);
-    args.q = fkda_test::tensor(q.get(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
-    args.k = fkda_test::tensor(k.get(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
-    args.v = fkda_test::tensor(v.get(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
-    args.g = fkda_test::tensor(g.get(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
-    args.out = fkda_test::tensor(out.get(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
-    args.beta = fkda_test::tensor(beta.get(), FKDA_DTYPE_BF16, {kB, kT, kH});
-    args.A_log = fkda_test::tensor(A_log.get(), FKDA_DTYPE_F32, {kH});
-    args.dt_bias = fkda_test::tensor(dt_bias.get(), FKDA_DTYPE_F32, {kH, kD});
+    args.q = fkda_ref::tensor(q.get(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    args.k = fkda_ref::tensor(k.get(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    args.v = fkda_ref::tensor(v.get(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    args.g = fkda_ref::tensor(g.get(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    args.out = fkda_ref::tensor(out.get(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    args.beta = fkda_ref::tensor(beta.get(), FKDA_DTYPE_BF16, {kB, kT, kH});
+    args.A_log = fkda_ref::tensor(A_log.get(), FKDA_DTYPE_F32, {kH});
+    args.dt_bias = fkda_ref::tensor(dt_bias.get(), FKDA_DTYPE_F32, {kH, kD});
   }
 };
 

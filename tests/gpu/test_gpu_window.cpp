@@ -1,6 +1,6 @@
 // The GPU backend processes the chunk slots of a call in windows, so that its
 // workspace holds one window's records plus an f32 state carry per window
-// boundary (kernels/kda_params.h, src/gpu_backend.cpp). Windows must change
+// boundary (kernels/prefill_params.h, src/gpu/gpu_backend.cpp). Windows must change
 // no bit of the result. Here: the workspace sizes the window rule gives, and
 // a problem large enough to need several windows by default against its
 // sequences run one call each (one window each), compared bit for bit.
@@ -24,9 +24,9 @@
 
 namespace {
 
-using fkda_test::DeviceBuffer;
+using fkda_ref::DeviceBuffer;
 
-// The record and carry sizes of kernels/kda_params.h.
+// The record and carry sizes of kernels/prefill_params.h.
 constexpr int64_t kRecordBytes = 13824;
 constexpr int64_t kCarryBytesPerHead = 128 * 128 * 4;
 
@@ -59,15 +59,15 @@ struct Run {
 
 // p on the GPU with initial and final state in `dtype` (V-first); the
 // initial state is given in that dtype's bytes.
-Run run_gpu(const fkda_test::Problem& p, fkda_dtype dtype, const std::vector<unsigned char>& initial) {
-  fkda_plan_t plan = fkda_test::gpu_plan(p, dtype, FKDA_STATE_LAYOUT_VK);
-  fkda_test::DeviceProblem device(p);
+Run run_gpu(const fkda_ref::Problem& p, fkda_dtype dtype, const std::vector<unsigned char>& initial) {
+  fkda_plan_t plan = fkda_ref::gpu_plan(p, dtype, FKDA_STATE_LAYOUT_VK);
+  fkda_ref::DeviceProblem device(p);
   DeviceBuffer initial_state(initial), final_state(initial.size());
   CUDA_REQUIRE(cudaMemset(final_state.get(), 0xFF, final_state.bytes()));
-  fkda_test::Buffers buffers = device.buffers();
+  fkda_ref::Buffers buffers = device.buffers();
   buffers.initial_state = initial_state.get();
   buffers.final_state = final_state.get();
-  const fkda_fwd_args args = fkda_test::make_args(p, buffers, dtype);
+  const fkda_fwd_args args = fkda_ref::make_args(p, buffers, dtype);
   size_t bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan, p.B * p.T, p.num_seqs(), &bytes));
   DeviceBuffer workspace(bytes);
@@ -81,13 +81,13 @@ Run run_gpu(const fkda_test::Problem& p, fkda_dtype dtype, const std::vector<uns
 }  // namespace
 
 TEST_CASE("window: workspace sizes of the window rule", "[gpu][window]") {
-  // src/gpu_backend.cpp: windows of at most 256 MiB of records unless 160
+  // src/gpu/gpu_backend.cpp: windows of at most 256 MiB of records unless 160
   // slots per sequence need more, as few as that allows, of equal slot
   // counts; FKDA_WINDOW_SLOTS sets the slots per window instead.
   struct Shape {
     int64_t tokens, seqs, heads, windows;  // windows: the count without FKDA_WINDOW_SLOTS
   };
-  // BENCHMARKS.md's P1, P2, P5, P7 (as 6 sequences of its total), P8 and
+  // docs/BENCHMARKS.md's P1, P2, P5, P7 (as 6 sequences of its total), P8 and
   // P10, a long varlen call, and a call without tokens.
   const std::vector<Shape> shapes = {{8192, 1, 96, 3},  {8192, 1, 64, 2},  {32768, 1, 8, 1},  {8192, 6, 96, 1},
                                      {8192, 8, 96, 1},  {512, 1, 32, 1},   {65536, 4, 96, 7}, {0, 3, 4, 1}};
@@ -108,7 +108,7 @@ TEST_CASE("window: workspace sizes of the window rule", "[gpu][window]") {
     const size_t bytes = gpu_workspace(s.heads, s.tokens, s.seqs);
     CHECK(int64_t(bytes) == per_window * s.heads * kRecordBytes + (windows - 1) * s.heads * kCarryBytesPerHead);
   }
-  // shared/BENCHMARKS.md's memory target for P1 (682 MB in one window).
+  // docs/BENCHMARKS.md's memory target for P1 (682 MB in one window).
   if (forced == 0) CHECK(gpu_workspace(96, 8192, 1) <= size_t(340) * 1000 * 1000);
 }
 
@@ -118,20 +118,20 @@ TEST_CASE("window: several windows give the bits of one window per sequence", "[
   // the boundary. Each sequence alone fits one window. With 3 sequences or
   // 1 the V split is the same (N * H <= 33), so only the windows differ.
   const std::vector<int64_t> lengths = {10000, 25000, 5000};
-  fkda_test::Problem p;
+  fkda_ref::Problem p;
   p.H = 8;
   p.cu_seqlens = {0};
   for (int64_t len : lengths) p.cu_seqlens.push_back(p.cu_seqlens.back() + len);
   p.T = p.cu_seqlens.back();
   const size_t token_elems = size_t(p.H * 128);
-  p.q = fkda_test::quick_normals(size_t(p.T) * token_elems, 1);
-  p.k = fkda_test::quick_normals(size_t(p.T) * token_elems, 2);
-  p.v = fkda_test::quick_normals(size_t(p.T) * token_elems, 3);
-  p.g = fkda_test::quick_normals(size_t(p.T) * token_elems, 4);
-  p.beta = fkda_test::quick_normals(size_t(p.T * p.H), 5);
+  p.q = fkda_ref::quick_normals(size_t(p.T) * token_elems, 1);
+  p.k = fkda_ref::quick_normals(size_t(p.T) * token_elems, 2);
+  p.v = fkda_ref::quick_normals(size_t(p.T) * token_elems, 3);
+  p.g = fkda_ref::quick_normals(size_t(p.T) * token_elems, 4);
+  p.beta = fkda_ref::quick_normals(size_t(p.T * p.H), 5);
   for (int64_t i = 0; i < p.H; ++i) p.A_log.push_back(float(i + 1) / float(p.H + 1));
   for (int64_t i = 0; i < p.H * 128; ++i) p.dt_bias.push_back(float((i * 2654435761u) % 1000) / 1000.0f);
-  const std::vector<uint16_t> state_normals = fkda_test::quick_normals(size_t(p.state_elems()), 6);
+  const std::vector<uint16_t> state_normals = fkda_ref::quick_normals(size_t(p.state_elems()), 6);
   const size_t matrices = size_t(p.H) * 128 * 128;  // state elements of one sequence
   if (forced_window_slots() == 0) {
     REQUIRE(gpu_workspace(p.H, p.T, p.num_seqs()) < size_t(total_slots(p.T, 3) * p.H * kRecordBytes));
@@ -142,11 +142,11 @@ TEST_CASE("window: several windows give the bits of one window per sequence", "[
     const size_t width = dtype == FKDA_DTYPE_F32 ? 4 : 2;
     std::vector<unsigned char> initial(state_normals.size() * width);
     for (size_t i = 0; i < state_normals.size(); ++i) {
-      const float x = 0.1f * fkda_test::from_bf16(state_normals[i]);
+      const float x = 0.1f * fkda_ref::from_bf16(state_normals[i]);
       if (dtype == FKDA_DTYPE_F32) {
         std::memcpy(&initial[4 * i], &x, 4);
       } else {
-        const uint16_t bits = fkda_test::to_bf16(x);
+        const uint16_t bits = fkda_ref::to_bf16(x);
         std::memcpy(&initial[2 * i], &bits, 2);
       }
     }
@@ -156,7 +156,7 @@ TEST_CASE("window: several windows give the bits of one window per sequence", "[
     for (size_t n = 0; n < lengths.size(); ++n) {
       CAPTURE(n);
       const int64_t begin = p.cu_seqlens[n], len = lengths[n];
-      fkda_test::Problem alone = p;
+      fkda_ref::Problem alone = p;
       alone.cu_seqlens.clear();
       alone.T = len;
       auto slice = [&](const std::vector<uint16_t>& x, size_t per_token) {

@@ -24,7 +24,7 @@
 
 namespace {
 
-using namespace fkda_test;
+using namespace fkda_ref;
 
 constexpr uint16_t kPoisonBf16 = 0xFFFF;  // a NaN
 constexpr unsigned char kPoisonByte = 0xFF;  // 0xFFFFFFFF is an f32 NaN, 0xFFFF a bf16 NaN
@@ -79,7 +79,7 @@ int sm_count() {
   return count;
 }
 
-// The V split the library picks (src/gpu_backend.cpp), for the report.
+// The V split the library picks (src/gpu/gpu_backend.cpp), for the report.
 int expected_vsplit(int64_t seqs_times_heads) {
   if (const char* forced = std::getenv("FKDA_VSPLIT")) {
     const int value = std::atoi(forced);
@@ -573,7 +573,7 @@ TEST_CASE("prefill: strided activations and offsets", "[gpu][vsplit][window]") {
 }
 
 TEST_CASE("prefill: shapes that reach every V split", "[gpu]") {
-  // N * H against 2 * SMs picks the split (src/gpu_backend.cpp); these
+  // N * H against 2 * SMs picks the split (src/gpu/gpu_backend.cpp); these
   // products land on 8, 4, 2 and 1 for any GPU with 64 to 200 SMs.
   const int sms = sm_count();
   struct Shape {

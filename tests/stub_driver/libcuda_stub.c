@@ -126,6 +126,8 @@ static const struct entry entries[] = {
     {"cuKernelSetAttribute", (void*)stub_unreached},
     {"cuLaunchKernel", (void*)stub_unreached},
     {"cuStreamGetCtx", (void*)stub_unreached},
+    {"cuStreamSynchronize", (void*)stub_unreached},
+    {"cuMemcpyDtoH", (void*)stub_unreached},
 };
 
 STUB_API CUresult cuGetProcAddress_v2(const char* symbol, void** address, int version, cuuint64_t flags,

@@ -147,13 +147,22 @@ TEST_CASE("struct layouts are frozen", "[abi]") {
   STATIC_REQUIRE(offsetof(fkda_tensor, rank) == 12);
   STATIC_REQUIRE(offsetof(fkda_tensor, shape) == 16);
   STATIC_REQUIRE(offsetof(fkda_tensor, strides) == 64);
-  STATIC_REQUIRE(sizeof(fkda_plan_desc) == 40);
+  // 0.1 ended fkda_plan_desc after lower_bound and fkda_fwd_args after
+  // scale: those prefixes never move; 0.2 appended after them.
   STATIC_REQUIRE(offsetof(fkda_plan_desc, num_heads) == 8);
   STATIC_REQUIRE(offsetof(fkda_plan_desc, lower_bound) == 32);
+  STATIC_REQUIRE(offsetof(fkda_plan_desc, null_slot_rule) == 36);
+  STATIC_REQUIRE(offsetof(fkda_plan_desc, debug_checks) == 40);
+  STATIC_REQUIRE(sizeof(fkda_plan_desc) == 48);
   STATIC_REQUIRE(offsetof(fkda_fwd_args, q) == 8);
   STATIC_REQUIRE(offsetof(fkda_fwd_args, cu_seqlens) == 8 + 10 * 112);
   STATIC_REQUIRE(offsetof(fkda_fwd_args, scale) == 8 + 11 * 112);
-  STATIC_REQUIRE(sizeof(fkda_fwd_args) == 1248);
+  STATIC_REQUIRE(offsetof(fkda_fwd_args, state_pool) == 1248);
+  STATIC_REQUIRE(offsetof(fkda_fwd_args, checkpoint_slots) == 1248 + 5 * 112);
+  STATIC_REQUIRE(sizeof(fkda_fwd_args) == 1248 + 6 * 112);
+  STATIC_REQUIRE(offsetof(fkda_decode_args, cu_seqlens) == 8 + 11 * 112);
+  STATIC_REQUIRE(offsetof(fkda_decode_args, scale) == 8 + 12 * 112);
+  STATIC_REQUIRE(sizeof(fkda_decode_args) == 8 + 12 * 112 + 8);
   STATIC_REQUIRE(offsetof(fkda_device_info, name) == 36);
   STATIC_REQUIRE(sizeof(fkda_device_info) == 296);
   STATIC_REQUIRE(offsetof(fkda_build_info, min_driver_version) == 12);

@@ -11,7 +11,7 @@
 
 namespace {
 
-using namespace fkda_test;
+using namespace fkda_ref;
 
 // Beta and gate logits this far out saturate sigmoid to exactly 0 or 1 in fp64.
 const uint16_t kHugeNegative = to_bf16(-1e4f);

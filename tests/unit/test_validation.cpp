@@ -30,12 +30,12 @@ struct Fixture {
 
   Fixture() {
     const size_t act = kB * kT * kH * kD;
-    q.assign(act, fkda_test::to_bf16(0.5f));
-    k.assign(act, fkda_test::to_bf16(-0.25f));
-    v.assign(act, fkda_test::to_bf16(1.5f));
-    g.assign(act, fkda_test::to_bf16(0.75f));
+    q.assign(act, fkda_ref::to_bf16(0.5f));
+    k.assign(act, fkda_ref::to_bf16(-0.25f));
+    v.assign(act, fkda_ref::to_bf16(1.5f));
+    g.assign(act, fkda_ref::to_bf16(0.75f));
     out.assign(act, 0xFFFF);
-    beta.assign(kB * kT * kH, fkda_test::to_bf16(0.3f));
+    beta.assign(kB * kT * kH, fkda_ref::to_bf16(0.3f));
     A_log.assign(kH, 0.2f);
     dt_bias.assign(kH * kD, 0.1f);
     initial_state.assign(3 * kH * kD * kD, 0.01f);
@@ -52,16 +52,16 @@ struct Fixture {
 
   fkda_fwd_args batched() {
     fkda_fwd_args a = FKDA_FWD_ARGS_INIT;
-    a.q = fkda_test::tensor(q.data(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
-    a.k = fkda_test::tensor(k.data(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
-    a.v = fkda_test::tensor(v.data(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
-    a.g = fkda_test::tensor(g.data(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
-    a.beta = fkda_test::tensor(beta.data(), FKDA_DTYPE_BF16, {kB, kT, kH});
-    a.A_log = fkda_test::tensor(A_log.data(), FKDA_DTYPE_F32, {kH});
-    a.dt_bias = fkda_test::tensor(dt_bias.data(), FKDA_DTYPE_F32, {kH, kD});
-    a.out = fkda_test::tensor(out.data(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
-    a.initial_state = fkda_test::tensor(initial_state.data(), FKDA_DTYPE_F32, {kB, kH, kD, kD});
-    a.final_state = fkda_test::tensor(final_state.data(), FKDA_DTYPE_F32, {kB, kH, kD, kD});
+    a.q = fkda_ref::tensor(q.data(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    a.k = fkda_ref::tensor(k.data(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    a.v = fkda_ref::tensor(v.data(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    a.g = fkda_ref::tensor(g.data(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    a.beta = fkda_ref::tensor(beta.data(), FKDA_DTYPE_BF16, {kB, kT, kH});
+    a.A_log = fkda_ref::tensor(A_log.data(), FKDA_DTYPE_F32, {kH});
+    a.dt_bias = fkda_ref::tensor(dt_bias.data(), FKDA_DTYPE_F32, {kH, kD});
+    a.out = fkda_ref::tensor(out.data(), FKDA_DTYPE_BF16, {kB, kT, kH, kD});
+    a.initial_state = fkda_ref::tensor(initial_state.data(), FKDA_DTYPE_F32, {kB, kH, kD, kD});
+    a.final_state = fkda_ref::tensor(final_state.data(), FKDA_DTYPE_F32, {kB, kH, kD, kD});
     a.scale = 0.1f;
     return a;
   }
@@ -69,12 +69,12 @@ struct Fixture {
   fkda_fwd_args varlen() {
     fkda_fwd_args a = batched();
     for (fkda_tensor* t : {&a.q, &a.k, &a.v, &a.g, &a.out}) {
-      *t = fkda_test::tensor(t->data, FKDA_DTYPE_BF16, {1, kB * kT, kH, kD});
+      *t = fkda_ref::tensor(t->data, FKDA_DTYPE_BF16, {1, kB * kT, kH, kD});
     }
-    a.beta = fkda_test::tensor(beta.data(), FKDA_DTYPE_BF16, {1, kB * kT, kH});
-    a.initial_state = fkda_test::tensor(initial_state.data(), FKDA_DTYPE_F32, {3, kH, kD, kD});
-    a.final_state = fkda_test::tensor(final_state.data(), FKDA_DTYPE_F32, {3, kH, kD, kD});
-    a.cu_seqlens = fkda_test::tensor(cu_seqlens.data(), FKDA_DTYPE_I64, {4});
+    a.beta = fkda_ref::tensor(beta.data(), FKDA_DTYPE_BF16, {1, kB * kT, kH});
+    a.initial_state = fkda_ref::tensor(initial_state.data(), FKDA_DTYPE_F32, {3, kH, kD, kD});
+    a.final_state = fkda_ref::tensor(final_state.data(), FKDA_DTYPE_F32, {3, kH, kD, kD});
+    a.cu_seqlens = fkda_ref::tensor(cu_seqlens.data(), FKDA_DTYPE_I64, {4});
     return a;
   }
 
@@ -140,7 +140,7 @@ std::vector<BadCall> bad_fwd_calls() {
       {"final_state rank 3", [](fkda_fwd_args& a, Fixture&) { a.final_state.rank = 3; }, BAD, "final_state: expected rank 4, got 3"},
       {"scale NaN", [](fkda_fwd_args& a, Fixture&) { a.scale = kNaN; }, BAD, "scale: must be finite"},
       {"scale infinite", [](fkda_fwd_args& a, Fixture&) { a.scale = -kInf; }, BAD, "scale: must be finite"},
-      {"cu_seqlens with B = 2", [](fkda_fwd_args& a, Fixture& f) { a.cu_seqlens = fkda_test::tensor(f.cu_seqlens.data(), FKDA_DTYPE_I64, {4}); }, BAD, "cu_seqlens: varlen input packs all sequences into one row, so q's batch size must be 1, got 2"},
+      {"cu_seqlens with B = 2", [](fkda_fwd_args& a, Fixture& f) { a.cu_seqlens = fkda_ref::tensor(f.cu_seqlens.data(), FKDA_DTYPE_I64, {4}); }, BAD, "cu_seqlens: varlen input packs all sequences into one row, so q's batch size must be 1, got 2"},
       {"cu_seqlens f32", [](fkda_fwd_args& a, Fixture&) { a.cu_seqlens.dtype = FKDA_DTYPE_F32; }, BAD, "cu_seqlens: expected dtype i64 or i32, got f32", true},
       {"cu_seqlens rank 2", [](fkda_fwd_args& a, Fixture&) { a.cu_seqlens.rank = 2; a.cu_seqlens.shape[1] = 1; }, BAD, "cu_seqlens: expected rank 1, got 2", true},
       {"cu_seqlens one offset", [](fkda_fwd_args& a, Fixture&) { a.cu_seqlens.shape[0] = 1; }, BAD, "cu_seqlens: needs N + 1 >= 2 offsets, got 1", true},

@@ -34,7 +34,7 @@ end
 
 num_seqs(p::Problem) = p.cu_seqlens === nothing ? size(p.q, 4) : length(p.cu_seqlens) - 1
 
-# Inputs as in BENCHMARKS.md: q, k, v, g, beta ~ N(0, 1) in bf16; A_log,
+# Inputs as in docs/BENCHMARKS.md: q, k, v, g, beta ~ N(0, 1) in bf16; A_log,
 # dt_bias ~ U(0, 1); initial state ~ 0.1 N(0, 1).
 function make_problem(rng; batch=1, seq_len=40, heads=2, seq_lens=nothing, with_state=true,
                       lower_bound=-5.0f0)

@@ -1,17 +1,20 @@
 //! flashkda-sys against include/flashkda.h.
 //!
-//! The header and this crate's src/lib.rs are both parsed (a small parser of
-//! exactly the constructs they use), and every function, struct field, enum
-//! constant and define is compared after reducing types to a canonical form:
+//! The header's side is the JSON description of bindings/tools/fkda_header.py
+//! (declarations, and the sizes, offsets and _INIT values a C compiler
+//! reports); this crate's src/lib.rs is parsed (a small parser of exactly
+//! the constructs it uses). Every function, struct field, enum constant and
+//! define is compared after reducing types to the tool's canonical form:
 //! `i32`, `usize`, `char`, `void`, `ptr(T)` (mutable pointee), `cptr(T)`
-//! (const pointee), `struct TAG`, `array(T,N)`. Struct sizes, field offsets
-//! and the _INIT macros are compared with what a C compiler reports.
+//! (const pointee), `struct TAG`, `array(T,N)`.
 //!
-//! FLASHKDA_INCLUDE_DIR overrides where the header is read from; CC the C
-//! compiler (default `cc`).
+//! FLASHKDA_INCLUDE_DIR overrides where the header is read from; PYTHON the
+//! interpreter that runs the tool (default `python3`); CC the C compiler it
+//! uses (default `cc`).
 
 use flashkda_sys::*;
 use std::collections::{BTreeMap, HashMap};
+use std::ffi::c_char;
 use std::mem::{size_of, MaybeUninit};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -89,199 +92,6 @@ fn parse_integer(text: &str) -> Option<i64> {
     }
 }
 
-fn wrap_pointers(mut canonical: String, depth: usize, const_pointee: bool) -> String {
-    for level in 0..depth {
-        canonical = if level == 0 && const_pointee {
-            format!("cptr({canonical})")
-        } else {
-            format!("ptr({canonical})")
-        };
-    }
-    canonical
-}
-
-// ------------------------------------------------------------------ header
-
-#[derive(Default)]
-struct CHeader {
-    defines: HashMap<String, i64>,
-    enums: BTreeMap<String, Vec<(String, i64)>>,
-    struct_typedefs: HashMap<String, String>,
-    pointer_typedefs: HashMap<String, String>,
-    structs: BTreeMap<String, Vec<(String, String)>>,
-    functions: BTreeMap<String, (String, Vec<(String, String)>)>,
-}
-
-/// Keeps the declarations a C99 compiler outside C++ and Windows would see,
-/// and collects integer #defines.
-fn preprocess(text: &str) -> (String, HashMap<String, i64>) {
-    let text = strip_comments(text).replace("\\\n", " ");
-    let mut defines = HashMap::new();
-    let mut kept = String::new();
-    let mut stack: Vec<(bool, bool)> = Vec::new(); // (branch active, some branch taken)
-    let holds = |condition: &str| !condition.contains("__cplusplus") && !condition.contains("_WIN32");
-    for line in text.lines() {
-        let trimmed = line.trim();
-        let Some(directive) = trimmed.strip_prefix('#') else {
-            if stack.iter().all(|&(active, _)| active) {
-                kept.push_str(line);
-                kept.push('\n');
-            }
-            continue;
-        };
-        let directive = directive.trim();
-        let (keyword, rest) = directive.split_once(char::is_whitespace).unwrap_or((directive, ""));
-        match keyword {
-            "if" | "ifdef" | "ifndef" => {
-                let h = holds(rest);
-                stack.push((h, h));
-            }
-            "elif" => {
-                let (_, taken) = stack.pop().expect("#elif without #if");
-                let h = !taken && holds(rest);
-                stack.push((h, taken || h));
-            }
-            "else" => {
-                let (_, taken) = stack.pop().expect("#else without #if");
-                stack.push((!taken, true));
-            }
-            "endif" => {
-                stack.pop().expect("#endif without #if");
-            }
-            "define" if stack.iter().all(|&(active, _)| active) => {
-                let mut parts = rest.split_whitespace();
-                if let (Some(name), Some(value), None) = (parts.next(), parts.next(), parts.next()) {
-                    if let Some(number) = parse_integer(value) {
-                        defines.insert(name.to_string(), number);
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
-    (kept, defines)
-}
-
-impl CHeader {
-    fn parse(path: &Path) -> CHeader {
-        let source = std::fs::read_to_string(path)
-            .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-        let (text, defines) = preprocess(&source);
-        let tokens = tokenize(&text);
-        let mut header = CHeader { defines, ..CHeader::default() };
-        // Struct typedef names first: fields and prototypes refer to them.
-        for i in 0..tokens.len() {
-            if tokens[i] == "typedef" && tokens.get(i + 1).map(String::as_str) == Some("struct") {
-                let tag = tokens[i + 2].clone();
-                if tokens[i + 3] == "*" {
-                    header.pointer_typedefs.insert(tokens[i + 4].clone(), tag);
-                } else if tokens[i + 3] == "{" {
-                    let close = find_closing(&tokens, i + 3);
-                    header.struct_typedefs.insert(tokens[close + 1].clone(), tag);
-                }
-            }
-            if tokens[i] == "typedef" && tokens.get(i + 1).map(String::as_str) == Some("enum") {
-                let open = (i..).find(|&j| tokens[j] == "{").unwrap();
-                let close = find_closing(&tokens, open);
-                let mut constants = Vec::new();
-                let mut next_value = 0;
-                for item in tokens[open + 1..close].split(|t| t == ",") {
-                    if item.is_empty() {
-                        continue;
-                    }
-                    let value = if item.len() >= 3 && item[1] == "=" {
-                        let joined: String = item[2..].concat();
-                        parse_integer(&joined).expect("enum value")
-                    } else {
-                        next_value
-                    };
-                    constants.push((item[0].clone(), value));
-                    next_value = value + 1;
-                }
-                header.enums.insert(tokens[close + 1].clone(), constants);
-            }
-        }
-        let mut i = 0;
-        while i < tokens.len() {
-            if tokens[i] == "typedef" && tokens[i + 1] == "struct" && tokens[i + 3] == "{" {
-                let tag = tokens[i + 2].clone();
-                let close = find_closing(&tokens, i + 3);
-                let mut fields = Vec::new();
-                for declaration in tokens[i + 4..close].split(|t| t == ";") {
-                    if declaration.is_empty() {
-                        continue;
-                    }
-                    let (type_tokens, name, extent) = split_declaration(declaration, &header.defines);
-                    let mut canonical = header.canonical(type_tokens);
-                    if let Some(extent) = extent {
-                        canonical = format!("array({canonical},{extent})");
-                    }
-                    fields.push((name.expect("field name"), canonical));
-                }
-                header.structs.insert(tag, fields);
-                i = close;
-            } else if tokens[i] == "FKDA_API" {
-                let open = (i..).find(|&j| tokens[j] == "(").unwrap();
-                let close = find_closing(&tokens, open);
-                let name = tokens[open - 1].clone();
-                let return_canonical = header.canonical(&tokens[i + 1..open - 1]);
-                let mut params = Vec::new();
-                let inner = &tokens[open + 1..close];
-                if !(inner.is_empty() || inner == ["void"]) {
-                    for param in inner.split(|t| t == ",") {
-                        let (type_tokens, param_name, _) = split_declaration(param, &header.defines);
-                        params.push((param_name.unwrap_or_default(), header.canonical(type_tokens)));
-                    }
-                }
-                header.functions.insert(name, (return_canonical, params));
-                i = close;
-            }
-            i += 1;
-        }
-        header
-    }
-
-    fn canonical(&self, tokens: &[String]) -> String {
-        let first_star = tokens.iter().position(|t| t == "*");
-        let const_pointee = tokens
-            .iter()
-            .position(|t| t == "const")
-            .is_some_and(|c| first_star.is_some_and(|s| c < s));
-        let depth = tokens.iter().filter(|t| *t == "*").count();
-        let base: Vec<&str> = tokens
-            .iter()
-            .map(String::as_str)
-            .filter(|t| !matches!(*t, "const" | "struct" | "enum" | "*"))
-            .collect();
-        let base = base.join(" ");
-        let resolved = match base.as_str() {
-            "void" => "void".to_string(),
-            "char" => "char".to_string(),
-            "int" | "int32_t" => "i32".to_string(),
-            "unsigned" | "unsigned int" | "uint32_t" => "u32".to_string(),
-            "int64_t" => "i64".to_string(),
-            "uint64_t" => "u64".to_string(),
-            "int16_t" => "i16".to_string(),
-            "uint16_t" => "u16".to_string(),
-            "int8_t" => "i8".to_string(),
-            "uint8_t" => "u8".to_string(),
-            "size_t" => "usize".to_string(),
-            "float" => "f32".to_string(),
-            "double" => "f64".to_string(),
-            other if self.enums.contains_key(other) => "i32".to_string(),
-            other if self.struct_typedefs.contains_key(other) => {
-                format!("struct {}", self.struct_typedefs[other])
-            }
-            other if self.pointer_typedefs.contains_key(other) => {
-                format!("ptr(struct {})", self.pointer_typedefs[other])
-            }
-            other if tokens.iter().any(|t| t == "struct") => format!("struct {other}"),
-            other => panic!("unknown C type '{other}' in {tokens:?}"),
-        };
-        wrap_pointers(resolved, depth, const_pointee)
-    }
-}
-
 fn find_closing(tokens: &[String], open: usize) -> usize {
     let (opening, closing) = match tokens[open].as_str() {
         "{" => ("{", "}"),
@@ -302,29 +112,6 @@ fn find_closing(tokens: &[String], open: usize) -> usize {
         }
     }
     panic!("unbalanced {opening}");
-}
-
-/// `const fkda_plan_desc * desc` -> (type tokens, Some("desc"), None);
-/// `int64_t shape [ FKDA_MAX_RANK ]` -> (.., Some("shape"), Some(6)).
-fn split_declaration<'a>(
-    tokens: &'a [String],
-    defines: &HashMap<String, i64>,
-) -> (&'a [String], Option<String>, Option<i64>) {
-    let mut tokens = tokens;
-    let mut extent = None;
-    if tokens.last().map(String::as_str) == Some("]") {
-        let open = tokens.iter().position(|t| t == "[").unwrap();
-        let size = &tokens[open + 1];
-        extent = Some(parse_integer(size).unwrap_or_else(|| defines[size.as_str()]));
-        tokens = &tokens[..open];
-    }
-    let type_words = tokens.iter().filter(|t| !matches!(t.as_str(), "const" | "*")).count();
-    if type_words >= 2 {
-        let (name, type_tokens) = tokens.split_last().unwrap();
-        (type_tokens, Some(name.clone()), extent)
-    } else {
-        (tokens, None, extent)
-    }
 }
 
 // --------------------------------------------------------------- rust side
@@ -463,6 +250,161 @@ impl RustDecls {
     }
 }
 
+// -------------------------------------------------------------------- json
+
+/// The tool's output: objects keep their members in order, numbers are f64
+/// (every integer it prints fits one exactly).
+#[derive(Debug, Clone, PartialEq)]
+enum Json {
+    Null,
+    Bool(bool),
+    Number(f64),
+    Text(String),
+    List(Vec<Json>),
+    Object(Vec<(String, Json)>),
+}
+
+impl Json {
+    fn parse(text: &str) -> Json {
+        let chars: Vec<char> = text.chars().collect();
+        let mut at = 0;
+        let value = Json::value(&chars, &mut at);
+        Json::skip_space(&chars, &mut at);
+        assert_eq!(at, chars.len(), "trailing text after the JSON value");
+        value
+    }
+
+    fn skip_space(chars: &[char], at: &mut usize) {
+        while *at < chars.len() && chars[*at].is_whitespace() {
+            *at += 1;
+        }
+    }
+
+    fn expect(chars: &[char], at: &mut usize, wanted: char) {
+        Json::skip_space(chars, at);
+        assert_eq!(chars.get(*at), Some(&wanted), "malformed JSON at character {at}");
+        *at += 1;
+    }
+
+    /// Whether the next character closes a list or object (and steps over it).
+    fn closes(chars: &[char], at: &mut usize, close: char) -> bool {
+        Json::skip_space(chars, at);
+        if chars[*at] == close {
+            *at += 1;
+            return true;
+        }
+        if chars[*at] == ',' {
+            *at += 1;
+        }
+        false
+    }
+
+    fn value(chars: &[char], at: &mut usize) -> Json {
+        Json::skip_space(chars, at);
+        let word = |w: &str| chars[*at..].iter().take(w.len()).collect::<String>() == w;
+        match chars[*at] {
+            '{' => {
+                *at += 1;
+                let mut members = Vec::new();
+                while !Json::closes(chars, at, '}') {
+                    let Json::Text(key) = Json::value(chars, at) else { panic!("object key is not a string") };
+                    Json::expect(chars, at, ':');
+                    members.push((key, Json::value(chars, at)));
+                }
+                Json::Object(members)
+            }
+            '[' => {
+                *at += 1;
+                let mut items = Vec::new();
+                while !Json::closes(chars, at, ']') {
+                    items.push(Json::value(chars, at));
+                }
+                Json::List(items)
+            }
+            '"' => {
+                *at += 1;
+                let mut text = String::new();
+                while chars[*at] != '"' {
+                    if chars[*at] == '\\' {
+                        *at += 1;
+                        text.push(match chars[*at] {
+                            'n' => '\n',
+                            't' => '\t',
+                            'u' => {
+                                let hex: String = chars[*at + 1..*at + 5].iter().collect();
+                                *at += 4;
+                                char::from_u32(u32::from_str_radix(&hex, 16).unwrap()).unwrap()
+                            }
+                            other => other,
+                        });
+                    } else {
+                        text.push(chars[*at]);
+                    }
+                    *at += 1;
+                }
+                *at += 1;
+                Json::Text(text)
+            }
+            _ if word("null") => {
+                *at += 4;
+                Json::Null
+            }
+            _ if word("true") => {
+                *at += 4;
+                Json::Bool(true)
+            }
+            _ if word("false") => {
+                *at += 5;
+                Json::Bool(false)
+            }
+            _ => {
+                let start = *at;
+                while *at < chars.len() && matches!(chars[*at], '-' | '+' | '.' | 'e' | 'E' | '0'..='9') {
+                    *at += 1;
+                }
+                let number: String = chars[start..*at].iter().collect();
+                Json::Number(number.parse().unwrap_or_else(|_| panic!("bad JSON number '{number}'")))
+            }
+        }
+    }
+
+    fn get(&self, key: &str) -> &Json {
+        self.members()
+            .iter()
+            .find(|(name, _)| name == key)
+            .map(|(_, value)| value)
+            .unwrap_or_else(|| panic!("no member '{key}' in the header description"))
+    }
+
+    fn members(&self) -> &[(String, Json)] {
+        match self {
+            Json::Object(members) => members,
+            other => panic!("expected an object, got {other:?}"),
+        }
+    }
+
+    fn items(&self) -> &[Json] {
+        match self {
+            Json::List(items) => items,
+            other => panic!("expected a list, got {other:?}"),
+        }
+    }
+
+    fn text(&self) -> &str {
+        match self {
+            Json::Text(text) => text,
+            other => panic!("expected a string, got {other:?}"),
+        }
+    }
+
+    fn integer(&self) -> i64 {
+        match self {
+            Json::Number(number) if number.fract() == 0.0 => *number as i64,
+            other => panic!("expected an integer, got {other:?}"),
+        }
+    }
+}
+
 // ---------------------------------------------------------------- fixtures
 
 fn include_dir() -> PathBuf {
@@ -472,8 +414,22 @@ fn include_dir() -> PathBuf {
     }
 }
 
-fn header() -> CHeader {
-    CHeader::parse(&include_dir().join("flashkda.h"))
+/// The header as bindings/tools/fkda_header.py describes it.
+fn header() -> Json {
+    let tool = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/fkda_header.py");
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let output = Command::new(&python)
+        .arg(&tool)
+        .arg(include_dir().join("flashkda.h"))
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {python} {}: {e}", tool.display()));
+    assert!(
+        output.status.success(),
+        "{} failed:\n{}",
+        tool.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Json::parse(std::str::from_utf8(&output.stdout).expect("the tool prints UTF-8"))
 }
 
 fn rust_decls() -> RustDecls {
@@ -486,10 +442,10 @@ fn rust_decls() -> RustDecls {
 fn every_header_function_is_declared_and_no_other() {
     let header = header();
     let decls = rust_decls();
-    assert!(header.functions.len() >= 12, "parsed too few functions: {:?}", header.functions.keys());
-    let missing: Vec<_> = header.functions.keys().filter(|f| !decls.functions.contains_key(*f)).collect();
+    let functions: Vec<&String> = header.get("functions").members().iter().map(|(name, _)| name).collect();
+    let missing: Vec<_> = functions.iter().filter(|f| !decls.functions.contains_key(f.as_str())).collect();
     assert!(missing.is_empty(), "flashkda-sys lacks header functions: {missing:?}");
-    let extra: Vec<_> = decls.functions.keys().filter(|f| !header.functions.contains_key(*f)).collect();
+    let extra: Vec<_> = decls.functions.keys().filter(|f| !functions.contains(f)).collect();
     assert!(extra.is_empty(), "flashkda-sys declares functions the header lacks: {extra:?}");
 }
 
@@ -497,13 +453,15 @@ fn every_header_function_is_declared_and_no_other() {
 fn function_signatures_match_the_header() {
     let header = header();
     let decls = rust_decls();
-    for (name, (c_return, c_params)) in &header.functions {
+    for (name, function) in header.get("functions").members() {
         let Some((rust_return, rust_params)) = decls.functions.get(name) else { continue };
-        assert_eq!(&decls.canonical(rust_return), c_return, "{name}: return type");
+        let c_params = function.get("params").items();
+        assert_eq!(decls.canonical(rust_return), function.get("return").get("canonical").text(), "{name}: return type");
         assert_eq!(rust_params.len(), c_params.len(), "{name}: argument count");
-        for ((rust_name, rust_type), (c_name, c_type)) in rust_params.iter().zip(c_params) {
+        for ((rust_name, rust_type), c_param) in rust_params.iter().zip(c_params) {
+            let c_name = c_param.get("name").text();
             assert_eq!(rust_name, c_name, "{name}: argument name");
-            assert_eq!(&decls.canonical(rust_type), c_type, "{name}({c_name}): type");
+            assert_eq!(decls.canonical(rust_type), c_param.get("canonical").text(), "{name}({c_name}): type");
         }
     }
 }
@@ -512,12 +470,17 @@ fn function_signatures_match_the_header() {
 fn struct_fields_match_the_header() {
     let header = header();
     let decls = rust_decls();
-    assert_eq!(header.structs.len(), 5, "parsed structs: {:?}", header.structs.keys());
-    for (tag, c_fields) in &header.structs {
+    for (tag, layout) in header.get("structs").members() {
         let rust_fields = decls.structs.get(tag).unwrap_or_else(|| panic!("flashkda-sys lacks struct {tag}"));
         let rust: Vec<(String, String)> =
             rust_fields.iter().map(|(name, ty)| (name.clone(), decls.canonical(ty))).collect();
-        assert_eq!(&rust, c_fields, "struct {tag}");
+        let c: Vec<(String, String)> = layout
+            .get("fields")
+            .items()
+            .iter()
+            .map(|f| (f.get("name").text().to_string(), f.get("canonical").text().to_string()))
+            .collect();
+        assert_eq!(rust, c, "struct {tag}");
     }
 }
 
@@ -525,178 +488,151 @@ fn struct_fields_match_the_header() {
 fn enum_constants_and_defines_match_the_header() {
     let header = header();
     let decls = rust_decls();
-    assert_eq!(header.enums.len(), 4, "parsed enums: {:?}", header.enums.keys());
-    for (enum_name, constants) in &header.enums {
+    for (enum_name, description) in header.get("enums").members() {
         let alias = decls.aliases.get(enum_name).unwrap_or_else(|| panic!("flashkda-sys lacks {enum_name}"));
         assert_eq!(decls.canonical(alias), "i32", "{enum_name} must be a c_int alias");
-        for (constant, value) in constants {
-            assert_eq!(decls.integer_const(constant), *value, "{constant}");
+        assert_eq!(description.get("size").integer(), size_of::<i32>() as i64, "sizeof({enum_name})");
+        for (constant, value) in description.get("constants").members() {
+            assert_eq!(decls.integer_const(constant), value.integer(), "{constant}");
         }
     }
-    for define in ["FKDA_VERSION_MAJOR", "FKDA_VERSION_MINOR", "FKDA_VERSION_PATCH", "FKDA_MAX_RANK"] {
-        assert_eq!(decls.integer_const(define), header.defines[define], "{define}");
+    for (define, value) in header.get("defines").members() {
+        assert_eq!(decls.integer_const(define), value.integer(), "{define}");
     }
-    let d = &header.defines;
+    let d = |name: &str| header.get("defines").get(name).integer();
     assert_eq!(
         FKDA_VERSION_NUMBER as i64,
-        d["FKDA_VERSION_MAJOR"] * 10000 + d["FKDA_VERSION_MINOR"] * 100 + d["FKDA_VERSION_PATCH"]
+        d("FKDA_VERSION_MAJOR") * 10000 + d("FKDA_VERSION_MINOR") * 100 + d("FKDA_VERSION_PATCH")
     );
 }
 
-struct RustLayout {
+#[test]
+fn opaque_handles_are_pointers() {
+    let header = header();
+    let decls = rust_decls();
+    for (name, description) in header.get("typedefs").members() {
+        let alias = decls.aliases.get(name).unwrap_or_else(|| panic!("flashkda-sys lacks {name}"));
+        assert_eq!(decls.canonical(alias), description.get("canonical").text(), "{name}");
+        assert_eq!(description.get("size").integer(), size_of::<*mut u8>() as i64, "sizeof({name})");
+    }
+}
+
+/// A value as the tool prints an _INIT macro's: pointers as addresses,
+/// char arrays as strings, structs as objects in field order.
+trait AsJson {
+    fn as_json(&self) -> Json;
+}
+
+macro_rules! numbers_as_json {
+    ($($ty:ty),*) => {$(
+        impl AsJson for $ty {
+            fn as_json(&self) -> Json {
+                Json::Number(*self as f64)
+            }
+        }
+    )*};
+}
+numbers_as_json!(i32, u32, i64, usize, f32);
+
+impl<T> AsJson for *mut T {
+    fn as_json(&self) -> Json {
+        Json::Number(*self as usize as f64)
+    }
+}
+
+impl<T: AsJson, const N: usize> AsJson for [T; N] {
+    fn as_json(&self) -> Json {
+        Json::List(self.iter().map(AsJson::as_json).collect())
+    }
+}
+
+impl<const N: usize> AsJson for [c_char; N] {
+    fn as_json(&self) -> Json {
+        Json::Text(self.iter().take_while(|&&c| c != 0).map(|&c| c as u8 as char).collect())
+    }
+}
+
+/// What the Rust side says about one of the header's structs.
+struct RustMirror {
     tag: &'static str,
     size: usize,
     fields: Vec<(&'static str, usize)>,
+    init_macro: &'static str,
+    init: Json,
 }
 
-macro_rules! layout {
-    ($ty:ident { $($field:ident),* $(,)? }) => {{
-        let value = MaybeUninit::<$ty>::uninit();
-        let base = value.as_ptr();
-        let fields = vec![$((
-            stringify!($field),
-            // SAFETY: addr_of! takes the field's address without reading it.
-            unsafe { (addr_of!((*base).$field) as *const u8).offset_from(base as *const u8) } as usize,
-        )),*];
-        RustLayout { tag: stringify!($ty), size: size_of::<$ty>(), fields }
-    }};
+/// Each struct mirror of flashkda-sys with its fields and its _INIT
+/// constant, listed once: Rust cannot enumerate a struct's fields itself.
+macro_rules! mirrors {
+    ($($ty:ident = $init:ident { $($field:ident),* $(,)? })*) => {
+        $(impl AsJson for $ty {
+            fn as_json(&self) -> Json {
+                Json::Object(vec![$((stringify!($field).to_string(), self.$field.as_json())),*])
+            }
+        })*
+
+        fn rust_mirrors() -> Vec<RustMirror> {
+            vec![$({
+                let value = MaybeUninit::<$ty>::uninit();
+                let base = value.as_ptr();
+                let fields = vec![$((
+                    stringify!($field),
+                    // SAFETY: addr_of! takes the field's address without reading it.
+                    unsafe { (addr_of!((*base).$field) as *const u8).offset_from(base as *const u8) } as usize,
+                )),*];
+                RustMirror {
+                    tag: stringify!($ty),
+                    size: size_of::<$ty>(),
+                    fields,
+                    init_macro: stringify!($init),
+                    init: $init.as_json(),
+                }
+            }),*]
+        }
+    };
 }
 
-fn rust_layouts() -> Vec<RustLayout> {
-    vec![
-        layout!(fkda_tensor { data, dtype, rank, shape, strides }),
-        layout!(fkda_plan_desc {
-            struct_size, num_heads, head_dim_k, head_dim_v, state_dtype, state_layout, backend,
-            lower_bound,
-        }),
-        layout!(fkda_fwd_args {
-            struct_size, q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state,
-            cu_seqlens, scale,
-        }),
-        layout!(fkda_device_info {
-            struct_size, driver_loaded, driver_version, device_count, device, cc_major, cc_minor,
-            has_kernels, name,
-        }),
-        layout!(fkda_build_info { struct_size, cuda_version, min_driver_version, architectures }),
-    ]
-}
-
-/// Compiles and runs a C program; returns its output lines.
-fn run_c_program(name: &str, body: &str) -> Vec<String> {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("flashkda-sys-abi");
-    std::fs::create_dir_all(&dir).unwrap();
-    let source = dir.join(format!("{name}.c"));
-    let program = dir.join(name);
-    std::fs::write(
-        &source,
-        format!("#include <stdio.h>\n#include <stddef.h>\n#include \"flashkda.h\"\nint main(void) {{\n{body}  return 0;\n}}\n"),
-    )
-    .unwrap();
-    let compiler = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
-    let status = Command::new(&compiler)
-        .arg("-std=c99")
-        .arg("-I")
-        .arg(include_dir())
-        .arg(&source)
-        .arg("-o")
-        .arg(&program)
-        .status()
-        .unwrap_or_else(|e| panic!("cannot run the C compiler '{compiler}': {e}"));
-    assert!(status.success(), "the C compiler failed on {}", source.display());
-    let output = Command::new(&program).output().expect("run the layout program");
-    assert!(output.status.success());
-    String::from_utf8(output.stdout).unwrap().lines().map(str::to_string).collect()
+mirrors! {
+    fkda_tensor = FKDA_TENSOR_NONE { data, dtype, rank, shape, strides }
+    fkda_plan_desc = FKDA_PLAN_DESC_INIT {
+        struct_size, num_heads, head_dim_k, head_dim_v, state_dtype, state_layout, backend,
+        lower_bound, null_slot_rule, debug_checks,
+    }
+    fkda_fwd_args = FKDA_FWD_ARGS_INIT {
+        struct_size, q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state,
+        cu_seqlens, scale, state_pool, state_indices, has_initial_state, checkpoint_offsets,
+        checkpoints, checkpoint_slots,
+    }
+    fkda_decode_args = FKDA_DECODE_ARGS_INIT {
+        struct_size, q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_indices,
+        num_accepted_tokens, cu_seqlens, scale,
+    }
+    fkda_device_info = FKDA_DEVICE_INFO_INIT {
+        struct_size, driver_loaded, driver_version, device_count, device, cc_major, cc_minor,
+        has_kernels, name,
+    }
+    fkda_build_info = FKDA_BUILD_INFO_INIT { struct_size, cuda_version, min_driver_version, architectures }
 }
 
 #[test]
-fn layouts_match_the_c_compiler() {
+fn layouts_and_init_values_match_the_c_compiler() {
     let header = header();
-    let layouts = rust_layouts();
-    let mut body = String::new();
-    for (tag, fields) in &header.structs {
-        body += &format!("  printf(\"sizeof {tag} %zu\\n\", sizeof(struct {tag}));\n");
-        for (field, _) in fields {
-            body += &format!("  printf(\"offsetof {tag} {field} %zu\\n\", offsetof(struct {tag}, {field}));\n");
-        }
-    }
-    let scalar_types = ["fkda_status", "fkda_dtype", "fkda_backend", "fkda_state_layout", "fkda_plan_t", "fkda_stream_t"];
-    for ty in scalar_types {
-        body += &format!("  printf(\"sizeof {ty} %zu\\n\", sizeof({ty}));\n");
-    }
-    let c: HashMap<String, String> = run_c_program("layout", &body)
-        .iter()
-        .map(|line| {
-            let (key, value) = line.rsplit_once(' ').unwrap();
-            (key.to_string(), value.to_string())
-        })
-        .collect();
-
-    for (tag, c_fields) in &header.structs {
-        let layout = layouts
+    let mirrors = rust_mirrors();
+    for (tag, layout) in header.get("structs").members() {
+        let mirror = mirrors
             .iter()
-            .find(|l| l.tag == tag)
-            .unwrap_or_else(|| panic!("no layout check for struct {tag}: add it to rust_layouts()"));
-        let names: Vec<&str> = layout.fields.iter().map(|(name, _)| *name).collect();
-        let c_names: Vec<&str> = c_fields.iter().map(|(name, _)| name.as_str()).collect();
-        assert_eq!(names, c_names, "rust_layouts() lists the fields of {tag}");
-        assert_eq!(layout.size.to_string(), c[&format!("sizeof {tag}")], "sizeof({tag})");
-        for (field, offset) in &layout.fields {
-            assert_eq!(offset.to_string(), c[&format!("offsetof {tag} {field}")], "offsetof({tag}, {field})");
+            .find(|m| m.tag == tag)
+            .unwrap_or_else(|| panic!("no mirror of struct {tag}: add it to mirrors!"));
+        let c_fields = layout.get("fields").items();
+        let names: Vec<&str> = mirror.fields.iter().map(|(name, _)| *name).collect();
+        let c_names: Vec<&str> = c_fields.iter().map(|f| f.get("name").text()).collect();
+        assert_eq!(names, c_names, "mirrors! lists the fields of {tag}");
+        assert_eq!(mirror.size as i64, layout.get("size").integer(), "sizeof({tag})");
+        for ((field, offset), c_field) in mirror.fields.iter().zip(c_fields) {
+            assert_eq!(*offset as i64, c_field.get("offset").integer(), "offsetof({tag}, {field})");
         }
+        let init = layout.get("init");
+        assert_eq!(mirror.init_macro, init.get("macro").text(), "the _INIT macro of {tag}");
+        assert_eq!(&mirror.init, init.get("values"), "{} against the header's", mirror.init_macro);
     }
-    let rust_scalar_sizes = [
-        size_of::<fkda_status>(),
-        size_of::<fkda_dtype>(),
-        size_of::<fkda_backend>(),
-        size_of::<fkda_state_layout>(),
-        size_of::<fkda_plan_t>(),
-        size_of::<fkda_stream_t>(),
-    ];
-    for (ty, size) in scalar_types.iter().zip(rust_scalar_sizes) {
-        assert_eq!(size.to_string(), c[&format!("sizeof {ty}")], "sizeof({ty})");
-    }
-}
-
-#[test]
-fn init_constants_match_the_macros() {
-    let body = r#"
-  fkda_tensor none = FKDA_TENSOR_NONE;
-  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
-  fkda_fwd_args args = FKDA_FWD_ARGS_INIT;
-  fkda_device_info info = FKDA_DEVICE_INFO_INIT;
-  fkda_build_info build = FKDA_BUILD_INFO_INIT;
-  printf("none %d %d %d\n", none.data == NULL, none.dtype, none.rank);
-  printf("desc %zu %d %d %d %d %d %d %.9g\n", desc.struct_size, desc.num_heads, desc.head_dim_k,
-         desc.head_dim_v, desc.state_dtype, desc.state_layout, desc.backend, desc.lower_bound);
-  printf("args %zu %d %.9g\n", args.struct_size, args.q.rank + args.cu_seqlens.rank, args.scale);
-  printf("info %zu %d %d\n", info.struct_size, info.device, info.driver_loaded);
-  printf("build %zu %d %d\n", build.struct_size, build.cuda_version, build.architectures[0]);
-"#;
-    let c: HashMap<String, String> = run_c_program("init", body)
-        .iter()
-        .map(|line| {
-            let (what, values) = line.split_once(' ').unwrap();
-            (what.to_string(), values.to_string())
-        })
-        .collect();
-    let none = FKDA_TENSOR_NONE;
-    assert_eq!(c["none"], format!("{} {} {}", none.data.is_null() as i32, none.dtype, none.rank));
-    let desc = FKDA_PLAN_DESC_INIT;
-    assert_eq!(
-        c["desc"],
-        format!(
-            "{} {} {} {} {} {} {} {}",
-            desc.struct_size, desc.num_heads, desc.head_dim_k, desc.head_dim_v, desc.state_dtype,
-            desc.state_layout, desc.backend, desc.lower_bound
-        )
-    );
-    let args = FKDA_FWD_ARGS_INIT;
-    let c_args: Vec<&str> = c["args"].split(' ').collect();
-    assert_eq!(c_args[0], args.struct_size.to_string());
-    assert_eq!(c_args[1], (args.q.rank + args.cu_seqlens.rank).to_string());
-    assert_eq!(c_args[2].parse::<f32>().unwrap(), args.scale, "FKDA_FWD_ARGS_INIT scale");
-    let info = FKDA_DEVICE_INFO_INIT;
-    assert_eq!(c["info"], format!("{} {} {}", info.struct_size, info.device, info.driver_loaded));
-    let build = FKDA_BUILD_INFO_INIT;
-    assert_eq!(c["build"], format!("{} {} {}", build.struct_size, build.cuda_version, build.architectures[0]));
 }

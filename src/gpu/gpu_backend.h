@@ -8,7 +8,8 @@
 
 #include <cuda.h>
 
-#include "problem.h"
+#include "decode_problem.h"
+#include "prefill_problem.h"
 
 namespace fkda::gpu {
 
@@ -21,6 +22,9 @@ bool has_kernels_for(int cc_major, int cc_minor);
 // Enqueues the forward pass. Throws fkda::Error: FKDA_ERROR_NO_DEVICE,
 // FKDA_ERROR_UNSUPPORTED_ARCH, FKDA_ERROR_DRIVER or FKDA_ERROR_LAUNCH_FAILED.
 // The workspace size has been checked by the caller.
-void fwd(const FwdProblem& problem, void* workspace, size_t workspace_bytes, CUstream stream);
+void fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes, CUstream stream);
+
+// Enqueues the decode step (no workspace). Same errors as fwd.
+void decode(const DecodeProblem& problem, CUstream stream);
 
 }  // namespace fkda::gpu

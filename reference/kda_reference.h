@@ -1,6 +1,6 @@
 // Host-side support shared by the tests, fkda-demo and fkda-bench: random
-// KDA problems, bf16 conversions, the fp64 token-by-token recurrence of
-// DESIGN §1 (the accuracy reference), and fkda_tensor builders.
+// KDA problems, bf16 conversions, the fp64 token-by-token recurrence (the
+// accuracy reference, docs/ARCHITECTURE.md section 1), and fkda_tensor builders.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +9,7 @@
 
 #include "flashkda.h"
 
-namespace fkda_test {
+namespace fkda_ref {
 
 uint16_t to_bf16(float x);    // round to nearest even; NaN stays NaN
 float from_bf16(uint16_t bits);
@@ -38,19 +38,40 @@ struct ProblemShape {
   std::vector<int64_t> lengths;
   bool with_initial_state = true;
   float lower_bound = -5.f;
+  // g ~ N(gate_mean, gate_std^2); initial state ~ initial_state_std N(0, 1).
+  float gate_mean = 0.f;
+  float gate_std = 1.f;
+  float initial_state_std = 0.1f;
 };
 
-// q, k, v, g, beta ~ N(0, 1); A_log, dt_bias ~ U(0, 1); initial state
-// ~ 0.1 N(0, 1) (BENCHMARKS.md's accuracy case). Deterministic in seed.
+// q, k, v, beta ~ N(0, 1); A_log, dt_bias ~ U(0, 1); g and the initial state
+// as the shape says (by default the fast-decay accuracy case of
+// docs/BENCHMARKS.md). Deterministic in seed.
 Problem random_problem(const ProblemShape& shape, uint64_t seed);
 
-// The fp64 token-by-token recurrence of DESIGN §1 on the bf16 inputs.
-// out: [B, T, H, V]; final_state: [N, H, V, K] (V-first).
+// The same shape with slow decays (the long-memory case LM1): g ~ N(-6, 1)
+// at lower_bound -5 makes 99% of the channels decay slower than e^-0.01 per
+// token, and the initial state ~ N(0, 1). With the default fast decays a
+// lost initial state or chunk hand-off changes the final state by less than
+// 1e-10, so every test of state handling also runs on these inputs.
+ProblemShape slow_decay(ProblemShape shape);
+
+// Tokens [begin, end) of batch row `row` (of the packed row with
+// cu_seqlens) as a problem of its own: B = 1, no cu_seqlens, and no initial
+// state, which the caller sets for the sequence it cut from.
+Problem token_range(const Problem& p, int64_t row, int64_t begin, int64_t end);
+
+// The fp64 token-by-token recurrence on the bf16 inputs.
+// out: [B, T, H, V]; final_state: [N, H, V, K] (V-first). states_after[c]
+// ([N, H, V, K]) is the state of every sequence after its first
+// state_tokens[c] tokens (zeros for a sequence shorter than that): what
+// checkpoints and speculative slot tables keep.
 struct Reference {
   std::vector<double> out;
   std::vector<double> final_state;
+  std::vector<std::vector<double>> states_after;
 };
-Reference reference_recurrence(const Problem& p);
+Reference reference_recurrence(const Problem& p, const std::vector<int64_t>& state_tokens = {});
 
 // ‖a − b‖ / ‖b‖; infinity when a holds a NaN or infinity.
 double rel_l2(const std::vector<float>& a, const std::vector<double>& b);
@@ -71,4 +92,8 @@ struct Buffers {
 };
 fkda_fwd_args make_args(const Problem& p, const Buffers& buffers, fkda_dtype state_dtype);
 
-}  // namespace fkda_test
+// fkda_decode_args over the same buffers (states ignored): the caller adds
+// state_pool, state_indices and num_accepted_tokens.
+fkda_decode_args make_decode_args(const Problem& p, const Buffers& buffers);
+
+}  // namespace fkda_ref

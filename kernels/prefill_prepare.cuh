@@ -28,7 +28,7 @@
 // inverse, whose products run on the tensor cores too (3xTF32, below).
 #pragma once
 
-#include "kda_device.cuh"
+#include "device_common.cuh"
 
 namespace fkda_dev {
 
@@ -326,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_
     inverse_norm = 1.0f / sqrtf(norm_parts[which][half][0][r] + norm_parts[which][half][1][r] + 1e-6f);
   }
   // Row first + r of a wide tile: the thread's 4 bytes sit in 16-byte piece
-  // (pair / 4) ^ r (kda_params.h), at the same offset in Kd, Qd and Kr.
+  // (pair / 4) ^ r (prefill_params.h), at the same offset in Kd, Qd and Kr.
   auto wide_at = [&](int r) { return wide_tile_offset(first + r, 2 * pair); };
   float kn[8][2];
 #pragma unroll

@@ -29,6 +29,9 @@ struct Driver {
   CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                              unsigned, CUstream, void**, void**) = nullptr;
   CUresult (*cuStreamGetCtx)(CUstream, CUcontext*) = nullptr;
+  // Debug checks only: they copy device-side indices to the host.
+  CUresult (*cuStreamSynchronize)(CUstream) = nullptr;
+  CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t) = nullptr;
 };
 
 // The driver, or nullptr when it cannot be used; then unavailable_reason()

@@ -1,4 +1,4 @@
-#include "cuda_driver.h"
+#include "gpu/cuda_driver.h"
 
 #include <dlfcn.h>
 
@@ -82,7 +82,9 @@ Loaded load() {
             resolve(get_proc, "cuKernelGetFunction", d.cuKernelGetFunction, r) &&
             resolve(get_proc, "cuKernelSetAttribute", d.cuKernelSetAttribute, r) &&
             resolve(get_proc, "cuLaunchKernel", d.cuLaunchKernel, r) &&
-            resolve(get_proc, "cuStreamGetCtx", d.cuStreamGetCtx, r);
+            resolve(get_proc, "cuStreamGetCtx", d.cuStreamGetCtx, r) &&
+            resolve(get_proc, "cuStreamSynchronize", d.cuStreamSynchronize, r) &&
+            resolve(get_proc, "cuMemcpyDtoH", d.cuMemcpyDtoH, r);
   if (!ok) return loaded;
   CUresult result = init(0);
   if (result != CUDA_SUCCESS) {

@@ -1,0 +1,178 @@
+// The CUDA backend's prefill: windows of chunk slots, the V split, and the
+// two launches per window (kernels and launches through kernel_library.h).
+// The launch path allocates nothing, never synchronises and never changes
+// the current context, so a call can be captured in a CUDA graph.
+#include "gpu/gpu_backend.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "error.h"
+#include "gpu/kernel_library.h"
+#include "prefill_params.h"
+
+namespace fkda::gpu {
+namespace {
+
+// FKDA_VSPLIT=1|2|4|8 forces the V split of the recurrence. A testing
+// override, read once per process; anything else is ignored.
+int forced_vsplit() {
+  static const int forced = [] {
+    const char* text = std::getenv("FKDA_VSPLIT");
+    if (text == nullptr) return 0;
+    const int value = std::atoi(text);
+    return (value == 1 || value == 2 || value == 4 || value == 8) ? value : 0;
+  }();
+  return forced;
+}
+
+// FKDA_WINDOW_SLOTS=<positive integer> forces the slots per window (so that
+// tests can put window boundaries anywhere). A testing override, read once
+// per process; anything else is ignored.
+int64_t forced_window_slots() {
+  static const int64_t forced = [] {
+    const char* text = std::getenv("FKDA_WINDOW_SLOTS");
+    if (text == nullptr) return int64_t(0);
+    const long long value = std::atoll(text);
+    return value > 0 ? int64_t(value) : int64_t(0);
+  }();
+  return forced;
+}
+
+// The records of one window take at most kWindowBudgetBytes, unless the
+// window must be larger to hold kWindowSlotsPerSequence slots for each
+// sequence of the call. A quarter of a GB keeps docs/BENCHMARKS.md's P1 (8192
+// tokens, 96 heads: 682 MB in one window) within its 340 MB workspace target
+// in three windows, and smaller problems keep one window and their two
+// launches. The floor per sequence is there because a window's recurrence
+// runs only the sequences whose slots the window holds: with many sequences
+// the recurrence has more blocks than the GPU runs at once and packs them
+// into rounds, and cutting it into windows of few chunks per sequence breaks
+// that packing (docs/BENCHMARKS.md's P7 and P8, 6 and 8 sequences of 96 heads, would
+// lose 10-30% of their recurrence time), while with windows of 160 slots
+// (2560 tokens) per sequence or more only calls whose sequences average more
+// than that are cut, into windows that each keep many chunks per block.
+constexpr int64_t kWindowBudgetBytes = int64_t(256) << 20;
+constexpr int64_t kWindowSlotsPerSequence = 160;
+
+struct Windows {
+  int64_t total_slots = 0;
+  int64_t slots = 0;  // per window; the last one may have fewer
+  int64_t count = 0;
+};
+
+// The windows of a call, from its sizes alone (the host never reads the
+// offsets): as few windows as the budget allows, then equal slot counts, so
+// that each launch pair has the same amount of work.
+Windows windows_for(int64_t total_tokens, int64_t num_seqs, int32_t num_heads) {
+  Windows w;
+  w.total_slots = fkda_num_chunk_slots(total_tokens, num_seqs);
+  int64_t slots = forced_window_slots();
+  if (slots == 0) {
+    const int64_t most = std::max(kWindowSlotsPerSequence * std::max<int64_t>(num_seqs, 1),
+                                  kWindowBudgetBytes / (int64_t(num_heads) * FKDA_WS_RECORD_BYTES));
+    const int64_t count = (w.total_slots + most - 1) / most;
+    slots = (w.total_slots + count - 1) / count;
+  }
+  w.slots = std::min(slots, w.total_slots);
+  w.count = (w.total_slots + w.slots - 1) / w.slots;
+  return w;
+}
+
+// Enough blocks to fill the GPU: the largest power of two <= 8 with
+// N * H * vsplit <= 2 * SMs, at least 1, and within the shared memory limit.
+int choose_vsplit(int64_t seqs_times_heads, const DeviceFacts& facts) {
+  int vsplit = forced_vsplit();
+  if (vsplit == 0) {
+    vsplit = kMaxVsplit;
+    while (vsplit > 1 && seqs_times_heads * vsplit > 2 * int64_t(facts.sm_count)) vsplit /= 2;
+  }
+  while (vsplit < kMaxVsplit && fkda_recurrence_smem_bytes(vsplit) > facts.max_dynamic_smem) vsplit *= 2;
+  return vsplit;
+}
+
+}  // namespace
+
+// The workspace: one window's records, then a carry matrix per head for
+// each boundary between windows (prefill_params.h).
+size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads) {
+  if (total_tokens < 0 || num_seqs < 0 || num_heads <= 0) return 0;
+  // Each term below at most half the range, so neither they nor their sum overflow.
+  const int64_t limit = std::numeric_limits<int64_t>::max() / 2;
+  const int64_t per_slot = int64_t(num_heads) * FKDA_WS_RECORD_BYTES;
+  const int64_t per_boundary = int64_t(num_heads) * FKDA_CARRY_BYTES_PER_HEAD;
+  const Windows w =
+      num_seqs < limit ? windows_for(total_tokens, num_seqs, num_heads) : Windows{limit, limit, limit};
+  if (w.slots > limit / per_slot || w.count - 1 > limit / per_boundary) {
+    fail(FKDA_ERROR_UNSUPPORTED, "workspace for " + std::to_string(total_tokens) + " tokens and " +
+                                     std::to_string(num_heads) + " heads exceeds the address space");
+  }
+  return size_t(w.slots * per_slot + (w.count - 1) * per_boundary);
+}
+
+// sm_80 machine code runs on every 8.x device, sm_90a on 9.0, and the
+// compute_90 PTX is compiled by the driver for anything newer.
+bool has_kernels_for(int cc_major, int /*cc_minor*/) { return cc_major >= 8; }
+
+void fwd(const PrefillProblem& problem, void* workspace, size_t /*workspace_bytes*/, CUstream stream) {
+  const LaunchContext context = launch_context();
+
+  const int64_t total_tokens = problem.batch * problem.seq_len;
+  const Windows windows = windows_for(total_tokens, problem.num_seqs, problem.num_heads);
+  const int64_t max_grid_x = std::numeric_limits<int32_t>::max();
+  if (problem.num_heads > 65535 || windows.slots > max_grid_x || problem.num_seqs > max_grid_x) {
+    fail(FKDA_ERROR_UNSUPPORTED, "problem too large for one launch: " + std::to_string(problem.num_seqs) +
+                                     " sequences, " + std::to_string(total_tokens) + " tokens, " +
+                                     std::to_string(problem.num_heads) + " heads");
+  }
+
+  FkdaPrefillParams params;
+  std::memset(&params, 0, sizeof(params));
+  set_common_params(problem, params);
+  params.initial_state = problem.initial_state;
+  params.final_state = problem.final_state;
+  params.workspace = static_cast<unsigned char*>(workspace);
+  params.num_slots = windows.total_slots;
+  params.gate_scale = problem.lower_bound * 1.4426950408889634f;  // NUMERICS step 1, in f32
+  params.vsplit = choose_vsplit(problem.num_seqs * problem.num_heads, context.facts);
+  params.state_pool = problem.pool.data;
+  params.pool_slots = problem.pool.slots;
+  params.pool_slot_stride = problem.pool.slot_stride;
+  params.state_indices = index_table(problem.state_indices);
+  params.has_initial_state = index_table(problem.has_initial_state);
+  params.checkpoint_offsets = index_table(problem.checkpoint_offsets);
+  params.checkpoints = problem.checkpoints;
+  params.checkpoint_stride_n = problem.checkpoint_stride_n;
+  params.checkpoint_stride_c = problem.checkpoint_stride_c;
+  params.checkpoint_slots = index_table(problem.checkpoint_slots);
+  params.checkpoint_is_bf16 = problem.checkpoint_dtype == FKDA_DTYPE_BF16;
+
+  const unsigned heads = unsigned(problem.num_heads);
+  const NamedKernel& recurrence = context.kernels.recurrence[vsplit_index(params.vsplit)];
+  // The carries follow the window's records (a multiple of 16 bytes).
+  float* carry = reinterpret_cast<float*>(params.workspace + windows.slots * int64_t(problem.num_heads) *
+                                                                 FKDA_WS_RECORD_BYTES);
+  const int64_t carry_step = int64_t(problem.num_heads) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
+  // Each window's preparation overwrites the records the previous window's
+  // recurrence read: the stream orders them.
+  for (int64_t w = 0; w < windows.count; ++w) {
+    params.window_first = w * windows.slots;
+    params.window_end = std::min(params.window_first + windows.slots, windows.total_slots);
+    params.carry_in = w > 0 ? carry + (w - 1) * carry_step : nullptr;
+    params.carry_out = w + 1 < windows.count ? carry + w * carry_step : nullptr;
+    if (total_tokens > 0) {
+      launch(context, context.kernels.prepare, unsigned(params.window_end - params.window_first), heads, 1,
+             FKDA_PREPARE_THREADS, 0, stream, &params);
+    }
+    // Launched even without tokens: zero-length sequences still copy their
+    // initial state (or zeros) to the final state.
+    launch(context, recurrence, unsigned(problem.num_seqs), heads, unsigned(params.vsplit),
+           unsigned(32 * fkda_recurrence_warps(params.vsplit)),
+           unsigned(fkda_recurrence_smem_bytes(params.vsplit)), stream, &params);
+  }
+}
+
+}  // namespace fkda::gpu

@@ -1,0 +1,132 @@
+// The validated description of one forward call, as the backends see it.
+// validate.cpp builds it from fkda_fwd_args; backends trust it completely.
+#pragma once
+
+#include <cstdint>
+
+#include "flashkda.h"
+
+namespace fkda {
+
+// An activation tensor [B, T, H, D] (or [B, T, H] for beta): strides in
+// elements for the batch, token and head axes; the D axis is contiguous.
+struct ActView {
+  const void* data = nullptr;
+  int64_t stride_b = 0;
+  int64_t stride_t = 0;
+  int64_t stride_h = 0;
+};
+
+// Optional per-sequence integers on the host or the device: [rows] or
+// [rows, cols], dtype FKDA_DTYPE_I32, I64 or BOOL (0 when absent). Element
+// (r, c) sits at r * stride_row + c * stride_col elements.
+struct IndexView {
+  const void* data = nullptr;
+  int32_t dtype = 0;
+  int64_t rows = 0;
+  int64_t cols = 1;
+  int64_t stride_row = 0;
+  int64_t stride_col = 0;
+
+  bool present() const { return data != nullptr; }
+  // Element (row, col) of a host-readable view, widened to i64.
+  int64_t at(int64_t row, int64_t col = 0) const {
+    const int64_t offset = row * stride_row + col * stride_col;
+    if (dtype == FKDA_DTYPE_I64) return static_cast<const int64_t*>(data)[offset];
+    if (dtype == FKDA_DTYPE_I32) return static_cast<const int32_t*>(data)[offset];
+    return static_cast<const uint8_t*>(data)[offset] != 0 ? 1 : 0;
+  }
+};
+
+// States addressed by slot: [slots, H, V, K] (or KV) in the plan's state
+// dtype; the slot stride (elements) is free, the rest contiguous.
+struct PoolView {
+  void* data = nullptr;
+  int64_t slots = 0;
+  int64_t slot_stride = 0;
+};
+
+// Optional [N + 1] sequence offsets, dtype FKDA_DTYPE_I32 or I64 (0 when
+// absent). The CPU backend may read them (validated); the GPU backend never
+// reads them on the host.
+struct SeqOffsets {
+  const void* data = nullptr;
+  int32_t dtype = 0;
+  int64_t stride = 1;
+
+  bool present() const { return data != nullptr; }
+  // Offset i of a host-readable view.
+  int64_t at(int64_t i) const {
+    if (dtype == FKDA_DTYPE_I32) return static_cast<const int32_t*>(data)[i * stride];
+    return static_cast<const int64_t*>(data)[i * stride];
+  }
+};
+
+// Tokens [begin, end) of sequence n, in batch row `row`.
+struct TokenRange {
+  int64_t row, begin, end;
+  int64_t length() const { return end - begin; }
+};
+
+// Where sequence n lies: batch row n without cu_seqlens, else its offsets
+// (host-readable), clamped into [0, seq_len] so that even unchecked offsets
+// stay inside the tensors.
+inline TokenRange sequence_tokens(const SeqOffsets& cu_seqlens, int64_t seq_len, int64_t n) {
+  if (!cu_seqlens.present()) return {n, 0, seq_len};
+  auto clamp = [](int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); };
+  const int64_t begin = clamp(cu_seqlens.at(n), 0, seq_len);
+  return {0, begin, clamp(cu_seqlens.at(n + 1), begin, seq_len)};
+}
+
+// Whether a slot index means "no sequence here" under the plan's rule.
+inline bool is_null_slot(int64_t index, int32_t null_slot_rule) {
+  return null_slot_rule == FKDA_NULL_SLOT_NONPOSITIVE ? index <= 0 : index < 0;
+}
+
+struct PrefillProblem {
+  int64_t batch = 0;      // B
+  int64_t seq_len = 0;    // T (tokens per batch row; the packed total with cu_seqlens)
+  int64_t num_seqs = 0;   // N: B, or cu_seqlens length - 1
+  int32_t num_heads = 0;  // H
+  int32_t head_dim_k = 128;
+  int32_t head_dim_v = 128;
+
+  ActView q, k, v, g, beta;  // bf16
+  ActView out;               // bf16, written (data is writable)
+  const float* A_log = nullptr;    // [H]
+  const float* dt_bias = nullptr;  // [H, K]
+
+  // Optional states, contiguous, dtype bf16 or f32 (fkda_dtype values).
+  const void* initial_state = nullptr;
+  void* final_state = nullptr;
+  int32_t state_dtype = 0;
+  int32_t state_layout = 0;  // fkda_state_layout
+
+  SeqOffsets cu_seqlens;  // absent: sequence n is batch row n
+
+  // States in a pool instead of initial_state / final_state: sequence n
+  // reads and writes pool slot state_indices[n] (null: padding, see
+  // null_slot_rule). Both absent unless the call passed them.
+  PoolView pool;
+  IndexView state_indices;      // [N]
+  IndexView has_initial_state;  // [N]: 0 starts from zeros (with either state form)
+  int32_t null_slot_rule = 0;   // fkda_null_slot_rule
+
+  // Checkpoints: the state after checkpoint_offsets[n][c] tokens of sequence
+  // n (multiples of 16, ascending, negative = none), written either to
+  // checkpoints (+ n * checkpoint_stride_n + c * checkpoint_stride_c
+  // elements, [H, V, K] contiguous, dtype checkpoint_dtype) or to pool slot
+  // checkpoint_slots[n][c].
+  IndexView checkpoint_offsets;  // [N, C]
+  void* checkpoints = nullptr;
+  int32_t checkpoint_dtype = 0;
+  int64_t checkpoint_stride_n = 0;
+  int64_t checkpoint_stride_c = 0;
+  IndexView checkpoint_slots;  // [N, C]
+
+  float scale = 0.f;
+  float lower_bound = -5.f;
+  bool debug_checks = false;  // GPU: check device-side indices on the host first
+};
+
+}  // namespace fkda
