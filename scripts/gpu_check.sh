@@ -2,12 +2,13 @@
 # The GPU check, run on a machine with an NVIDIA GPU against a build made
 # elsewhere (or here): the [gpu] tests, the V-split and window-size variants,
 # compute-sanitizer (memcheck, racecheck) on the [sanitize] subset, timings of
-# BENCHMARKS.md cases, and what the embedded fatbin holds.
+# docs/BENCHMARKS.md cases, and what the embedded fatbin holds.
 #
 #   scripts/gpu_check.sh [BUILD_DIR] [STEP...]
 #
 # BUILD_DIR defaults to build-gpu. STEPs: info tests vsplit window memcheck
-# memcheck_window racecheck bench sweep (the default), timing profile. Logs go to $OUT (default ./gpu-check-logs); the
+# memcheck_window racecheck bench sweep (the default), timing profile,
+# build_info (the build's CUDA version and driver floor against the driver). Logs go to $OUT (default ./gpu-check-logs); the
 # last lines printed are a summary.
 set -uo pipefail
 
@@ -87,6 +88,31 @@ for s in $steps; do
     racecheck)
       step racecheck 240 "$out/sanitizer.log" compute-sanitizer --tool racecheck --racecheck-report all \
         --error-exitcode 3 "$tests" "[sanitize]"
+      ;;
+    build_info)
+      # What the kernels were built with against the driver found: the
+      # driver must be at or above the build's floor and a GPU plan must work
+      # (compare scripts/release-build.sh's build with the default one).
+      step build_info 60 "$out/build_info.log" env PYTHONPATH="$PWD/bindings/python" \
+        FLASHKDA_LIBRARY="$PWD/$build/libflashkda.so.0" PYTHONDONTWRITEBYTECODE=1 python3 -c '
+import flashkda
+build, device = flashkda.build_info(), flashkda.query_device()
+print("build: ", build)
+print("device:", device)
+assert device.driver_version >= build.min_driver_version and device.has_kernels
+flashkda.Plan(1, backend="gpu").close()
+print("a GPU plan: ok")'
+      cat "$out/build_info.log" >>"$summary"
+      ;;
+    serving)
+      # The serving paths (decode, prefill by pool slot with checkpoints),
+      # then compute-sanitizer memcheck and racecheck on their small cases.
+      step serving 300 "$out/serving.log" "$tests" "[decode],[pool]" --durations yes
+      for tool in memcheck racecheck; do
+        step "serving_$tool" 300 "$out/serving_sanitizer.log" compute-sanitizer --tool "$tool" \
+          --error-exitcode 3 "$tests" "[decode][sanitize],[pool][sanitize]"
+      done
+      grep -hE " out [0-9]| state [0-9]|mutation|differing|warps a block|unwritten|FAIL" "$out/serving.log" | tail -n 80
       ;;
     timing)
       step timing 120 "$out/timing.log" "$tests" "[timing]"
