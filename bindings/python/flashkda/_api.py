@@ -537,7 +537,10 @@ class DeviceInfo:
 
 
 def query_device(device=-1):
-    """fkda_query_device: device `device`, or with -1 the current one (else 0)."""
+    """fkda_query_device: device `device`, or with -1 the current one (else 0).
+
+    Raises FlashKDAError, naming both versions, with a driver older than
+    build_info().min_driver_version."""
     lib = library()
     info = FkdaDeviceInfo.initialized()
     lib.check(lib.cdll.fkda_query_device(_int32("device", device), ctypes.byref(info)))

@@ -774,7 +774,8 @@ end
     query_device(device=-1) -> NamedTuple
 
 `fkda_query_device`: device `device`, or with -1 the current one (else 0).
-Succeeds without a driver or GPU.
+Succeeds without a driver or GPU; throws, naming both versions, with a driver
+older than `build_info().min_driver_version`.
 """
 function query_device(device::Integer=-1)
     info = Ref(fkda_device_info(Csize_t(sizeof(fkda_device_info)), 0, 0, 0, -1, 0, 0, 0,

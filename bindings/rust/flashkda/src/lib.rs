@@ -945,7 +945,8 @@ pub struct DeviceInfo {
 }
 
 /// `fkda_query_device`: device `device`, or with -1 the current one (else 0).
-/// Succeeds without a driver or GPU.
+/// Succeeds without a driver or GPU; fails, naming both versions, with a
+/// driver older than [`build_info`]'s `min_driver_version`.
 pub fn query_device(device: i32) -> Result<DeviceInfo> {
     let mut info = sys::FKDA_DEVICE_INFO_INIT;
     // SAFETY: valid out pointer with struct_size set.
