@@ -378,7 +378,9 @@ typedef struct fkda_device_info {
 
 /* Describes device `device` (an ordinal), or with device == -1 the device of
  * the calling thread's current context, else device 0. Succeeds without a
- * driver or GPU (driver_loaded or device_count say so). */
+ * driver or GPU (driver_loaded or device_count say so). A driver older than
+ * the kernels need (fkda_get_build_info) fails with FKDA_ERROR_NO_DEVICE, the
+ * message naming both versions; info->driver_version holds the one found. */
 FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info);
 
 /* ------------------------------------------------------------------------ */
@@ -415,6 +417,26 @@ typedef struct fkda_launch_report {
  * With calls on one plan from several threads, it describes one of them. */
 FKDA_API fkda_status fkda_plan_get_launch_report(fkda_plan_t plan,
                                                  fkda_launch_report* report);
+
+/* ------------------------------------------------------------------------ */
+/* Build (appended in 0.2)                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* What the embedded kernels need from the machine. Versions are encoded as
+ * cuDriverGetVersion encodes them (12.9 is 12090). */
+typedef struct fkda_build_info {
+  size_t struct_size;         /* sizeof(fkda_build_info), set by the caller */
+  int32_t cuda_version;       /* CUDA toolkit the kernels were compiled with */
+  int32_t min_driver_version; /* oldest driver that loads them: the toolkit's
+                                 CUDA major.0; PTX (compute_*) images JIT only
+                                 on drivers as new as cuda_version */
+  char architectures[64];     /* images in the fatbin: "sm_80 sm_90a compute_90" */
+} fkda_build_info;
+
+#define FKDA_BUILD_INFO_INIT { sizeof(fkda_build_info), 0, 0, { 0 } }
+
+/* Fills `info`; touches no driver. */
+FKDA_API fkda_status fkda_get_build_info(fkda_build_info* info);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -9,10 +9,11 @@
 # BUILD_DIR defaults to build-gpu. STEPs (default: the first eight):
 #   info tests vsplit window memcheck racecheck synccheck sm80_ptx
 #   serving bench bench_f32 timing accuracy demo python sweep profile
+#   build_info (the build's CUDA version and driver floor against the driver)
 # sm80_ptx runs the [gpu] tests of a second build whose fatbin holds only
 # compute_80 PTX (the driver compiles it for this GPU, so the sm_80 code
 # runs); it lives in $SM80_PTX_BUILD (default build-sm80-ptx), made with
-#   cmake -S . -B build-sm80-ptx -DFKDA_CUDA_GENCODE=-gencode=arch=compute_80,code=compute_80
+#   cmake -S . -B build-sm80-ptx -DFKDA_FATBIN_ARCHS=compute_80
 #   cmake --build build-sm80-ptx --target fkda_gpu_tests
 # Logs go to $OUT (default ./gpu-check-logs); the last lines printed are a
 # summary. The exit status is 0 only when every step passed: a failing,
@@ -153,6 +154,21 @@ for s in $steps; do
         continue
       fi
       step_in "$sm80_dir" sm80_ptx 300 "$out/sm80_ptx.log" "$sm80_tests" "[gpu]" --warn NoTests
+      ;;
+    build_info)
+      # What the kernels were built with against the driver found: the
+      # driver must be at or above the build's floor and a GPU plan must work
+      # (compare scripts/release-build.sh's build with the default one).
+      step build_info 60 "$out/build_info.log" env PYTHONPATH="$PWD/bindings/python" \
+        FLASHKDA_LIBRARY="$PWD/$build/libflashkda.so.0" PYTHONDONTWRITEBYTECODE=1 python3 -c '
+import flashkda
+build, device = flashkda.build_info(), flashkda.query_device()
+print("build: ", build)
+print("device:", device)
+assert device.driver_version >= build.min_driver_version and device.has_kernels
+flashkda.Plan(1, backend="gpu").close()
+print("a GPU plan: ok")'
+      cat "$out/build_info.log" >>"$summary"
       ;;
     serving)
       # The serving paths (decode, prefill by pool slot with checkpoints),

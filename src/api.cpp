@@ -10,6 +10,7 @@
 #include "cpu/cpu_backend.h"
 #include "gpu/cuda_driver.h"
 #include "error.h"
+#include "fkda_build_info.h"
 #include "flashkda.h"
 #include "gpu/gpu_backend.h"
 #include "gpu/gpu_debug_checks.h"
@@ -176,7 +177,9 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info) {
     fkda_device_info result = FKDA_DEVICE_INFO_INIT;
     const fkda::cuda::Driver* d = fkda::cuda::driver();
     if (d == nullptr) {
+      result.driver_version = fkda::cuda::found_driver_version();
       *info = result;
+      if (fkda::cuda::driver_too_old()) fkda::fail(FKDA_ERROR_NO_DEVICE, fkda::cuda::unavailable_reason());
       return;
     }
     result.driver_loaded = 1;
@@ -222,6 +225,22 @@ FKDA_API fkda_status fkda_plan_get_launch_report(fkda_plan_t plan, fkda_launch_r
     const fkda::Plan& p = fkda::live_plan(plan);
     std::lock_guard<std::mutex> lock(p.launch_mutex);
     *report = p.last_launch;
+  });
+}
+
+FKDA_API fkda_status fkda_get_build_info(fkda_build_info* info) {
+  return guarded([&] {
+    require_output(info, "info");
+    // Its first published size is its current one.
+    fkda::read_versioned(*info, fkda_build_info FKDA_BUILD_INFO_INIT, sizeof(fkda_build_info), "info",
+                         "FKDA_BUILD_INFO_INIT");
+    fkda_build_info result = FKDA_BUILD_INFO_INIT;
+    result.cuda_version = FKDA_BUILD_CUDA_VERSION;
+    result.min_driver_version = FKDA_BUILD_MIN_DRIVER_VERSION;
+    static_assert(sizeof(FKDA_BUILD_ARCHITECTURES) <= sizeof(result.architectures),
+                  "fkda_build_info.architectures too small for the fatbin's list");
+    std::memcpy(result.architectures, FKDA_BUILD_ARCHITECTURES, sizeof(FKDA_BUILD_ARCHITECTURES));
+    *info = result;
   });
 }
 

@@ -5,6 +5,7 @@
 #include <mutex>
 
 #include "error.h"
+#include "fkda_build_info.h"
 
 namespace fkda::cuda {
 namespace {
@@ -12,9 +13,12 @@ namespace {
 using GetProcAddress = CUresult (*)(const char*, void**, int, cuuint64_t,
                                     CUdriverProcAddressQueryResult*);
 
+bool below_floor(int version) { return version != 0 && version < FKDA_BUILD_MIN_DRIVER_VERSION; }
+
 struct Loaded {
   Driver driver;
   bool ok = false;
+  int found_version = 0;
   std::string reason;
 };
 
@@ -42,17 +46,28 @@ Loaded load() {
     loaded.reason = std::string("libcuda.so.1 not found: ") + (why ? why : "dlopen failed");
     return loaded;
   }
+  // Asked first and straight from the library: an old driver may lack the
+  // entry points below, and its version is what the user needs to hear.
+  auto get_version = reinterpret_cast<CUresult (*)(int*)>(dlsym(handle, "cuDriverGetVersion"));
+  if (get_version == nullptr) {
+    loaded.reason = "libcuda.so.1 has no cuDriverGetVersion (not a CUDA driver?)";
+    return loaded;
+  }
+  if (get_version(&loaded.found_version) != CUDA_SUCCESS) loaded.found_version = 0;
+  if (below_floor(loaded.found_version)) {
+    loaded.reason = "the CUDA driver supports " + cuda_version_text(loaded.found_version) + ", but " +
+                    kernels_need() + ": update the NVIDIA driver";
+    return loaded;
+  }
   auto get_proc = reinterpret_cast<GetProcAddress>(dlsym(handle, "cuGetProcAddress_v2"));
   if (get_proc == nullptr) {
     loaded.reason = "libcuda.so.1 has no cuGetProcAddress_v2 (a CUDA 12 or newer driver is needed)";
     return loaded;
   }
   CUresult (*init)(unsigned int) = nullptr;
-  CUresult (*get_version)(int*) = nullptr;
   Driver& d = loaded.driver;
   std::string& r = loaded.reason;
   bool ok = resolve(get_proc, "cuInit", init, r) &&
-            resolve(get_proc, "cuDriverGetVersion", get_version, r) &&
             resolve(get_proc, "cuGetErrorName", d.cuGetErrorName, r) &&
             resolve(get_proc, "cuGetErrorString", d.cuGetErrorString, r) &&
             resolve(get_proc, "cuDeviceGetCount", d.cuDeviceGetCount, r) &&
@@ -79,7 +94,7 @@ Loaded load() {
                     (result == CUDA_ERROR_NO_DEVICE ? " (no CUDA device)" : "");
     return loaded;
   }
-  get_version(&d.version);
+  d.version = loaded.found_version;
   loaded.ok = true;
   return loaded;
 }
@@ -97,6 +112,21 @@ const Driver* driver() {
 }
 
 const std::string& unavailable_reason() { return loaded().reason; }
+
+int found_driver_version() { return loaded().found_version; }
+
+bool driver_too_old() { return below_floor(loaded().found_version); }
+
+std::string cuda_version_text(int version) {
+  return "CUDA " + std::to_string(version / 1000) + "." + std::to_string(version % 1000 / 10) + " (" +
+         std::to_string(version) + ")";
+}
+
+std::string kernels_need() {
+  return "this build's kernels (compiled with " + cuda_version_text(FKDA_BUILD_CUDA_VERSION) + " for " +
+         FKDA_BUILD_ARCHITECTURES + ") need a driver for " + cuda_version_text(FKDA_BUILD_MIN_DRIVER_VERSION) +
+         " or newer";
+}
 
 std::string describe(CUresult result) {
   const Driver* d = driver();

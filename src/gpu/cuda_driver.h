@@ -35,9 +35,21 @@ struct Driver {
 };
 
 // The driver, or nullptr when it cannot be used; then unavailable_reason()
-// says why ("libcuda.so.1 not found: ...", "cuInit failed: ...").
+// says why ("libcuda.so.1 not found: ...", "cuInit failed: ...", or that the
+// driver is older than the kernels need).
 const Driver* driver();
 const std::string& unavailable_reason();
+
+// cuDriverGetVersion of the libcuda.so.1 found, usable or not; 0 if none.
+int found_driver_version();
+// Whether a driver was found whose CUDA version is below the kernels' floor.
+bool driver_too_old();
+
+// "CUDA 12.8 (12080)" for a cuDriverGetVersion-style number.
+std::string cuda_version_text(int version);
+// What this build's kernels were built with and the driver they need, for
+// messages about a driver that cannot load them.
+std::string kernels_need();
 
 // "CUDA_ERROR_X (text)" for a driver result.
 std::string describe(CUresult result);

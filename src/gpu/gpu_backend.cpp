@@ -123,7 +123,7 @@ size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads)
 
 // sm_80 machine code runs on every 8.x device, sm_90a on 9.0, and the
 // compute_90 PTX is compiled by the driver for anything newer. A build whose
-// fatbin is compute_80 PTX alone (FKDA_CUDA_GENCODE) runs on all of them too.
+// fatbin is compute_80 PTX alone (FKDA_FATBIN_ARCHS=compute_80) runs on all of them too.
 bool has_kernels_for(int cc_major, int /*cc_minor*/) { return cc_major >= 8; }
 
 LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t /*workspace_bytes*/, CUstream stream) {

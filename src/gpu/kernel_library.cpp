@@ -25,14 +25,20 @@ std::string arch_message(int major, int minor) {
          ": this build has kernels for the sm_80 family and sm_90 (and later, through PTX)";
 }
 
+// The driver refused the kernels' image: say which driver it is and what the
+// image needs, since a driver error code alone tells users nothing.
+[[noreturn]] void image_refused(const cuda::Driver& d, const std::string& what, CUresult result) {
+  fail(result == CUDA_ERROR_NO_BINARY_FOR_GPU ? FKDA_ERROR_UNSUPPORTED_ARCH : FKDA_ERROR_DRIVER,
+       what + " failed: " + cuda::describe(result) + "; the CUDA driver supports " +
+           cuda::cuda_version_text(d.version) + " and " + cuda::kernels_need());
+}
+
 Kernels load_kernels(const cuda::Driver& d) {
   CUlibrary library = nullptr;
   // Never unloaded: launches may still be in flight on any stream at exit.
   CUresult result = d.cuLibraryLoadData(&library, flashkda_embedded_fatbin, nullptr, nullptr, 0, nullptr,
                                         nullptr, 0);
-  if (result != CUDA_SUCCESS) {
-    fail(FKDA_ERROR_DRIVER, "cuLibraryLoadData (the embedded kernels) failed: " + cuda::describe(result));
-  }
+  if (result != CUDA_SUCCESS) image_refused(d, "cuLibraryLoadData (the embedded kernels)", result);
   Kernels kernels;
   auto get = [&](NamedKernel* slot, const char* name) {
     slot->name = name;
@@ -115,9 +121,11 @@ CUfunction function_for_context(const LaunchContext& context, const NamedKernel&
   CUfunction function = nullptr;
   CUresult result = context.driver.cuKernelGetFunction(&function, kernel.kernel);
   if (result == CUDA_ERROR_NO_BINARY_FOR_GPU || result == CUDA_ERROR_INVALID_PTX ||
-      result == CUDA_ERROR_UNSUPPORTED_PTX_VERSION) {
-    fail(FKDA_ERROR_UNSUPPORTED_ARCH, arch_message(context.facts.cc_major, context.facts.cc_minor) + " (" +
-                                          kernel.name + ": " + cuda::describe(result) + ")");
+      result == CUDA_ERROR_UNSUPPORTED_PTX_VERSION || result == CUDA_ERROR_INVALID_IMAGE) {
+    image_refused(context.driver,
+                  std::string("cuKernelGetFunction(") + kernel.name + ") on compute capability " +
+                      std::to_string(context.facts.cc_major) + "." + std::to_string(context.facts.cc_minor),
+                  result);
   }
   if (result != CUDA_SUCCESS) {
     fail(FKDA_ERROR_DRIVER,

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdio>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -26,52 +27,111 @@ std::vector<std::string> run_lines(const std::string& command) {
   return lines;
 }
 
+// One entry of `readelf --dyn-syms`: "fkda_fwd@@FLASHKDA_0" is a defined,
+// versioned export; "dlopen@GLIBC_2.2.5 (4)" an undefined, versioned need.
+struct DynSym {
+  std::string name;
+  std::string version;  // empty when unversioned
+  bool defined = false;
+  bool weak = false;
+};
+
+std::vector<DynSym> dynamic_symbols() {
+  std::vector<DynSym> symbols;
+  for (const std::string& line : run_lines(std::string(FKDA_READELF) + " -W --dyn-syms " + FKDA_LIBRARY_FILE)) {
+    std::istringstream fields(line);
+    std::string num, value, size, type, bind, vis, ndx, name;
+    if (!(fields >> num >> value >> size >> type >> bind >> vis >> ndx >> name)) continue;
+    if (num.empty() || num.back() != ':' || num == "Num:") continue;
+    DynSym sym;
+    const size_t at = name.find('@');
+    sym.name = name.substr(0, at);
+    if (at != std::string::npos) sym.version = name.substr(name.find_first_not_of('@', at));
+    sym.defined = ndx != "UND";
+    sym.weak = bind == "WEAK";
+    if (!sym.name.empty()) symbols.push_back(sym);
+  }
+  return symbols;
+}
+
+// "GLIBC_2.28" -> {2, 28}; "GCC_4.2.0" -> {4, 2, 0}.
+std::vector<int> version_numbers(const std::string& version) {
+  std::vector<int> numbers;
+  std::istringstream parts(version.substr(version.find('_') + 1));
+  std::string part;
+  while (std::getline(parts, part, '.')) numbers.push_back(std::stoi(part));
+  return numbers;
+}
+
 }  // namespace
 
-TEST_CASE("only fkda_* symbols are exported", "[abi]") {
-  auto lines = run_lines(std::string(FKDA_NM) + " -D --defined-only " + FKDA_LIBRARY_FILE);
+TEST_CASE("only fkda_* symbols are exported, each under the version node FLASHKDA_0", "[abi]") {
+  const std::string node = "FLASHKDA_" + std::to_string(FKDA_ABI_VERSION);
   std::vector<std::string> exported;
-  for (const std::string& line : lines) {
-    // "<address> <type> <name>[@version]"
-    auto last_space = line.rfind(' ');
-    if (last_space == std::string::npos) continue;
-    std::string name = line.substr(last_space + 1);
-    name = name.substr(0, name.find('@'));
-    exported.push_back(name);
+  for (const DynSym& sym : dynamic_symbols()) {
+    if (!sym.defined || sym.name == node) continue;  // the node itself is an ABS entry
+    INFO("exported symbol: " << sym.name << "@" << sym.version);
+    CHECK(sym.name.rfind("fkda_", 0) == 0);
+    CHECK(sym.version == node);
+    exported.push_back(sym.name);
   }
   REQUIRE(exported.size() >= 12);
-  for (const std::string& name : exported) {
-    INFO("exported symbol: " << name);
-    CHECK(name.rfind("fkda_", 0) == 0);
-  }
   for (const char* required : {"fkda_plan_create", "fkda_plan_destroy", "fkda_fwd", "fkda_set_lower_bound",
                                "fkda_get_lower_bound", "fkda_plan_workspace_size", "fkda_status_string",
                                "fkda_last_error", "fkda_version", "fkda_version_string",
-                               "fkda_query_device", "fkda_plan_get_backend"}) {
+                               "fkda_query_device", "fkda_plan_get_backend", "fkda_get_build_info"}) {
     INFO("missing export: " << required);
     CHECK(std::find(exported.begin(), exported.end(), required) != exported.end());
   }
 }
 
-TEST_CASE("SONAME carries the ABI major and no CUDA library is needed", "[abi]") {
-  auto lines = run_lines(std::string(FKDA_READELF) + " -d " + FKDA_LIBRARY_FILE);
-  bool soname_ok = false;
-  std::vector<std::string> needed;
-  for (const std::string& line : lines) {
-    if (line.find("(SONAME)") != std::string::npos) {
-      soname_ok = line.find("[libflashkda.so.0]") != std::string::npos;
+TEST_CASE("no symbol version above the glibc floor is needed", "[floor]") {
+  const std::vector<int> glibc_floor = version_numbers(std::string("GLIBC_") + FKDA_GLIBC_FLOOR);
+  // libgcc_s.so.1 of GCC 8, the oldest one a glibc 2.28 distribution ships.
+  const std::vector<int> gcc_floor = {7, 0, 0};
+  int needs = 0;
+  for (const DynSym& sym : dynamic_symbols()) {
+    if (sym.defined) continue;
+    INFO("needed symbol: " << sym.name << (sym.version.empty() ? "" : "@") << sym.version);
+    if (sym.version.empty()) {
+      CHECK(sym.weak);  // unversioned references may only be optional ones
+    } else if (sym.version.rfind("GLIBC_", 0) == 0) {
+      CHECK(version_numbers(sym.version) <= glibc_floor);
+    } else if (sym.version.rfind("GCC_", 0) == 0) {
+      CHECK(version_numbers(sym.version) <= gcc_floor);
+    } else {
+      FAIL_CHECK("a version outside glibc and libgcc_s (GLIBCXX_ and CXXABI_ mean a libstdc++ dependency)");
     }
-    if (line.find("(NEEDED)") != std::string::npos) needed.push_back(line);
+    ++needs;
+  }
+  CHECK(needs > 0);
+}
+
+TEST_CASE("DT_NEEDED lists only libraries every glibc distribution has", "[floor]") {
+  const std::vector<std::string> allowed = {"libc.so.6",       "libm.so.6",  "libdl.so.2",
+                                            "libpthread.so.0", "librt.so.1", "libgcc_s.so.1",
+                                            "ld-linux-x86-64.so.2"};
+  std::vector<std::string> needed;
+  for (const std::string& line : run_lines(std::string(FKDA_READELF) + " -d " + FKDA_LIBRARY_FILE)) {
+    if (line.find("(NEEDED)") == std::string::npos) continue;
+    const size_t open = line.find('[');
+    needed.push_back(line.substr(open + 1, line.find(']') - open - 1));
+  }
+  REQUIRE_FALSE(needed.empty());
+  for (const std::string& library : needed) {
+    INFO("DT_NEEDED: " << library);
+    CHECK(std::find(allowed.begin(), allowed.end(), library) != allowed.end());
+  }
+}
+
+TEST_CASE("SONAME carries the ABI major", "[abi]") {
+  bool soname_ok = false;
+  for (const std::string& line : run_lines(std::string(FKDA_READELF) + " -d " + FKDA_LIBRARY_FILE)) {
+    if (line.find("(SONAME)") != std::string::npos) {
+      soname_ok = line.find("[libflashkda.so." + std::to_string(FKDA_ABI_VERSION) + "]") != std::string::npos;
+    }
   }
   CHECK(soname_ok);
-  REQUIRE_FALSE(needed.empty());
-  for (const std::string& line : needed) {
-    INFO(line);
-    CHECK(line.find("libcuda") == std::string::npos);
-    CHECK(line.find("libcudart") == std::string::npos);
-    // The C++ runtime is linked statically so the library drops into any runtime.
-    CHECK(line.find("libstdc++") == std::string::npos);
-  }
 }
 
 TEST_CASE("the embedded fatbin is present and stays private", "[abi]") {
@@ -108,6 +168,26 @@ TEST_CASE("struct layouts are frozen", "[abi]") {
   STATIC_REQUIRE(offsetof(fkda_launch_report, vsplit) == 8);
   STATIC_REQUIRE(offsetof(fkda_launch_report, slots_per_window) == 24);
   STATIC_REQUIRE(sizeof(fkda_launch_report) == 32);
+  STATIC_REQUIRE(offsetof(fkda_build_info, min_driver_version) == 12);
+  STATIC_REQUIRE(offsetof(fkda_build_info, architectures) == 16);
+  STATIC_REQUIRE(sizeof(fkda_build_info) == 80);
+}
+
+TEST_CASE("build info names the kernels' CUDA version, images and driver floor", "[abi]") {
+  fkda_build_info info = FKDA_BUILD_INFO_INIT;
+  REQUIRE(fkda_get_build_info(&info) == FKDA_SUCCESS);
+  CHECK(info.cuda_version >= 12000);
+  // The floor is the toolkit's CUDA major.0 (minor version compatibility).
+  CHECK(info.min_driver_version == info.cuda_version / 1000 * 1000);
+  const std::string archs = info.architectures;
+  CHECK(archs.find("sm_80") != std::string::npos);
+  CHECK(archs.find("sm_90a") != std::string::npos);
+
+  CHECK(fkda_get_build_info(nullptr) == FKDA_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(fkda_last_error()).rfind("info: ", 0) == 0);
+  info.struct_size = 8;
+  CHECK(fkda_get_build_info(&info) == FKDA_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(fkda_last_error()).find("FKDA_BUILD_INFO_INIT") != std::string::npos);
 }
 
 TEST_CASE("run-time version matches the header", "[abi]") {

@@ -15,8 +15,10 @@ import importlib.util
 
 from ._abi import Backend, Dtype, NullSlotRule, StateLayout, Status
 from ._api import (
+    BuildInfo,
     DeviceInfo,
     Plan,
+    build_info,
     fwd,
     last_error,
     query_device,
@@ -37,6 +39,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "Backend",
+    "BuildInfo",
     "DeviceInfo",
     "Dtype",
     "FlashKDAError",
@@ -45,6 +48,7 @@ __all__ = [
     "Plan",
     "StateLayout",
     "Status",
+    "build_info",
     "decode",
     "from_bf16",
     "fwd",

@@ -174,6 +174,20 @@ class FkdaLaunchReport(ctypes.Structure):
         return cls(struct_size=ctypes.sizeof(cls))
 
 
+class FkdaBuildInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("cuda_version", ctypes.c_int32),
+        ("min_driver_version", ctypes.c_int32),
+        ("architectures", ctypes.c_char * 64),
+    ]
+
+    @classmethod
+    def initialized(cls):
+        """The values of FKDA_BUILD_INFO_INIT."""
+        return cls(struct_size=ctypes.sizeof(cls))
+
+
 plan_handle = ctypes.c_void_p
 stream_handle = ctypes.c_void_p
 
@@ -207,6 +221,7 @@ PROTOTYPES = {
     ),
     "fkda_query_device": (c_enum, [ctypes.c_int32, ctypes.POINTER(FkdaDeviceInfo)]),
     "fkda_plan_get_launch_report": (c_enum, [plan_handle, ctypes.POINTER(FkdaLaunchReport)]),
+    "fkda_get_build_info": (c_enum, [ctypes.POINTER(FkdaBuildInfo)]),
 }
 
 

@@ -11,6 +11,7 @@ from ._abi import (
     FWD_TENSOR_FIELDS,
     Backend,
     Dtype,
+    FkdaBuildInfo,
     FkdaDecodeArgs,
     FkdaDeviceInfo,
     FkdaFwdArgs,
@@ -454,7 +455,10 @@ class DeviceInfo:
 
 
 def query_device(device=-1):
-    """fkda_query_device: device `device`, or with -1 the current one (else 0)."""
+    """fkda_query_device: device `device`, or with -1 the current one (else 0).
+
+    Raises FlashKDAError, naming both versions, with a driver older than
+    build_info().min_driver_version."""
     lib = _current_library()
     info = FkdaDeviceInfo.initialized()
     lib.check(lib.cdll.fkda_query_device(_int32("device", device), ctypes.byref(info)))
@@ -467,6 +471,27 @@ def query_device(device=-1):
         cc_minor=info.cc_minor,
         has_kernels=bool(info.has_kernels),
         name=info.name.decode("utf-8", "replace"),
+    )
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    """fkda_build_info in Python types; versions as cuDriverGetVersion encodes them."""
+
+    cuda_version: int
+    min_driver_version: int
+    architectures: str
+
+
+def build_info():
+    """fkda_get_build_info: the CUDA version, images and driver floor of the kernels."""
+    info = FkdaBuildInfo.initialized()
+    lib = _current_library()
+    lib.check(lib.cdll.fkda_get_build_info(ctypes.byref(info)))
+    return BuildInfo(
+        cuda_version=info.cuda_version,
+        min_driver_version=info.min_driver_version,
+        architectures=info.architectures.decode("ascii"),
     )
 
 

@@ -32,6 +32,7 @@ _STRUCTS = {
     "fkda_decode_args": _abi.FkdaDecodeArgs,
     "fkda_device_info": _abi.FkdaDeviceInfo,
     "fkda_launch_report": _abi.FkdaLaunchReport,
+    "fkda_build_info": _abi.FkdaBuildInfo,
 }
 
 
@@ -124,6 +125,15 @@ def test_init_values_follow_the_header_macros():
                    for name in fields)
     info = _abi.FkdaDeviceInfo.initialized()
     assert info.struct_size == ctypes.sizeof(_abi.FkdaDeviceInfo) and info.device == -1
+    build = _abi.FkdaBuildInfo.initialized()
+    assert build.struct_size == ctypes.sizeof(_abi.FkdaBuildInfo) and build.cuda_version == 0
+
+
+def test_build_info_names_the_kernels():
+    info = flashkda.build_info()
+    assert info.cuda_version >= info.min_driver_version >= 12000
+    assert info.min_driver_version % 1000 == 0
+    assert "sm_80" in info.architectures.split() and "sm_90a" in info.architectures.split()
 
 
 def test_version_matches_the_header(header):

@@ -22,8 +22,8 @@ module FlashKDA
 using Libdl
 
 export FlashKDAError, Plan, fwd!, fwd_raw!, decode!, tensor, workspace_size, decode_workspace_size,
-       backend, lower_bound, set_lower_bound!, query_device, version, version_string, to_bf16, from_bf16,
-       load_library, library_path
+       backend, lower_bound, set_lower_bound!, query_device, build_info, version, version_string, to_bf16,
+       from_bf16, load_library, library_path
 
 # ------------------------------------------------------------------------
 # Mirrors of include/flashkda.h
@@ -158,6 +158,13 @@ struct fkda_launch_report
     slots_per_window::Int64
 end
 
+struct fkda_build_info
+    struct_size::Csize_t
+    cuda_version::Int32
+    min_driver_version::Int32
+    architectures::NTuple{64,Cchar}
+end
+
 # ------------------------------------------------------------------------
 # Errors
 # ------------------------------------------------------------------------
@@ -197,7 +204,7 @@ const FUNCTION_NAMES = (
     :fkda_status_string, :fkda_last_error, :fkda_version, :fkda_version_string,
     :fkda_plan_create, :fkda_plan_destroy, :fkda_plan_get_backend, :fkda_set_lower_bound,
     :fkda_get_lower_bound, :fkda_plan_workspace_size, :fkda_fwd, :fkda_plan_decode_workspace_size,
-    :fkda_decode, :fkda_query_device, :fkda_plan_get_launch_report,
+    :fkda_decode, :fkda_query_device, :fkda_plan_get_launch_report, :fkda_get_build_info,
 )
 
 struct LoadedLibrary
@@ -321,6 +328,9 @@ fkda_query_device(device, info) =
 fkda_plan_get_launch_report(plan, report) =
     @ccall $(c_function(:fkda_plan_get_launch_report))(plan::fkda_plan_t,
                                                        report::Ref{fkda_launch_report})::fkda_status
+
+fkda_get_build_info(info) =
+    @ccall $(c_function(:fkda_get_build_info))(info::Ref{fkda_build_info})::fkda_status
 
 # ------------------------------------------------------------------------
 # Status handling
@@ -775,19 +785,38 @@ end
     query_device(device=-1) -> NamedTuple
 
 `fkda_query_device`: device `device`, or with -1 the current one (else 0).
-Succeeds without a driver or GPU.
+Succeeds without a driver or GPU; throws, naming both versions, with a driver
+older than `build_info().min_driver_version`.
 """
 function query_device(device::Integer=-1)
     info = Ref(fkda_device_info(Csize_t(sizeof(fkda_device_info)), 0, 0, 0, -1, 0, 0, 0,
                                 ntuple(_ -> Cchar(0), 256)))
     check(fkda_query_device(to_int32("device", device), info))
     i = info[]
-    name_bytes = UInt8[reinterpret(UInt8, c) for c in i.name]
-    name_end = something(findfirst(==(0x00), name_bytes), length(name_bytes) + 1)
     return (driver_loaded=i.driver_loaded != 0, driver_version=Int(i.driver_version),
             device_count=Int(i.device_count), device=Int(i.device), cc_major=Int(i.cc_major),
-            cc_minor=Int(i.cc_minor), has_kernels=i.has_kernels != 0,
-            name=String(name_bytes[1:name_end-1]))
+            cc_minor=Int(i.cc_minor), has_kernels=i.has_kernels != 0, name=c_string(i.name))
+end
+
+"""
+    build_info() -> NamedTuple
+
+`fkda_get_build_info`: the CUDA version the kernels were compiled with, the
+oldest driver that loads them (both as `cuDriverGetVersion` encodes them,
+12.9 is 12090) and the images in the fatbin ("sm_80 sm_90a compute_90").
+"""
+function build_info()
+    info = Ref(fkda_build_info(Csize_t(sizeof(fkda_build_info)), 0, 0, ntuple(_ -> Cchar(0), 64)))
+    check(fkda_get_build_info(info))
+    i = info[]
+    return (cuda_version=Int(i.cuda_version), min_driver_version=Int(i.min_driver_version),
+            architectures=c_string(i.architectures))
+end
+
+# A NUL-terminated char array of a struct as a String.
+function c_string(chars::NTuple{N,Cchar}) where {N}
+    bytes = UInt8[reinterpret(UInt8, c) for c in chars]
+    return String(bytes[1:something(findfirst(==(0x00), bytes), N + 1)-1])
 end
 
 # ------------------------------------------------------------------------

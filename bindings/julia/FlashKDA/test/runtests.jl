@@ -130,6 +130,9 @@ end
         @test info.device_count >= 0
         info.driver_loaded || @test info.device_count == 0
         expect_error(() -> query_device(-2), "device")
+        build = build_info()
+        @test build.cuda_version >= build.min_driver_version >= 12000
+        @test "sm_80" in split(build.architectures)
         @test sizeof(FlashKDA.fkda_tensor) == 8 + 4 + 4 + 6 * 8 + 6 * 8
     end
 

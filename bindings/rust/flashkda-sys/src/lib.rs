@@ -264,6 +264,25 @@ pub const FKDA_LAUNCH_REPORT_INIT: fkda_launch_report = fkda_launch_report {
     slots_per_window: 0,
 };
 
+// ------------------------------------------------------------------- build
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct fkda_build_info {
+    pub struct_size: usize,
+    pub cuda_version: i32,
+    pub min_driver_version: i32,
+    pub architectures: [c_char; 64],
+}
+
+/// FKDA_BUILD_INFO_INIT.
+pub const FKDA_BUILD_INFO_INIT: fkda_build_info = fkda_build_info {
+    struct_size: size_of::<fkda_build_info>(),
+    cuda_version: 0,
+    min_driver_version: 0,
+    architectures: [0; 64],
+};
+
 // --------------------------------------------------------------- functions
 
 extern "C" {
@@ -309,4 +328,5 @@ extern "C" {
     pub fn fkda_query_device(device: i32, info: *mut fkda_device_info) -> fkda_status;
 
     pub fn fkda_plan_get_launch_report(plan: fkda_plan_t, report: *mut fkda_launch_report) -> fkda_status;
+    pub fn fkda_get_build_info(info: *mut fkda_build_info) -> fkda_status;
 }

@@ -612,6 +612,7 @@ mirrors! {
         has_kernels, name,
     }
     fkda_launch_report = FKDA_LAUNCH_REPORT_INIT { struct_size, vsplit, windows, slots_per_window }
+    fkda_build_info = FKDA_BUILD_INFO_INIT { struct_size, cuda_version, min_driver_version, architectures }
 }
 
 #[test]

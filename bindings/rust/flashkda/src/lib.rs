@@ -945,7 +945,8 @@ pub struct DeviceInfo {
 }
 
 /// `fkda_query_device`: device `device`, or with -1 the current one (else 0).
-/// Succeeds without a driver or GPU.
+/// Succeeds without a driver or GPU; fails, naming both versions, with a
+/// driver older than [`build_info`]'s `min_driver_version`.
 pub fn query_device(device: i32) -> Result<DeviceInfo> {
     let mut info = sys::FKDA_DEVICE_INFO_INIT;
     // SAFETY: valid out pointer with struct_size set.
@@ -960,6 +961,32 @@ pub fn query_device(device: i32) -> Result<DeviceInfo> {
         cc_minor: info.cc_minor,
         has_kernels: info.has_kernels != 0,
         name: String::from_utf8_lossy(&name_bytes).into_owned(),
+    })
+}
+
+// ------------------------------------------------------------------- build
+
+/// `fkda_build_info` in Rust types; versions as `cuDriverGetVersion` encodes them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BuildInfo {
+    /// CUDA toolkit the kernels were compiled with (12.9 is 12090).
+    pub cuda_version: i32,
+    /// Oldest driver that loads them.
+    pub min_driver_version: i32,
+    /// Images in the fatbin, e.g. "sm_80 sm_90a compute_90".
+    pub architectures: String,
+}
+
+/// `fkda_get_build_info`: the CUDA version, images and driver floor of the kernels.
+pub fn build_info() -> Result<BuildInfo> {
+    let mut info = sys::FKDA_BUILD_INFO_INIT;
+    // SAFETY: valid out pointer with struct_size set.
+    check(unsafe { sys::fkda_get_build_info(&mut info) })?;
+    let bytes: Vec<u8> = info.architectures.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    Ok(BuildInfo {
+        cuda_version: info.cuda_version,
+        min_driver_version: info.min_driver_version,
+        architectures: String::from_utf8_lossy(&bytes).into_owned(),
     })
 }
 

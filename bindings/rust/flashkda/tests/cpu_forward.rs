@@ -2,7 +2,7 @@
 //! recurrence on random inputs, plan reuse, and the error paths.
 
 use flashkda::{
-    from_bf16, query_device, to_bf16, version, version_string, Backend, CheckpointDestination, Dtype,
+    build_info, from_bf16, query_device, to_bf16, version, version_string, Backend, CheckpointDestination, Dtype,
     Error, DecodePool, HostCheckpoints, HostFwd, HostPool, Indices, NullSlotRule, Plan, PlanDesc,
     RawFwdArgs, RawTensor, SeqLens, StateMut, StateRef, Status,
 };
@@ -477,6 +477,14 @@ fn plans_are_send_and_dropped() {
         size
     });
     handle.join().unwrap();
+}
+
+#[test]
+fn build_info_names_the_kernels() {
+    let info = build_info().unwrap();
+    assert!(info.cuda_version >= info.min_driver_version && info.min_driver_version >= 12000);
+    assert_eq!(info.min_driver_version % 1000, 0);
+    assert!(info.architectures.split(' ').any(|arch| arch == "sm_80"), "{}", info.architectures);
 }
 
 #[test]

@@ -1,0 +1,146 @@
+/*
+ * A stand-in libcuda.so.1 for machines without a GPU: enough of the driver
+ * API for libflashkda's loader, one device of compute capability 9.0 with a
+ * current context, and two knobs read from the environment:
+ *   FKDA_STUB_DRIVER_VERSION  what cuDriverGetVersion reports (default 13000)
+ *   FKDA_STUB_LOAD_RESULT     the CUresult cuLibraryLoadData returns (default 0)
+ * Every pointer is reported as device memory of device 0, so a GPU plan's
+ * arguments pass validation and the call reaches the kernel image.
+ */
+#include <cuda.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define STUB_API __attribute__((visibility("default")))
+
+static int env_int(const char* name, int fallback) {
+  const char* text = getenv(name);
+  return text != NULL && *text != '\0' ? atoi(text) : fallback;
+}
+
+STUB_API CUresult cuDriverGetVersion(int* version) {
+  *version = env_int("FKDA_STUB_DRIVER_VERSION", 13000);
+  return CUDA_SUCCESS;
+}
+
+static CUresult stub_init(unsigned int flags) {
+  (void)flags;
+  return CUDA_SUCCESS;
+}
+
+static CUresult stub_error_name(CUresult result, const char** text) {
+  *text = result == CUDA_ERROR_UNSUPPORTED_PTX_VERSION ? "CUDA_ERROR_UNSUPPORTED_PTX_VERSION"
+          : result == CUDA_ERROR_NO_BINARY_FOR_GPU     ? "CUDA_ERROR_NO_BINARY_FOR_GPU"
+                                                       : "CUDA_ERROR_STUB";
+  return CUDA_SUCCESS;
+}
+
+static CUresult stub_error_string(CUresult result, const char** text) {
+  (void)result;
+  *text = "reported by the stub driver";
+  return CUDA_SUCCESS;
+}
+
+static CUresult stub_device_count(int* count) {
+  *count = 1;
+  return CUDA_SUCCESS;
+}
+
+static CUresult stub_device_get(CUdevice* device, int ordinal) {
+  *device = ordinal;
+  return CUDA_SUCCESS;
+}
+
+static CUresult stub_attribute(int* value, CUdevice_attribute which, CUdevice device) {
+  (void)device;
+  switch (which) {
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *value = 9; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *value = 0; break;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *value = 132; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: *value = 232448; break;
+    default: *value = 0; break;
+  }
+  return CUDA_SUCCESS;
+}
+
+static CUresult stub_device_name(char* name, int length, CUdevice device) {
+  (void)device;
+  strncpy(name, "stub device", (size_t)length);
+  return CUDA_SUCCESS;
+}
+
+static CUresult stub_ctx_current(CUcontext* context) {
+  static int token;
+  *context = (CUcontext)&token;
+  return CUDA_SUCCESS;
+}
+
+static CUresult stub_ctx_device(CUdevice* device) {
+  *device = 0;
+  return CUDA_SUCCESS;
+}
+
+static CUresult stub_pointer_attributes(unsigned int count, CUpointer_attribute* attributes, void** values,
+                                        CUdeviceptr pointer) {
+  (void)pointer;
+  for (unsigned int i = 0; i < count; ++i) {
+    if (attributes[i] == CU_POINTER_ATTRIBUTE_MEMORY_TYPE) *(unsigned int*)values[i] = CU_MEMORYTYPE_DEVICE;
+    if (attributes[i] == CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) *(int*)values[i] = 0;
+  }
+  return CUDA_SUCCESS;
+}
+
+static CUresult stub_library_load(CUlibrary* library, const void* image, CUjit_option* jit_options,
+                                  void** jit_values, unsigned int jit_count, CUlibraryOption* options,
+                                  void** option_values, unsigned int option_count) {
+  (void)image, (void)jit_options, (void)jit_values, (void)jit_count;
+  (void)options, (void)option_values, (void)option_count;
+  static int token;
+  *library = (CUlibrary)&token;
+  return (CUresult)env_int("FKDA_STUB_LOAD_RESULT", CUDA_SUCCESS);
+}
+
+/* Entry points the loader resolves but the tests never reach. */
+static CUresult stub_unreached(void) { return CUDA_ERROR_NOT_SUPPORTED; }
+
+struct entry {
+  const char* name;
+  void* address;
+};
+
+static const struct entry entries[] = {
+    {"cuInit", (void*)stub_init},
+    {"cuDriverGetVersion", (void*)cuDriverGetVersion},
+    {"cuGetErrorName", (void*)stub_error_name},
+    {"cuGetErrorString", (void*)stub_error_string},
+    {"cuDeviceGetCount", (void*)stub_device_count},
+    {"cuDeviceGet", (void*)stub_device_get},
+    {"cuDeviceGetAttribute", (void*)stub_attribute},
+    {"cuDeviceGetName", (void*)stub_device_name},
+    {"cuCtxGetCurrent", (void*)stub_ctx_current},
+    {"cuCtxGetDevice", (void*)stub_ctx_device},
+    {"cuPointerGetAttributes", (void*)stub_pointer_attributes},
+    {"cuLibraryLoadData", (void*)stub_library_load},
+    {"cuLibraryGetKernel", (void*)stub_unreached},
+    {"cuKernelGetFunction", (void*)stub_unreached},
+    {"cuKernelSetAttribute", (void*)stub_unreached},
+    {"cuLaunchKernel", (void*)stub_unreached},
+    {"cuStreamGetCtx", (void*)stub_unreached},
+    {"cuStreamSynchronize", (void*)stub_unreached},
+    {"cuMemcpyDtoH", (void*)stub_unreached},
+};
+
+STUB_API CUresult cuGetProcAddress_v2(const char* symbol, void** address, int version, cuuint64_t flags,
+                                      CUdriverProcAddressQueryResult* found) {
+  (void)version, (void)flags;
+  for (size_t i = 0; i < sizeof entries / sizeof entries[0]; ++i) {
+    if (strcmp(symbol, entries[i].name) == 0) {
+      *address = entries[i].address;
+      if (found != NULL) *found = CU_GET_PROC_ADDRESS_SUCCESS;
+      return CUDA_SUCCESS;
+    }
+  }
+  *address = NULL;
+  if (found != NULL) *found = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  return CUDA_ERROR_NOT_FOUND;
+}
