@@ -12,10 +12,10 @@
 /* The longest sequence a decode call serves (tokens). */
 #define FKDA_DECODE_MAX_TOKENS 16
 
-/* Each warp owns this many V rows of one (sequence, head) state, two per
+/* Each warp owns this many V rows of one (sequence, head) state, four per
  * group of 8 lanes; the 8 lanes of a group split the 128 K columns. A block
- * has 1, 2 or 4 warps, so 16, 8 or 4 blocks share a head's 128 rows. */
-#define FKDA_DECODE_ROWS_PER_WARP 8
+ * has 1, 2 or 4 warps, so 8, 4 or 2 blocks share a head's 128 rows. */
+#define FKDA_DECODE_ROWS_PER_WARP 16
 #define FKDA_DECODE_MAX_WARPS 4
 
 /* Dynamic shared memory of a block, for sequences of at most max_tokens

@@ -12,10 +12,10 @@
 //   [N] indices: S rounded to the pool dtype -> the slot it came from
 //
 // The rows of S evolve independently, so block (n * vsplit + z, h) takes
-// `rows` = 8 x warps of them, starting at z x rows, and keeps them in
+// `rows` = 16 x warps of them, starting at z x rows, and keeps them in
 // registers for all the sequence's tokens: each state element is read once
 // and written once per call ([N] indices) or once per token (table). Within a
-// warp, each group of 8 lanes owns two adjacent rows and splits the 128 K
+// warp, each group of 8 lanes owns four adjacent rows and splits the 128 K
 // columns into 16 a lane, taken as four runs of 4 ("quads") placed so that
 // every global access of a group is one contiguous 128-byte segment of a row:
 // dot products over K are 16 fused multiply-adds and three shuffles.
@@ -43,6 +43,11 @@
 namespace fkda_dev {
 
 constexpr int kDecodeColumnsPerLane = 16;
+// Rows per group of 8 lanes: four, so that a lane keeps 16 independent
+// 16-byte state accesses in flight (8 for a bf16 pool) and the per-block
+// preparation of the tokens serves twice the rows it served with two.
+constexpr int kDecodeRowsPerGroup = FKDA_DECODE_ROWS_PER_WARP / 4;
+using StateRows = float[kDecodeRowsPerGroup][kDecodeColumnsPerLane];
 
 // First K column of quad m (0..3) of lane l (0..7) of a group. An f32 row
 // is read as four 16-byte pieces, quad m at piece 8 m + l; a bf16 row as two,
@@ -52,14 +57,16 @@ __device__ __forceinline__ int quad_column(int m, int l) {
   return kBf16 ? ((m >> 1) * 8 + l) * 8 + (m & 1) * 4 : (m * 8 + l) * 4;
 }
 
-// A group's two rows e, e + 1 of one V x K (or K x V) matrix: s[r][4 m + i]
-// is row e + r, column quad_column(m, l) + i. Streaming cache hints: each
-// element is used once per call.
+// A group's kDecodeRowsPerGroup rows e, e + 1, ... of one V x K (or K x V)
+// matrix: s[r][4 m + i] is row e + r, column quad_column(m, l) + i. Every
+// load is issued before any value is used (all unrolled, no dependence
+// between them), so a lane has all of its rows' bytes in flight at once.
+// Streaming cache hints: each element is used once per call.
 template <bool kBf16, bool kKV>
-__device__ __forceinline__ void load_state_rows(const void* matrix, int e, int l, float (&s)[2][kDecodeColumnsPerLane]) {
+__device__ __forceinline__ void load_state_rows(const void* matrix, int e, int l, StateRows& s) {
   if (!kKV) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < kDecodeRowsPerGroup; ++r) {
       if (kBf16) {
         const uint16_t* row = static_cast<const uint16_t*>(matrix) + (e + r) * FKDA_HEAD_DIM;
 #pragma unroll
@@ -85,20 +92,27 @@ __device__ __forceinline__ void load_state_rows(const void* matrix, int e, int l
       }
     }
   } else {
-    // K x V: rows e, e + 1 are adjacent in each column's line.
+    // K x V: the group's four rows are adjacent in each column's line, so one
+    // access per column takes all four (16 bytes f32, 8 bytes bf16; e is a
+    // multiple of 4 and the pool is 16-byte aligned, so both are aligned).
+    static_assert(kDecodeRowsPerGroup == 4, "the K x V accesses take four rows");
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int at = (quad_column<kBf16>(m, l) + i) * FKDA_HEAD_DIM + e;
         if (kBf16) {
-          const uint32_t w = __ldcs(reinterpret_cast<const unsigned int*>(static_cast<const uint16_t*>(matrix) + at));
-          s[0][4 * m + i] = bf16_lo(w);
-          s[1][4 * m + i] = bf16_hi(w);
+          const uint2 w = __ldcs(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(matrix) + at));
+          s[0][4 * m + i] = bf16_lo(w.x);
+          s[1][4 * m + i] = bf16_hi(w.x);
+          s[2][4 * m + i] = bf16_lo(w.y);
+          s[3][4 * m + i] = bf16_hi(w.y);
         } else {
-          const float2 f = __ldcs(reinterpret_cast<const float2*>(static_cast<const float*>(matrix) + at));
+          const float4 f = __ldcs(reinterpret_cast<const float4*>(static_cast<const float*>(matrix) + at));
           s[0][4 * m + i] = f.x;
           s[1][4 * m + i] = f.y;
+          s[2][4 * m + i] = f.z;
+          s[3][4 * m + i] = f.w;
         }
       }
     }
@@ -107,10 +121,10 @@ __device__ __forceinline__ void load_state_rows(const void* matrix, int e, int l
 
 // The inverse of load_state_rows, rounding to bf16 (nearest even) for a bf16 pool.
 template <bool kBf16, bool kKV>
-__device__ __forceinline__ void store_state_rows(void* matrix, int e, int l, const float (&s)[2][kDecodeColumnsPerLane]) {
+__device__ __forceinline__ void store_state_rows(void* matrix, int e, int l, const StateRows& s) {
   if (!kKV) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < kDecodeRowsPerGroup; ++r) {
       if (kBf16) {
         uint16_t* row = static_cast<uint16_t*>(matrix) + (e + r) * FKDA_HEAD_DIM;
 #pragma unroll
@@ -138,11 +152,12 @@ __device__ __forceinline__ void store_state_rows(void* matrix, int e, int l, con
       for (int i = 0; i < 4; ++i) {
         const int at = (quad_column<kBf16>(m, l) + i) * FKDA_HEAD_DIM + e;
         if (kBf16) {
-          __stcs(reinterpret_cast<unsigned int*>(static_cast<uint16_t*>(matrix) + at),
-                 pack_bf16x2(s[0][4 * m + i], s[1][4 * m + i]));
+          __stcs(reinterpret_cast<uint2*>(static_cast<uint16_t*>(matrix) + at),
+                 make_uint2(pack_bf16x2(s[0][4 * m + i], s[1][4 * m + i]),
+                            pack_bf16x2(s[2][4 * m + i], s[3][4 * m + i])));
         } else {
-          __stcs(reinterpret_cast<float2*>(static_cast<float*>(matrix) + at),
-                 make_float2(s[0][4 * m + i], s[1][4 * m + i]));
+          __stcs(reinterpret_cast<float4*>(static_cast<float*>(matrix) + at),
+                 make_float4(s[0][4 * m + i], s[1][4 * m + i], s[2][4 * m + i], s[3][4 * m + i]));
         }
       }
     }
@@ -193,7 +208,8 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   const int block_row = int(blockIdx.x % vsplit) * rows;
   const int head = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, l = lane & 7;
-  const int local_row = warp * FKDA_DECODE_ROWS_PER_WARP + (lane >> 3) * 2;  // the group's first row
+  // The first of the group's rows, within the block.
+  const int local_row = warp * FKDA_DECODE_ROWS_PER_WARP + (lane >> 3) * kDecodeRowsPerGroup;
   const int e = block_row + local_row;
 
   int64_t batch_row = n, begin = 0, end = p.seq_len;
@@ -232,7 +248,7 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   auto matrix_of = [&](int64_t slot) {
     return static_cast<unsigned char*>(p.pool) + (slot * p.pool_slot_stride + head_offset) * element_bytes;
   };
-  float s[2][kDecodeColumnsPerLane];
+  StateRows s;
   load_state_rows<kBf16, kKV>(matrix_of(start_slot), e, l, s);
 
   // ---- preparation of every token, into shared memory ----
@@ -252,15 +268,18 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       return static_cast<const uint16_t*>(a.data) + batch_row * a.stride_b + int64_t(head) * a.stride_h +
              (begin + t) * a.stride_t;
     };
-    // The block's rows of v: at most kValuesPerThread a thread (tokens x rows
-    // over 32 x warps threads, rows = 8 x warps), loaded before the work on
-    // q, k and g so that the two latencies overlap.
-    constexpr int kValuesPerThread = FKDA_DECODE_MAX_TOKENS * FKDA_DECODE_ROWS_PER_WARP / 32;
-    float v_rows[kValuesPerThread];
-#pragma unroll
-    for (int j = 0; j < kValuesPerThread; ++j) {
-      const int i = tid + j * int(blockDim.x);
-      v_rows[j] = i < tokens * rows ? bf16_bits(__ldg(token_row(p.v, i / rows) + block_row + i % rows)) : 0.f;
+    // The block's rows of v, as 16-byte pieces of 8 rows: tokens x rows / 8
+    // pieces over 32 x warps threads (rows = 16 x warps), so at most one a
+    // thread, held packed in 4 registers. Loaded before the work on q, k and
+    // g so that the two latencies overlap. A piece is 16-byte aligned:
+    // block_row is a multiple of 16 and the activations' data and strides
+    // are 16-byte aligned (validate.cpp, check_gpu_alignment).
+    static_assert(FKDA_DECODE_MAX_TOKENS * FKDA_DECODE_ROWS_PER_WARP / 8 <= 32, "one piece of v a thread");
+    const int pieces_per_token = rows / 8;
+    const int v_token = tid / pieces_per_token, v_row = 8 * (tid % pieces_per_token);
+    uint4 v_piece = make_uint4(0, 0, 0, 0);
+    if (v_token < tokens) {
+      v_piece = __ldg(reinterpret_cast<const uint4*>(token_row(p.v, v_token) + block_row + v_row));
     }
     const float decay_rate = expf(__ldg(p.A_log + head));
     const float* dt_bias = p.dt_bias + int64_t(head) * FKDA_HEAD_DIM + 4 * lane;
@@ -282,10 +301,10 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       reinterpret_cast<float4*>(decay + t * FKDA_HEAD_DIM)[lane] = make_float4(d[0], d[1], d[2], d[3]);
       if (lane == 0) beta[t] = sigmoid_accurate(bf16_bits(*token_row(p.beta, t)));
     }
-#pragma unroll
-    for (int j = 0; j < kValuesPerThread; ++j) {
-      const int i = tid + j * int(blockDim.x);
-      if (i < tokens * rows) value[i] = v_rows[j];
+    if (v_token < tokens) {
+      float4* to = reinterpret_cast<float4*>(value + v_token * rows + v_row);
+      to[0] = make_float4(bf16_lo(v_piece.x), bf16_hi(v_piece.x), bf16_lo(v_piece.y), bf16_hi(v_piece.y));
+      to[1] = make_float4(bf16_lo(v_piece.z), bf16_hi(v_piece.z), bf16_lo(v_piece.w), bf16_hi(v_piece.w));
     }
   }
   __syncthreads();
@@ -296,9 +315,9 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     load_lane_columns<kBf16>(key + t * FKDA_HEAD_DIM, l, kk);
     load_lane_columns<kBf16>(decay + t * FKDA_HEAD_DIM, l, dd);
     const float b = beta[t];
-    float u[2];
+    float u[kDecodeRowsPerGroup];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < kDecodeRowsPerGroup; ++r) {
       float x = 0.f;
 #pragma unroll
       for (int c = 0; c < kDecodeColumnsPerLane; ++c) {
@@ -309,9 +328,9 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     }
     float qq[kDecodeColumnsPerLane];
     load_lane_columns<kBf16>(query + t * FKDA_HEAD_DIM, l, qq);
-    float o[2];
+    float o[kDecodeRowsPerGroup];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < kDecodeRowsPerGroup; ++r) {
       float y = 0.f;
 #pragma unroll
       for (int c = 0; c < kDecodeColumnsPerLane; ++c) {
@@ -320,7 +339,14 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       }
       o[r] = group_sum(y);
     }
-    if (l == 0) *reinterpret_cast<uint32_t*>(out + t * p.out.stride_t + local_row) = pack_bf16x2(o[0], o[1]);
+    // The group's four outputs in one 8-byte store: local_row and block_row
+    // are multiples of 4 and the output's data and strides are 16-byte
+    // aligned (validate.cpp, check_gpu_alignment).
+    static_assert(kDecodeRowsPerGroup == 4, "one 8-byte store of four outputs");
+    if (l == 0) {
+      *reinterpret_cast<uint2*>(out + t * p.out.stride_t + local_row) =
+          make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+    }
     if (p.indices_are_table && write_slots[t] >= 0) {
       store_state_rows<kBf16, kKV>(matrix_of(write_slots[t]), e, l, s);
     }

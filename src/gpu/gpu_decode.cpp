@@ -14,8 +14,8 @@
 namespace fkda::gpu {
 namespace {
 
-// Warps per block: 4 (32 rows, 4 blocks per head) unless that leaves fewer
-// than two blocks per multiprocessor, then 2 or 1 (down to 16 blocks per
+// Warps per block: 4 (64 rows, 2 blocks per head) unless that leaves fewer
+// than two blocks per multiprocessor, then 2 or 1 (down to 8 blocks per
 // head), so that a single sequence still spreads over the GPU.
 int choose_warps(int64_t seqs_times_heads, int sm_count) {
   int warps = FKDA_DECODE_MAX_WARPS;
