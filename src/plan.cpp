@@ -9,6 +9,7 @@
 
 #include "cpu/cpu_backend.h"
 #include "gpu/cuda_driver.h"
+#include "dtype_name.h"
 #include "error.h"
 #include "gpu/gpu_backend.h"
 
@@ -23,17 +24,6 @@ std::mutex& registry_mutex() {
 std::unordered_set<const Plan*>& registry() {
   static std::unordered_set<const Plan*> live;
   return live;
-}
-
-std::string dtype_name(int32_t dtype) {
-  switch (dtype) {
-    case FKDA_DTYPE_BF16: return "bf16";
-    case FKDA_DTYPE_F16: return "f16";
-    case FKDA_DTYPE_F32: return "f32";
-    case FKDA_DTYPE_I32: return "i32";
-    case FKDA_DTYPE_I64: return "i64";
-    default: return "invalid dtype " + std::to_string(dtype);
-  }
 }
 
 }  // namespace
@@ -61,17 +51,12 @@ fkda_status gpu_unusable_reason(std::string* reason) {
     return FKDA_ERROR_NO_DEVICE;
   }
   CUdevice device = 0;
-  CUcontext context = nullptr;
-  if (d->cuCtxGetCurrent(&context) != CUDA_SUCCESS || context == nullptr ||
-      d->cuCtxGetDevice(&device) != CUDA_SUCCESS) {
-    d->cuDeviceGet(&device, 0);
-  }
+  cuda::current_or_first_device(*d, &device);
   int major = 0, minor = 0;
   d->cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device);
   d->cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device);
   if (!gpu::has_kernels_for(major, minor)) {
-    *reason = "compute capability " + std::to_string(major) + "." + std::to_string(minor) +
-              ": this build has kernels for the sm_80 family and sm_90 and later";
+    *reason = gpu::unsupported_arch_message(major, minor);
     return FKDA_ERROR_UNSUPPORTED_ARCH;
   }
   reason->clear();

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "flashkda.h"
+
 namespace fkda {
 
 // An activation tensor [B, T, H, D] (or [B, T, H] for beta): strides in
@@ -42,6 +44,15 @@ struct SeqOffsets {
   const void* data = nullptr;
   int32_t dtype = 0;
   int64_t stride = 1;
+
+  // Offset i, read on the host: only for offsets in host memory (CPU plans).
+  // The kernels read device-side offsets with their own clamping reader
+  // (kernels/device_common.cuh).
+  int64_t at(int64_t i) const {
+    const int64_t element = i * stride;
+    if (dtype == FKDA_DTYPE_I64) return static_cast<const int64_t*>(data)[element];
+    return static_cast<const int32_t*>(data)[element];
+  }
 };
 
 struct PrefillProblem {

@@ -15,12 +15,13 @@
 
 #include "cpu/cpu_rounding.h"
 #include "flashkda.h"
+#include "prefill_params.h"
 
 namespace fkda::cpu {
 namespace {
 
-constexpr int kChunk = 16;
-constexpr float kLog2e = 1.44269504088896340736f;
+constexpr int kChunk = FKDA_CHUNK;
+constexpr float kLog2e = FKDA_LOG2E;
 
 // One (sequence, head) pair: the unit of work, since the recurrence is a
 // sequential chain over the chunks of one sequence and one head.
@@ -115,12 +116,6 @@ uint16_t* out_row(const PrefillProblem& p, const HeadTask& task, int64_t token) 
   return const_cast<uint16_t*>(token_row(p.out, task, token));
 }
 
-int64_t cu_seqlens_at(const PrefillProblem& p, int64_t index) {
-  const int64_t offset = index * p.cu_seqlens.stride;
-  if (p.cu_seqlens.dtype == FKDA_DTYPE_I32) return static_cast<const int32_t*>(p.cu_seqlens.data)[offset];
-  return static_cast<const int64_t*>(p.cu_seqlens.data)[offset];
-}
-
 std::vector<HeadTask> head_tasks(const PrefillProblem& p) {
   std::vector<HeadTask> tasks;
   tasks.reserve(size_t(p.num_seqs) * p.num_heads);
@@ -128,8 +123,8 @@ std::vector<HeadTask> head_tasks(const PrefillProblem& p) {
     int64_t row = n, begin = 0, end = p.seq_len;
     if (p.cu_seqlens.data != nullptr) {
       row = 0;
-      begin = std::clamp<int64_t>(cu_seqlens_at(p, n), 0, p.seq_len);
-      end = std::clamp<int64_t>(cu_seqlens_at(p, n + 1), begin, p.seq_len);
+      begin = std::clamp<int64_t>(p.cu_seqlens.at(n), 0, p.seq_len);
+      end = std::clamp<int64_t>(p.cu_seqlens.at(n + 1), begin, p.seq_len);
     }
     for (int32_t h = 0; h < p.num_heads; ++h) tasks.push_back({n, h, row, begin, end});
   }

@@ -36,11 +36,6 @@ constexpr const char* kRecurrenceKernels[kVsplitCount] = {
 
 int vsplit_index(int vsplit) { return vsplit == 1 ? 0 : vsplit == 2 ? 1 : vsplit == 4 ? 2 : 3; }
 
-std::string arch_message(int major, int minor) {
-  return "compute capability " + std::to_string(major) + "." + std::to_string(minor) +
-         ": this build has kernels for the sm_80 family and sm_90 (and later, through PTX)";
-}
-
 struct Kernels {
   CUkernel prepare = nullptr;
   CUkernel recurrence[kVsplitCount] = {};
@@ -98,7 +93,7 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
   facts.cc_major = attribute(d, device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
   facts.cc_minor = attribute(d, device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
   if (!has_kernels_for(facts.cc_major, facts.cc_minor)) {
-    fail(FKDA_ERROR_UNSUPPORTED_ARCH, arch_message(facts.cc_major, facts.cc_minor));
+    fail(FKDA_ERROR_UNSUPPORTED_ARCH, unsupported_arch_message(facts.cc_major, facts.cc_minor));
   }
   facts.sm_count = attribute(d, device, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
   facts.max_dynamic_smem = attribute(d, device, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN);
@@ -206,8 +201,8 @@ CUfunction function_for_context(const cuda::Driver& d, CUkernel kernel, const ch
   CUresult result = d.cuKernelGetFunction(&function, kernel);
   if (result == CUDA_ERROR_NO_BINARY_FOR_GPU || result == CUDA_ERROR_INVALID_PTX ||
       result == CUDA_ERROR_UNSUPPORTED_PTX_VERSION) {
-    fail(FKDA_ERROR_UNSUPPORTED_ARCH, arch_message(facts.cc_major, facts.cc_minor) + " (" + name +
-                                          ": " + cuda::describe(result) + ")");
+    fail(FKDA_ERROR_UNSUPPORTED_ARCH, unsupported_arch_message(facts.cc_major, facts.cc_minor) + " (" +
+                                          name + ": " + cuda::describe(result) + ")");
   }
   if (result != CUDA_SUCCESS) {
     fail(FKDA_ERROR_DRIVER, std::string("cuKernelGetFunction(") + name + ") failed: " + cuda::describe(result));
@@ -251,6 +246,11 @@ size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads)
 // compute_90 PTX is compiled by the driver for anything newer.
 bool has_kernels_for(int cc_major, int /*cc_minor*/) { return cc_major >= 8; }
 
+std::string unsupported_arch_message(int cc_major, int cc_minor) {
+  return "compute capability " + std::to_string(cc_major) + "." + std::to_string(cc_minor) +
+         ": this build has kernels for the sm_80 family and sm_90 (and later, through PTX)";
+}
+
 void fwd(const PrefillProblem& problem, void* workspace, size_t /*workspace_bytes*/, CUstream stream) {
   const CUdevice device = cuda::current_device();  // throws FKDA_ERROR_NO_DEVICE without a context
   const cuda::Driver& d = *cuda::driver();
@@ -290,7 +290,7 @@ void fwd(const PrefillProblem& problem, void* workspace, size_t /*workspace_byte
   params.workspace = static_cast<unsigned char*>(workspace);
   params.num_slots = windows.total_slots;
   params.scale = problem.scale;
-  params.gate_scale = problem.lower_bound * 1.4426950408889634f;  // NUMERICS step 1, in f32
+  params.gate_scale = problem.lower_bound * FKDA_LOG2E;  // NUMERICS step 1, in f32
   params.vsplit = choose_vsplit(problem.num_seqs * problem.num_heads, facts);
 
   const unsigned heads = unsigned(problem.num_heads);

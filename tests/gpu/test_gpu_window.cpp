@@ -38,14 +38,9 @@ int64_t forced_window_slots() {
 }
 
 size_t gpu_workspace(int64_t heads, int64_t tokens, int64_t seqs) {
-  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
-  desc.num_heads = int32_t(heads);
-  desc.backend = FKDA_BACKEND_GPU;
-  fkda_plan_t plan = nullptr;
-  FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
+  const fkda_ref::Plan plan(fkda_ref::plan_desc(heads, -5.0f, FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK));
   size_t bytes = 0;
-  FKDA_REQUIRE(fkda_plan_workspace_size(plan, tokens, seqs, &bytes));
-  fkda_plan_destroy(plan);
+  FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), tokens, seqs, &bytes));
   return bytes;
 }
 
@@ -60,7 +55,7 @@ struct Run {
 // p on the GPU with initial and final state in `dtype` (V-first); the
 // initial state is given in that dtype's bytes.
 Run run_gpu(const fkda_ref::Problem& p, fkda_dtype dtype, const std::vector<unsigned char>& initial) {
-  fkda_plan_t plan = fkda_ref::gpu_plan(p, dtype, FKDA_STATE_LAYOUT_VK);
+  const fkda_ref::Plan plan(fkda_ref::plan_desc(p.H, p.lower_bound, dtype, FKDA_STATE_LAYOUT_VK));
   fkda_ref::DeviceProblem device(p);
   DeviceBuffer initial_state(initial), final_state(initial.size());
   CUDA_REQUIRE(cudaMemset(final_state.get(), 0xFF, final_state.bytes()));
@@ -69,12 +64,11 @@ Run run_gpu(const fkda_ref::Problem& p, fkda_dtype dtype, const std::vector<unsi
   buffers.final_state = final_state.get();
   const fkda_fwd_args args = fkda_ref::make_args(p, buffers, dtype);
   size_t bytes = 0;
-  FKDA_REQUIRE(fkda_plan_workspace_size(plan, p.B * p.T, p.num_seqs(), &bytes));
+  FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, p.num_seqs(), &bytes));
   DeviceBuffer workspace(bytes);
   CUDA_REQUIRE(cudaMemset(workspace.get(), 0xFF, workspace.bytes()));
-  FKDA_REQUIRE(fkda_fwd(plan, &args, workspace.get(), bytes, nullptr));
+  FKDA_REQUIRE(fkda_fwd(plan.get(), &args, workspace.get(), bytes, nullptr));
   CUDA_REQUIRE(cudaDeviceSynchronize());
-  fkda_plan_destroy(plan);
   return Run{device.out.read<uint16_t>(), final_state.read<unsigned char>()};
 }
 

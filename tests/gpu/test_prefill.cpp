@@ -40,38 +40,6 @@ constexpr Targets kBf16StateTargets{6.0e-3, 5.0e-3};
 // differences (hardware exp2, summation order inside the mma) remain.
 constexpr double kCpuAgreement = 1.0e-3;
 
-class Stream {
- public:
-  Stream() { CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~Stream() { cudaStreamDestroy(stream_); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
-
-class Plan {
- public:
-  Plan(int64_t heads, fkda_dtype state_dtype, fkda_state_layout layout, fkda_backend backend, float lower_bound) {
-    fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
-    desc.num_heads = int32_t(heads);
-    desc.state_dtype = state_dtype;
-    desc.state_layout = layout;
-    desc.backend = backend;
-    desc.lower_bound = lower_bound;
-    FKDA_REQUIRE(fkda_plan_create(&desc, &plan_));
-  }
-  ~Plan() { fkda_plan_destroy(plan_); }
-  Plan(const Plan&) = delete;
-  Plan& operator=(const Plan&) = delete;
-  fkda_plan_t get() const { return plan_; }
-
- private:
-  fkda_plan_t plan_ = nullptr;
-};
-
 int sm_count() {
   int device = 0, count = 0;
   cudaGetDevice(&device);
@@ -315,7 +283,7 @@ struct DeviceCase {
   fkda_fwd_args args;
 
   static size_t workspace_bytes(const Problem& p, const Case& c) {
-    Plan plan(p.H, c.state_dtype, c.state_layout, FKDA_BACKEND_GPU, p.lower_bound);
+    Plan plan(plan_desc(p.H, p.lower_bound, c.state_dtype, c.state_layout));
     size_t bytes = 0;
     FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, p.num_seqs(), &bytes));
     return bytes;
@@ -327,7 +295,7 @@ struct DeviceCase {
         b(arenas.b.size() * 2), A_log(arenas.A_log.size() * 4), dt_bias(arenas.dt_bias.size() * 4),
         out(arenas.out.size() * 2), initial(arenas.initial.size()), final(arenas.final.size()),
         offsets(arenas.offsets.size()), workspace(workspace_bytes(problem, a_case)),
-        plan(problem.H, a_case.state_dtype, a_case.state_layout, FKDA_BACKEND_GPU, problem.lower_bound) {
+        plan(plan_desc(problem.H, problem.lower_bound, a_case.state_dtype, a_case.state_layout)) {
     q.upload(arenas.q.data());
     k.upload(arenas.k.data());
     v.upload(arenas.v.data());
@@ -376,7 +344,7 @@ struct DeviceCase {
 // The CPU backend on the host arenas.
 DeviceCase::Result run_cpu(const Problem& p, const Case& c, const Arenas& arenas) {
   Arenas copy = arenas;
-  Plan plan(p.H, c.state_dtype, c.state_layout, FKDA_BACKEND_CPU, p.lower_bound);
+  Plan plan(plan_desc(p.H, p.lower_bound, c.state_dtype, c.state_layout, FKDA_BACKEND_CPU));
   Pointers at{copy.q.data(), copy.k.data(), copy.v.data(), copy.g.data(), copy.b.data(), copy.A_log.data(),
               copy.dt_bias.data(), copy.out.data(), copy.initial.empty() ? nullptr : copy.initial.data(),
               copy.final.empty() ? nullptr : copy.final.data(), copy.offsets.empty() ? nullptr : copy.offsets.data()};
@@ -781,7 +749,7 @@ void time_case(const char* id, int64_t T, int64_t H, fkda_dtype state_dtype) {
   for (size_t i = 0; i < normals.size(); ++i) state_values[i] = 0.1f * from_bf16(normals[i]);
   initial.upload(encode_state(state_values, state_dtype, FKDA_STATE_LAYOUT_VK).data());
 
-  Plan plan(H, state_dtype, FKDA_STATE_LAYOUT_VK, FKDA_BACKEND_GPU, -5.0f);
+  Plan plan(plan_desc(H, -5.0f, state_dtype, FKDA_STATE_LAYOUT_VK));
   size_t workspace_bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), T, 1, &workspace_bytes));
   DeviceBuffer workspace(workspace_bytes);
