@@ -1,5 +1,5 @@
 // The GPU prefill through the public API, against the fp64 token-by-token
-// recurrence (BENCHMARKS.md accuracy targets) and against the CPU backend
+// recurrence (docs/BENCHMARKS.md accuracy targets) and against the CPU backend
 // (same rounding contract, docs/NUMERICS.md) on random inputs. Every run
 // poisons its outputs and the workspace first, checks that every output
 // element was written and that nothing between strided rows was touched,
@@ -33,7 +33,7 @@ struct Targets {
   double out;
   double state;
 };
-// shared/BENCHMARKS.md: relative L2 error against the fp64 recurrence.
+// docs/BENCHMARKS.md: relative L2 error against the fp64 recurrence.
 constexpr Targets kF32StateTargets{4.0e-3, 2.9e-3};
 constexpr Targets kBf16StateTargets{6.0e-3, 5.0e-3};
 // GPU against the CPU backend: the same contract, so only ulp-level
@@ -464,7 +464,7 @@ Case with_state(Case c, fkda_dtype dtype, fkda_state_layout layout, bool initial
 
 // ------------------------------------------------------------- tests ---
 
-TEST_CASE("prefill: BENCHMARKS.md accuracy cases", "[gpu][window]") {
+TEST_CASE("prefill: docs/BENCHMARKS.md accuracy cases", "[gpu][window]") {
   for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
     const char* suffix = dtype == FKDA_DTYPE_F32 ? " f32" : " bf16";
     check_case(with_state(batched(std::string("T=1024 H=4") + suffix, 1, 1024, 4, 11), dtype,
@@ -793,7 +793,7 @@ void time_case(const char* id, int64_t T, int64_t H, fkda_dtype state_dtype) {
 
 }  // namespace
 
-TEST_CASE("prefill timing: BENCHMARKS.md P1 and P4", "[.][timing]") {
+TEST_CASE("prefill timing: docs/BENCHMARKS.md P1 and P4", "[.][timing]") {
   time_case("P1", 8192, 96, FKDA_DTYPE_BF16);
   time_case("P4", 8192, 8, FKDA_DTYPE_BF16);
   time_case("P1", 8192, 96, FKDA_DTYPE_F32);
