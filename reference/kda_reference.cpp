@@ -124,6 +124,26 @@ ProblemShape slow_decay(ProblemShape shape) {
   return shape;
 }
 
+Problem token_range(const Problem& p, int64_t row, int64_t begin, int64_t end) {
+  if (row < 0 || row >= p.B || begin < 0 || end < begin || end > p.T)
+    throw std::invalid_argument("token_range: tokens outside the problem");
+  Problem part = p;
+  part.B = 1;
+  part.T = end - begin;
+  part.cu_seqlens.clear();
+  part.initial_state.clear();
+  auto slice = [&](const std::vector<uint16_t>& all, int64_t per_token) {
+    const auto first = all.begin() + static_cast<std::ptrdiff_t>((row * p.T + begin) * per_token);
+    return std::vector<uint16_t>(first, first + static_cast<std::ptrdiff_t>(part.T * per_token));
+  };
+  part.q = slice(p.q, p.H * p.K);
+  part.k = slice(p.k, p.H * p.K);
+  part.v = slice(p.v, p.H * p.V);
+  part.g = slice(p.g, p.H * p.K);
+  part.beta = slice(p.beta, p.H);
+  return part;
+}
+
 // ------------------------------------------------ the fp64 recurrence ---
 
 namespace {
@@ -143,12 +163,13 @@ void unit_vector(const uint16_t* bits, int64_t n, std::vector<double>& unit) {
 
 }  // namespace
 
-Reference reference_recurrence(const Problem& p) {
+Reference reference_recurrence(const Problem& p, const std::vector<int64_t>& state_tokens) {
   const int64_t N = p.num_seqs(), H = p.H, K = p.K, V = p.V;
   const bool varlen = !p.cu_seqlens.empty();
   Reference ref;
   ref.out.assign(static_cast<size_t>(p.B * p.T * H * V), 0.0);
   ref.final_state.assign(static_cast<size_t>(N * H * V * K), 0.0);
+  ref.states_after.assign(state_tokens.size(), ref.final_state);
 
   std::vector<double> state(static_cast<size_t>(V * K));  // S[e][c], V-first
   std::vector<double> q_unit(K), k_unit(K), decay(K);
@@ -187,6 +208,11 @@ Reference reference_recurrence(const Problem& p) {
             output += s_row[c] * q_unit[c];
           }
           ref.out[token * V + e] = static_cast<double>(p.scale) * output;
+        }
+        for (size_t c = 0; c < state_tokens.size(); ++c) {
+          if (state_tokens[c] != t - begin + 1) continue;
+          std::copy(state.begin(), state.end(),
+                    ref.states_after[c].begin() + static_cast<std::ptrdiff_t>(state_base));
         }
       }
       std::copy(state.begin(), state.end(),
@@ -244,6 +270,22 @@ fkda_fwd_args make_args(const Problem& p, const Buffers& buffers, fkda_dtype sta
     args.final_state = tensor(buffers.final_state, state_dtype, {N, p.H, p.V, p.K});
   if (buffers.cu_seqlens != nullptr) args.cu_seqlens = tensor(buffers.cu_seqlens, FKDA_DTYPE_I64, {N + 1});
   args.scale = p.scale;
+  return args;
+}
+
+fkda_decode_args make_decode_args(const Problem& p, const Buffers& buffers) {
+  const fkda_fwd_args fwd = make_args(p, buffers, FKDA_DTYPE_F32);
+  fkda_decode_args args = FKDA_DECODE_ARGS_INIT;
+  args.q = fwd.q;
+  args.k = fwd.k;
+  args.v = fwd.v;
+  args.g = fwd.g;
+  args.beta = fwd.beta;
+  args.A_log = fwd.A_log;
+  args.dt_bias = fwd.dt_bias;
+  args.out = fwd.out;
+  args.cu_seqlens = fwd.cu_seqlens;
+  args.scale = fwd.scale;
   return args;
 }
 

@@ -56,13 +56,22 @@ Problem random_problem(const ProblemShape& shape, uint64_t seed);
 // 1e-10, so every test of state handling also runs on these inputs.
 ProblemShape slow_decay(ProblemShape shape);
 
-// The fp64 token-by-token recurrence of docs/ARCHITECTURE.md (section 1) on the bf16 inputs.
-// out: [B, T, H, V]; final_state: [N, H, V, K] (V-first).
+// Tokens [begin, end) of batch row `row` (of the packed row with
+// cu_seqlens) as a problem of its own: B = 1, no cu_seqlens, and no initial
+// state, which the caller sets for the sequence it cut from.
+Problem token_range(const Problem& p, int64_t row, int64_t begin, int64_t end);
+
+// The fp64 token-by-token recurrence on the bf16 inputs.
+// out: [B, T, H, V]; final_state: [N, H, V, K] (V-first). states_after[c]
+// ([N, H, V, K]) is the state of every sequence after its first
+// state_tokens[c] tokens (zeros for a sequence shorter than that): what
+// checkpoints and speculative slot tables keep.
 struct Reference {
   std::vector<double> out;
   std::vector<double> final_state;
+  std::vector<std::vector<double>> states_after;
 };
-Reference reference_recurrence(const Problem& p);
+Reference reference_recurrence(const Problem& p, const std::vector<int64_t>& state_tokens = {});
 
 // ‖a − b‖ / ‖b‖; infinity when a holds a NaN or infinity.
 double rel_l2(const std::vector<float>& a, const std::vector<double>& b);
@@ -82,5 +91,9 @@ struct Buffers {
   void* cu_seqlens = nullptr;
 };
 fkda_fwd_args make_args(const Problem& p, const Buffers& buffers, fkda_dtype state_dtype);
+
+// fkda_decode_args over the same buffers (states ignored): the caller adds
+// state_pool, state_indices and num_accepted_tokens.
+fkda_decode_args make_decode_args(const Problem& p, const Buffers& buffers);
 
 }  // namespace fkda_ref

@@ -5,13 +5,16 @@
 #include <new>
 #include <string>
 
+#include "abi_struct.h"
 #include "cpu/cpu_backend.h"
 #include "gpu/cuda_driver.h"
 #include "error.h"
 #include "flashkda.h"
 #include "gpu/gpu_backend.h"
+#include "gpu/gpu_debug_checks.h"
 #include "plan.h"
 #include "validate.h"
+#include "validate_serving.h"
 
 namespace {
 
@@ -123,9 +126,38 @@ FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args, void*
     const fkda::PrefillProblem problem = fkda::validate_fwd(p, args, workspace, workspace_bytes);
     if (problem.num_seqs == 0) return;  // nothing to compute, nothing to write
     if (p.backend == FKDA_BACKEND_GPU) {
-      fkda::gpu::fwd(problem, workspace, workspace_bytes, reinterpret_cast<CUstream>(stream));
+      const CUstream cu_stream = reinterpret_cast<CUstream>(stream);
+      if (problem.debug_checks) fkda::gpu::debug_check(problem, cu_stream);
+      fkda::gpu::fwd(problem, workspace, workspace_bytes, cu_stream);
     } else {
       fkda::cpu::fwd(problem, workspace, workspace_bytes);
+    }
+  });
+}
+
+FKDA_API fkda_status fkda_plan_decode_workspace_size(fkda_plan_t plan, int64_t total_tokens,
+                                                     int64_t num_seqs, size_t* bytes) {
+  return guarded([&] {
+    require_output(bytes, "bytes");
+    fkda::live_plan(plan);
+    if (total_tokens < 0) fkda::invalid("total_tokens: must be >= 0, got " + std::to_string(total_tokens));
+    if (num_seqs < 0) fkda::invalid("num_seqs: must be >= 0, got " + std::to_string(num_seqs));
+    *bytes = 0;  // both backends decode straight from and into the pool
+  });
+}
+
+FKDA_API fkda_status fkda_decode(fkda_plan_t plan, const fkda_decode_args* args, void* workspace,
+                                 size_t workspace_bytes, fkda_stream_t stream) {
+  return guarded([&] {
+    const fkda::Plan& p = fkda::live_plan(plan);
+    const fkda::DecodeProblem problem = fkda::validate_decode(p, args, workspace, workspace_bytes);
+    if (problem.num_seqs == 0 || problem.seq_len == 0) return;  // no token: nothing read or written
+    if (p.backend == FKDA_BACKEND_GPU) {
+      const CUstream cu_stream = reinterpret_cast<CUstream>(stream);
+      if (problem.debug_checks) fkda::gpu::debug_check(problem, cu_stream);
+      fkda::gpu::decode(problem, cu_stream);
+    } else {
+      fkda::cpu::decode(problem);
     }
   });
 }
@@ -133,10 +165,9 @@ FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args, void*
 FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info) {
   return guarded([&] {
     require_output(info, "info");
-    if (info->struct_size != sizeof(fkda_device_info)) {
-      fkda::invalid("info: struct_size is " + std::to_string(info->struct_size) + ", expected " +
-                    std::to_string(sizeof(fkda_device_info)) + " (initialise with FKDA_DEVICE_INFO_INIT)");
-    }
+    // Its first published size is its current one.
+    fkda::read_versioned(*info, fkda_device_info FKDA_DEVICE_INFO_INIT, sizeof(fkda_device_info), "info",
+                         "FKDA_DEVICE_INFO_INIT");
     if (device < -1) fkda::invalid("device: expected an ordinal >= 0 or -1, got " + std::to_string(device));
     fkda_device_info result = FKDA_DEVICE_INFO_INIT;
     const fkda::cuda::Driver* d = fkda::cuda::driver();

@@ -10,6 +10,10 @@
 
 namespace fkda {
 
+// The most tokens one sequence may bring to a decode call (speculative
+// verify: the accepted token plus the drafts).
+constexpr int64_t kMaxDecodeTokens = 16;
+
 struct DecodeProblem {
   int64_t batch = 0;      // B: N batched, 1 packed
   int64_t seq_len = 0;    // T: tokens per batch row (the packed total with cu_seqlens)

@@ -1,12 +1,14 @@
 #include "plan.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstddef>
 #include <mutex>
 #include <new>
 #include <string>
 #include <unordered_set>
 
+#include "abi_struct.h"
 #include "cpu/cpu_backend.h"
 #include "gpu/cuda_driver.h"
 #include "dtype_name.h"
@@ -24,6 +26,13 @@ std::mutex& registry_mutex() {
 std::unordered_set<const Plan*>& registry() {
   static std::unordered_set<const Plan*> live;
   return live;
+}
+
+// FKDA_DEBUG_CHECKS=1 turns the checks on for every plan created afterwards,
+// without touching the program that creates them.
+bool debug_checks_from_environment() {
+  const char* value = std::getenv("FKDA_DEBUG_CHECKS");
+  return value != nullptr && std::string(value) == "1";
 }
 
 }  // namespace
@@ -72,13 +81,11 @@ size_t Plan::workspace_size(int64_t total_tokens, int64_t num_seqs) const {
 
 fkda_plan_t create_plan(const fkda_plan_desc* desc) {
   if (desc == nullptr) invalid("desc: NULL");
-  constexpr size_t known = sizeof(fkda_plan_desc);
-  constexpr size_t minimum = offsetof(fkda_plan_desc, lower_bound) + sizeof(float);
-  if (desc->struct_size < minimum || desc->struct_size > known) {
-    invalid("desc: struct_size is " + std::to_string(desc->struct_size) + ", expected " +
-            std::to_string(known) + " (initialise with FKDA_PLAN_DESC_INIT; a larger size means "
-            "the caller was built against a newer flashkda.h)");
-  }
+  // 0.1 ended the struct after lower_bound.
+  const fkda_plan_desc read = read_versioned(*desc, fkda_plan_desc FKDA_PLAN_DESC_INIT,
+                                             offsetof(fkda_plan_desc, lower_bound) + sizeof(float), "desc",
+                                             "FKDA_PLAN_DESC_INIT");
+  desc = &read;
   if (desc->num_heads <= 0) {
     invalid("desc.num_heads: must be > 0, got " + std::to_string(desc->num_heads));
   }
@@ -96,6 +103,13 @@ fkda_plan_t create_plan(const fkda_plan_desc* desc) {
   if (desc->state_layout != FKDA_STATE_LAYOUT_VK && desc->state_layout != FKDA_STATE_LAYOUT_KV) {
     invalid("desc.state_layout: expected FKDA_STATE_LAYOUT_VK (0) or FKDA_STATE_LAYOUT_KV (1), got " +
             std::to_string(desc->state_layout));
+  }
+  if (desc->null_slot_rule != FKDA_NULL_SLOT_NEGATIVE && desc->null_slot_rule != FKDA_NULL_SLOT_NONPOSITIVE) {
+    invalid("desc.null_slot_rule: expected FKDA_NULL_SLOT_NEGATIVE (0) or FKDA_NULL_SLOT_NONPOSITIVE (1), got " +
+            std::to_string(desc->null_slot_rule));
+  }
+  if (desc->debug_checks != 0 && desc->debug_checks != 1) {
+    invalid("desc.debug_checks: expected 0 or 1, got " + std::to_string(desc->debug_checks));
   }
   try {
     check_lower_bound(desc->lower_bound);
@@ -133,6 +147,8 @@ fkda_plan_t create_plan(const fkda_plan_desc* desc) {
   plan->state_layout = desc->state_layout;
   plan->backend = backend;
   plan->lower_bound.store(desc->lower_bound);
+  plan->null_slot_rule = desc->null_slot_rule;
+  plan->debug_checks = desc->debug_checks == 1 || debug_checks_from_environment();
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry().insert(plan);
   return plan;

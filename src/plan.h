@@ -25,6 +25,10 @@ struct Plan {
   int32_t state_dtype = FKDA_DTYPE_F32;
   int32_t state_layout = FKDA_STATE_LAYOUT_VK;
   fkda_backend backend = FKDA_BACKEND_CPU;  // resolved: CPU or GPU
+  int32_t null_slot_rule = FKDA_NULL_SLOT_NEGATIVE;
+  // GPU plans copy device-side indices and offsets to the host and check
+  // them before each launch; CPU plans add the duplicate-slot check.
+  bool debug_checks = false;
   std::atomic<float> lower_bound{-5.0f};
 
   size_t workspace_size(int64_t total_tokens, int64_t num_seqs) const;

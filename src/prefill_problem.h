@@ -27,6 +27,15 @@ struct IndexView {
   int64_t cols = 1;
   int64_t stride_row = 0;
   int64_t stride_col = 0;
+
+  bool present() const { return data != nullptr; }
+  // Element (row, col) of a host-readable view, widened to i64.
+  int64_t at(int64_t row, int64_t col = 0) const {
+    const int64_t offset = row * stride_row + col * stride_col;
+    if (dtype == FKDA_DTYPE_I64) return static_cast<const int64_t*>(data)[offset];
+    if (dtype == FKDA_DTYPE_I32) return static_cast<const int32_t*>(data)[offset];
+    return static_cast<const uint8_t*>(data)[offset] != 0 ? 1 : 0;
+  }
 };
 
 // States addressed by slot: [slots, H, V, K] (or KV) in the plan's state
@@ -45,15 +54,35 @@ struct SeqOffsets {
   int32_t dtype = 0;
   int64_t stride = 1;
 
-  // Offset i, read on the host: only for offsets in host memory (CPU plans).
-  // The kernels read device-side offsets with their own clamping reader
-  // (kernels/device_common.cuh).
+  bool present() const { return data != nullptr; }
+  // Offset i of a host-readable view (CPU plans). The kernels read device-side
+  // offsets with their own clamping reader (kernels/device_common.cuh).
   int64_t at(int64_t i) const {
-    const int64_t element = i * stride;
-    if (dtype == FKDA_DTYPE_I64) return static_cast<const int64_t*>(data)[element];
-    return static_cast<const int32_t*>(data)[element];
+    if (dtype == FKDA_DTYPE_I32) return static_cast<const int32_t*>(data)[i * stride];
+    return static_cast<const int64_t*>(data)[i * stride];
   }
 };
+
+// Tokens [begin, end) of sequence n, in batch row `row`.
+struct TokenRange {
+  int64_t row, begin, end;
+  int64_t length() const { return end - begin; }
+};
+
+// Where sequence n lies: batch row n without cu_seqlens, else its offsets
+// (host-readable), clamped into [0, seq_len] so that even unchecked offsets
+// stay inside the tensors.
+inline TokenRange sequence_tokens(const SeqOffsets& cu_seqlens, int64_t seq_len, int64_t n) {
+  if (!cu_seqlens.present()) return {n, 0, seq_len};
+  auto clamp = [](int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); };
+  const int64_t begin = clamp(cu_seqlens.at(n), 0, seq_len);
+  return {0, begin, clamp(cu_seqlens.at(n + 1), begin, seq_len)};
+}
+
+// Whether a slot index means "no sequence here" under the plan's rule.
+inline bool is_null_slot(int64_t index, int32_t null_slot_rule) {
+  return null_slot_rule == FKDA_NULL_SLOT_NONPOSITIVE ? index <= 0 : index < 0;
+}
 
 struct PrefillProblem {
   int64_t batch = 0;      // B

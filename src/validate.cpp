@@ -7,22 +7,21 @@
 #include <utility>
 #include <vector>
 
+#include "abi_struct.h"
 #include "gpu/cuda_driver.h"
 #include "dtype_name.h"
 #include "error.h"
+#include "validate_checks.h"
+#include "validate_serving.h"
 
 namespace fkda {
-namespace {
+namespace checks {
 
 std::string join(const int64_t* values, int32_t count) {
   std::string out = "[";
   for (int32_t i = 0; i < count; ++i) out += (i ? ", " : "") + std::to_string(values[i]);
   return out + "]";
 }
-
-// Expected extents; kAny accepts any non-negative extent (the first tensor
-// to mention an axis fixes it for the others).
-constexpr int64_t kAny = -1;
 
 bool present(const fkda_tensor& t) { return !(t.data == nullptr && t.rank == 0); }
 
@@ -31,10 +30,6 @@ int64_t element_count(const fkda_tensor& t) {
   for (int32_t i = 0; i < t.rank; ++i) n *= t.shape[i];
   return n;
 }
-
-// What a tensor's strides must be: fully packed (row-major), packed along
-// the last axis only (rows of a strided view), or anything non-negative.
-enum class Strides { kPacked, kRows, kFree };
 
 // Dtype, rank, extents and strides of one tensor.
 void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<int32_t> dtypes,
@@ -126,6 +121,8 @@ void check_gpu_alignment(const fkda_tensor& t, const char* name) {
   }
 }
 
+namespace {
+
 // Where a pointer lives, through the driver's unified addressing.
 enum class Residency { kUnknown, kHost, kDevice };
 
@@ -155,10 +152,7 @@ PointerInfo pointer_info(const cuda::Driver& d, const void* data) {
   return info;
 }
 
-struct Located {
-  const void* data;
-  const char* name;
-};
+}  // namespace
 
 void check_residency(const Plan& plan, const std::vector<Located>& pointers) {
   if (plan.backend == FKDA_BACKEND_GPU) {
@@ -191,7 +185,6 @@ void check_residency(const Plan& plan, const std::vector<Located>& pointers) {
   }
 }
 
-// Host-readable offsets (CPU plans): 0 = cu[0] <= cu[1] <= ... <= cu[N] = T.
 void check_cu_seqlens_contents(const fkda_tensor& cu, int64_t total_tokens) {
   const int64_t count = cu.shape[0];
   const SeqOffsets offsets{cu.data, cu.dtype, cu.strides[0]};
@@ -213,21 +206,8 @@ void check_cu_seqlens_contents(const fkda_tensor& cu, int64_t total_tokens) {
   }
 }
 
-}  // namespace
-
-PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const void* workspace,
-                        size_t workspace_bytes) {
-  if (args == nullptr) invalid("args: NULL");
-  constexpr size_t known = sizeof(fkda_fwd_args);
-  if (args->struct_size != known) {
-    invalid("args: struct_size is " + std::to_string(args->struct_size) + ", expected " +
-            std::to_string(known) + " (initialise with FKDA_FWD_ARGS_INIT; a larger size means "
-            "the caller was built against a newer flashkda.h)");
-  }
+ActivationExtents check_activations(const Plan& plan, const Activations& a) {
   const int64_t H = plan.num_heads, K = plan.head_dim_k, V = plan.head_dim_v;
-  const fkda_fwd_args& a = *args;
-
-  // q fixes B and T; every other tensor is checked against them.
   check_tensor(a.q, "q", {FKDA_DTYPE_BF16}, {kAny, kAny, kAny, kAny}, Strides::kRows);
   if (a.q.shape[2] != H) {
     invalid("q: expected " + std::to_string(H) + " heads (the plan's num_heads) on axis 2, got shape " +
@@ -246,22 +226,39 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   check_tensor(a.dt_bias, "dt_bias", {FKDA_DTYPE_F32}, {H, K}, Strides::kPacked);
   check_tensor(a.out, "out", {FKDA_DTYPE_BF16}, {B, T, H, V}, Strides::kRows);
   check_no_overlap(a.out, "out");
+  return {B, T};
+}
 
-  int64_t N = B;
-  if (present(a.cu_seqlens)) {
-    check_tensor(a.cu_seqlens, "cu_seqlens", {FKDA_DTYPE_I64, FKDA_DTYPE_I32}, {kAny}, Strides::kFree);
-    if (a.cu_seqlens.shape[0] < 2) {
-      invalid("cu_seqlens: needs N + 1 >= 2 offsets, got " + std::to_string(a.cu_seqlens.shape[0]));
-    }
-    if (a.cu_seqlens.shape[0] > 1 && a.cu_seqlens.strides[0] <= 0) {
-      invalid("cu_seqlens: stride must be positive, got " + std::to_string(a.cu_seqlens.strides[0]));
-    }
-    if (B != 1) {
-      invalid("cu_seqlens: varlen input packs all sequences into one row, so q's batch size must "
-              "be 1, got " + std::to_string(B));
-    }
-    N = a.cu_seqlens.shape[0] - 1;
+int64_t check_cu_seqlens(const fkda_tensor& cu, int64_t batch) {
+  if (!present(cu)) return batch;
+  check_tensor(cu, "cu_seqlens", {FKDA_DTYPE_I64, FKDA_DTYPE_I32}, {kAny}, Strides::kFree);
+  if (cu.shape[0] < 2) {
+    invalid("cu_seqlens: needs N + 1 >= 2 offsets, got " + std::to_string(cu.shape[0]));
   }
+  if (cu.shape[0] > 1 && cu.strides[0] <= 0) {
+    invalid("cu_seqlens: stride must be positive, got " + std::to_string(cu.strides[0]));
+  }
+  if (batch != 1) {
+    invalid("cu_seqlens: varlen input packs all sequences into one row, so q's batch size must "
+            "be 1, got " + std::to_string(batch));
+  }
+  return cu.shape[0] - 1;
+}
+
+}  // namespace checks
+
+using namespace checks;
+
+PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const void* workspace,
+                        size_t workspace_bytes) {
+  if (args == nullptr) invalid("args: NULL");
+  // 0.1 ended the struct after `scale`.
+  const fkda_fwd_args a = read_versioned(*args, fkda_fwd_args FKDA_FWD_ARGS_INIT,
+                                         offsetof(fkda_fwd_args, state_pool), "args", "FKDA_FWD_ARGS_INIT");
+  const int64_t H = plan.num_heads, K = plan.head_dim_k, V = plan.head_dim_v;
+  const Activations activations{a.q, a.k, a.v, a.g, a.beta, a.A_log, a.dt_bias, a.out};
+  const auto [B, T] = check_activations(plan, activations);
+  const int64_t N = check_cu_seqlens(a.cu_seqlens, B);
 
   const bool vk = plan.state_layout == FKDA_STATE_LAYOUT_VK;
   auto check_state = [&](const fkda_tensor& t, const char* name) {
@@ -314,29 +311,10 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   }
 
   PrefillProblem p;
-  p.batch = B;
-  p.seq_len = T;
-  p.num_seqs = N;
-  p.num_heads = plan.num_heads;
-  p.head_dim_k = plan.head_dim_k;
-  p.head_dim_v = plan.head_dim_v;
-  p.q = act_view(a.q);
-  p.k = act_view(a.k);
-  p.v = act_view(a.v);
-  p.g = act_view(a.g);
-  p.beta = act_view(a.beta);
-  p.out = act_view(a.out);
-  p.A_log = static_cast<const float*>(a.A_log.data);
-  p.dt_bias = static_cast<const float*>(a.dt_bias.data);
+  fill_shared_fields(plan, activations, a.cu_seqlens, B, T, N, a.scale, p);
   p.initial_state = present(a.initial_state) ? a.initial_state.data : nullptr;
   p.final_state = present(a.final_state) ? a.final_state.data : nullptr;
-  p.state_dtype = plan.state_dtype;
-  p.state_layout = plan.state_layout;
-  if (present(a.cu_seqlens)) {
-    p.cu_seqlens = SeqOffsets{a.cu_seqlens.data, a.cu_seqlens.dtype, a.cu_seqlens.strides[0]};
-  }
-  p.scale = a.scale;
-  p.lower_bound = plan.lower_bound.load();
+  validate_fwd_serving(plan, a, p);
   return p;
 }
 

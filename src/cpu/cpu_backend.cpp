@@ -111,22 +111,17 @@ const uint16_t* token_row(const ActView& view, const HeadTask& task, int64_t tok
          int64_t(task.head) * view.stride_h;
 }
 
-uint16_t* out_row(const PrefillProblem& p, const HeadTask& task, int64_t token) {
+uint16_t* out_row(const ActView& out, const HeadTask& task, int64_t token) {
   // The out view's data is writable; ActView only carries it as const.
-  return const_cast<uint16_t*>(token_row(p.out, task, token));
+  return const_cast<uint16_t*>(token_row(out, task, token));
 }
 
 std::vector<HeadTask> head_tasks(const PrefillProblem& p) {
   std::vector<HeadTask> tasks;
   tasks.reserve(size_t(p.num_seqs) * p.num_heads);
   for (int64_t n = 0; n < p.num_seqs; ++n) {
-    int64_t row = n, begin = 0, end = p.seq_len;
-    if (p.cu_seqlens.data != nullptr) {
-      row = 0;
-      begin = std::clamp<int64_t>(p.cu_seqlens.at(n), 0, p.seq_len);
-      end = std::clamp<int64_t>(p.cu_seqlens.at(n + 1), begin, p.seq_len);
-    }
-    for (int32_t h = 0; h < p.num_heads; ++h) tasks.push_back({n, h, row, begin, end});
+    const TokenRange range = sequence_tokens(p.cu_seqlens, p.seq_len, n);
+    for (int32_t h = 0; h < p.num_heads; ++h) tasks.push_back({n, h, range.row, range.begin, range.end});
   }
   // Longest first, so that the last task a worker picks up is a short one.
   std::stable_sort(tasks.begin(), tasks.end(),
@@ -136,43 +131,108 @@ std::vector<HeadTask> head_tasks(const PrefillProblem& p) {
 
 // ------------------------------------------------------- state (step 7) ---
 
-size_t state_offset(const PrefillProblem& p, const HeadTask& task) {
-  return (size_t(task.seq) * p.num_heads + task.head) * size_t(p.head_dim_v) * p.head_dim_k;
+// Index of S[e, k] within one head's state in the caller's layout.
+size_t state_index(int32_t layout, int V, int K, int e, int k) {
+  return layout == FKDA_STATE_LAYOUT_KV ? size_t(k) * V + e : size_t(e) * K + k;
 }
 
-// Index of S[e, k] in the caller's layout.
-size_t state_index(const PrefillProblem& p, int e, int k) {
-  return p.state_layout == FKDA_STATE_LAYOUT_KV ? size_t(k) * p.head_dim_v + e : size_t(e) * p.head_dim_k + k;
+// A head's [V, K] state somewhere in caller memory: a row of initial_state or
+// final_state, a pool slot or a checkpoint. `elements` counts from `base`.
+struct StateRef {
+  void* base = nullptr;  // nullptr: no state (zeros when read, nothing written)
+  int32_t dtype = FKDA_DTYPE_F32;
+
+  void* at(int64_t elements) const {
+    return static_cast<char*>(base) + elements * (dtype == FKDA_DTYPE_BF16 ? 2 : 4);
+  }
+};
+
+StateRef pool_slot(const PoolView& pool, int32_t dtype, int64_t slot, int64_t head_offset) {
+  return {StateRef{pool.data, dtype}.at(slot * pool.slot_stride + head_offset), dtype};
 }
 
-void load_initial_state(const PrefillProblem& p, const HeadTask& task, ChunkScratch& s) {
-  if (p.initial_state == nullptr) {
-    std::fill(s.state, s.state + size_t(s.V) * s.K, 0.f);
+// Widens a stored state into the f32 `state` ([V][K]); zeros when absent.
+void read_state(const StateRef& from, int32_t layout, int V, int K, float* state) {
+  if (from.base == nullptr) {
+    std::fill(state, state + size_t(V) * K, 0.f);
     return;
   }
-  const size_t base = state_offset(p, task);
-  for (int e = 0; e < s.V; ++e) {
-    for (int k = 0; k < s.K; ++k) {
-      const size_t index = base + state_index(p, e, k);
-      s.state[size_t(e) * s.K + k] = p.state_dtype == FKDA_DTYPE_BF16
-                                         ? float_of_bf16(static_cast<const uint16_t*>(p.initial_state)[index])
-                                         : static_cast<const float*>(p.initial_state)[index];
+  for (int e = 0; e < V; ++e)
+    for (int k = 0; k < K; ++k) {
+      const size_t index = state_index(layout, V, K, e, k);
+      state[size_t(e) * K + k] = from.dtype == FKDA_DTYPE_BF16 ? float_of_bf16(static_cast<const uint16_t*>(from.base)[index])
+                                                               : static_cast<const float*>(from.base)[index];
     }
-  }
 }
 
-void store_final_state(const PrefillProblem& p, const HeadTask& task, const ChunkScratch& s) {
-  if (p.final_state == nullptr) return;
-  const size_t base = state_offset(p, task);
-  for (int e = 0; e < s.V; ++e) {
-    for (int k = 0; k < s.K; ++k) {
-      const size_t index = base + state_index(p, e, k);
-      const float value = s.state[size_t(e) * s.K + k];
-      if (p.state_dtype == FKDA_DTYPE_BF16)
-        static_cast<uint16_t*>(p.final_state)[index] = bf16_bits_of(value);
+// Rounds the f32 `state` to the destination's dtype (round to nearest even).
+void write_state(const StateRef& to, int32_t layout, int V, int K, const float* state) {
+  if (to.base == nullptr) return;
+  for (int e = 0; e < V; ++e)
+    for (int k = 0; k < K; ++k) {
+      const size_t index = state_index(layout, V, K, e, k);
+      const float value = state[size_t(e) * K + k];
+      if (to.dtype == FKDA_DTYPE_BF16)
+        static_cast<uint16_t*>(to.base)[index] = bf16_bits_of(value);
       else
-        static_cast<float*>(p.final_state)[index] = value;
+        static_cast<float*>(to.base)[index] = value;
     }
+}
+
+size_t head_state_elems(const PrefillProblem& p) { return size_t(p.head_dim_v) * p.head_dim_k; }
+
+// Where a (sequence, head) pair starts from and ends in. A null slot makes
+// the sequence padding.
+struct StatePlaces {
+  bool padding = false;
+  StateRef initial, final;
+};
+
+StatePlaces state_places(const PrefillProblem& p, const HeadTask& task) {
+  StatePlaces places;
+  const int64_t head_offset = int64_t(task.head) * int64_t(head_state_elems(p));
+  const bool starts_from_zeros = p.has_initial_state.present() && p.has_initial_state.at(task.seq) == 0;
+  if (p.state_indices.present()) {
+    const int64_t slot = p.state_indices.at(task.seq);
+    if (is_null_slot(slot, p.null_slot_rule)) {
+      places.padding = true;
+      return places;
+    }
+    places.final = pool_slot(p.pool, p.state_dtype, slot, head_offset);
+    if (!starts_from_zeros) places.initial = places.final;
+    return places;
+  }
+  const int64_t row_offset = task.seq * p.num_heads * int64_t(head_state_elems(p)) + head_offset;
+  if (p.initial_state != nullptr && !starts_from_zeros) {
+    places.initial = StateRef{const_cast<void*>(p.initial_state), p.state_dtype};
+    places.initial.base = places.initial.at(row_offset);
+  }
+  if (p.final_state != nullptr) {
+    places.final = StateRef{p.final_state, p.state_dtype};
+    places.final.base = places.final.at(row_offset);
+  }
+  return places;
+}
+
+// Checkpoint c of the pair's sequence: an element of `checkpoints` or a pool
+// slot (none for a null slot).
+StateRef checkpoint_place(const PrefillProblem& p, const HeadTask& task, int64_t c) {
+  const int64_t head_offset = int64_t(task.head) * int64_t(head_state_elems(p));
+  if (p.checkpoint_slots.present()) {
+    const int64_t slot = p.checkpoint_slots.at(task.seq, c);
+    if (is_null_slot(slot, p.null_slot_rule)) return {};
+    return pool_slot(p.pool, p.state_dtype, slot, head_offset);
+  }
+  const StateRef all{p.checkpoints, p.checkpoint_dtype};
+  return {all.at(task.seq * p.checkpoint_stride_n + c * p.checkpoint_stride_c + head_offset), p.checkpoint_dtype};
+}
+
+// Writes the checkpoints due after `tokens_done` tokens of the sequence.
+void store_checkpoints(const PrefillProblem& p, const HeadTask& task, int64_t tokens_done, const ChunkScratch& s) {
+  if (!p.checkpoint_offsets.present()) return;
+  for (int64_t c = 0; c < p.checkpoint_offsets.cols; ++c) {
+    if (p.checkpoint_offsets.at(task.seq, c) != tokens_done) continue;
+    write_state(checkpoint_place(p, task, c), p.state_layout, s.V, s.K, s.state);
   }
 }
 
@@ -391,7 +451,7 @@ void write_output(const PrefillProblem& p, const HeadTask& task, int64_t first_t
       const float* u = &s.Uh[size_t(j) * V];
       for (int e = 0; e < V; ++e) o[e] += m * u[e];
     }
-    uint16_t* out = out_row(p, task, first_token + i);
+    uint16_t* out = out_row(p.out, task, first_token + i);
     for (int e = 0; e < V; ++e) out[e] = bf16_bits_of(o[e]);
   }
 }
@@ -413,7 +473,15 @@ void advance_state(ChunkScratch& s) {
 // ------------------------------------------------------------- drivers ---
 
 void run_head(const PrefillProblem& p, const HeadTask& task, ChunkScratch& s) {
-  load_initial_state(p, task, s);
+  const StatePlaces places = state_places(p, task);
+  if (places.padding) {
+    for (int64_t token = task.begin; token < task.end; ++token) {
+      uint16_t* out = out_row(p.out, task, token);
+      std::fill(out, out + s.V, uint16_t(0));
+    }
+    return;
+  }
+  read_state(places.initial, p.state_layout, s.V, s.K, s.state);
   for (int64_t first = task.begin; first < task.end; first += kChunk) {
     s.len = static_cast<int>(std::min<int64_t>(kChunk, task.end - first));
     load_chunk(p, task, first, s);
@@ -426,8 +494,9 @@ void run_head(const PrefillProblem& p, const HeadTask& task, ChunkScratch& s) {
     delta_updates(s);
     write_output(p, task, first, s);
     advance_state(s);
+    store_checkpoints(p, task, first + s.len - task.begin, s);
   }
-  store_final_state(p, task, s);
+  write_state(places.final, p.state_layout, s.V, s.K, s.state);
 }
 
 // Below about this many chunks in all, starting a thread costs more than it saves.
@@ -438,6 +507,106 @@ constexpr int64_t kChunksPerExtraThread = 8;
 int64_t worker_count(int64_t pairs, int64_t chunks) {
   const int64_t hardware = std::max<int64_t>(1, std::thread::hardware_concurrency());
   return std::clamp<int64_t>(std::min<int64_t>(pairs, chunks / kChunksPerExtraThread), 1, hardware);
+}
+
+// Runs tasks 0 .. count-1 on `workers` threads (the caller's included), each
+// task on one worker: run(worker, task). Nothing in `run` may throw.
+template <typename Run>
+void run_on_workers(size_t count, int64_t workers, const Run& run) {
+  std::atomic<size_t> next_task{0};
+  auto work = [&](int64_t worker) {
+    for (size_t t = next_task++; t < count; t = next_task++) run(worker, t);
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(size_t(workers - 1));
+  for (int64_t w = 1; w < workers; ++w) {
+    try {
+      threads.emplace_back(work, w);
+    } catch (...) {
+      break;  // no thread to spare: the calling thread does the remaining work
+    }
+  }
+  work(0);
+  for (std::thread& thread : threads) thread.join();
+}
+
+// ---------------------------------------------------------------- decode ---
+
+// One (sequence, head) pair of a decode call; tokens [begin, end) of `row`.
+// The token-by-token recurrence in f32 (docs/NUMERICS.md, "Decode").
+struct DecodeScratch {
+  std::vector<float> state, q, k, decay;
+  DecodeScratch(int K, int V) : state(size_t(V) * K), q(size_t(K)), k(size_t(K)), decay(size_t(K)) {}
+};
+
+// Slot of column `column` of sequence n's indices ([N] views have one column).
+int64_t decode_slot(const DecodeProblem& p, int64_t n, int64_t column) {
+  return p.state_indices.at(n, p.indices_are_table ? column : 0);
+}
+
+// Unit vector of a bf16 row, times `factor`: x · factor / sqrt(Σx² + 1e-6), f32 (step 2's norm).
+void unit_row(const uint16_t* bits, int n, float factor, float* unit) {
+  float sum = 0.f;
+  for (int c = 0; c < n; ++c) {
+    unit[c] = float_of_bf16(bits[c]);
+    sum += unit[c] * unit[c];
+  }
+  const float inverse_norm = 1.f / std::sqrt(sum + 1e-6f) * factor;
+  for (int c = 0; c < n; ++c) unit[c] *= inverse_norm;
+}
+
+void decode_head(const DecodeProblem& p, const HeadTask& task, DecodeScratch& s) {
+  const int K = p.head_dim_k, V = p.head_dim_v;
+  const int64_t n = task.seq, length = task.end - task.begin;
+  const int64_t start_column = p.num_accepted_tokens.present() ? p.num_accepted_tokens.at(n) - 1 : 0;
+  const int64_t start = decode_slot(p, n, start_column);
+  const int64_t head_offset = int64_t(task.head) * V * K;
+  if (is_null_slot(start, p.null_slot_rule)) {
+    for (int64_t token = task.begin; token < task.end; ++token) {
+      uint16_t* out = out_row(p.out, task, token);
+      std::fill(out, out + V, uint16_t(0));
+    }
+    return;
+  }
+  read_state(pool_slot(p.pool, p.state_dtype, start, head_offset), p.state_layout, V, K, s.state.data());
+
+  const float gate_scale = p.lower_bound * kLog2e;
+  const float a_scale = std::exp(p.A_log[task.head]);
+  const float* dt_bias = p.dt_bias + size_t(task.head) * K;
+  for (int64_t t = 0; t < length; ++t) {
+    const int64_t token = task.begin + t;
+    unit_row(token_row(p.q, task, token), K, p.scale, s.q.data());
+    unit_row(token_row(p.k, task, token), K, 1.f, s.k.data());
+    const uint16_t* g = token_row(p.g, task, token);
+    for (int c = 0; c < K; ++c)
+      s.decay[size_t(c)] = std::exp2(gate_scale * sigmoid(a_scale * (float_of_bf16(g[c]) + dt_bias[c])));
+    const float b = sigmoid(float_of_bf16(*token_row(p.beta, task, token)));
+    const uint16_t* v = token_row(p.v, task, token);
+    uint16_t* out = out_row(p.out, task, token);
+    for (int e = 0; e < V; ++e) {
+      float* row = &s.state[size_t(e) * K];
+      float predicted = 0.f;
+      for (int c = 0; c < K; ++c) {
+        row[c] *= s.decay[size_t(c)];
+        predicted += row[c] * s.k[size_t(c)];
+      }
+      const float correction = b * (float_of_bf16(v[e]) - predicted);
+      float output = 0.f;
+      for (int c = 0; c < K; ++c) {
+        row[c] += correction * s.k[size_t(c)];
+        output += row[c] * s.q[size_t(c)];
+      }
+      out[e] = bf16_bits_of(output);
+    }
+    // A slot table keeps the state after every token (null columns excepted).
+    if (p.indices_are_table) {
+      const int64_t slot = decode_slot(p, n, t);
+      if (!is_null_slot(slot, p.null_slot_rule))
+        write_state(pool_slot(p.pool, p.state_dtype, slot, head_offset), p.state_layout, V, K, s.state.data());
+    }
+  }
+  if (!p.indices_are_table)
+    write_state(pool_slot(p.pool, p.state_dtype, start, head_offset), p.state_layout, V, K, s.state.data());
 }
 
 }  // namespace
@@ -465,23 +634,25 @@ void fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes)
   for (int64_t w = 0; w < workers; ++w) {
     scratch.emplace_back(problem.head_dim_k, problem.head_dim_v, static_cast<float*>(workspace) + size_t(w) * per_worker);
   }
+  run_on_workers(tasks.size(), workers,
+                 [&](int64_t worker, size_t t) { run_head(problem, tasks[t], scratch[size_t(worker)]); });
+}
 
-  std::atomic<size_t> next_task{0};
-  auto work = [&](ChunkScratch& s) {
-    for (size_t t = next_task++; t < tasks.size(); t = next_task++) run_head(problem, tasks[t], s);
-  };
-
-  std::vector<std::thread> threads;
-  threads.reserve(size_t(workers - 1));
-  for (int64_t w = 1; w < workers; ++w) {
-    try {
-      threads.emplace_back(work, std::ref(scratch[size_t(w)]));
-    } catch (...) {
-      break;  // no thread to spare: the calling thread does the remaining work
-    }
+void decode(const DecodeProblem& problem) {
+  std::vector<HeadTask> tasks;
+  int64_t pair_tokens = 0;
+  for (int64_t n = 0; n < problem.num_seqs; ++n) {
+    const TokenRange range = sequence_tokens(problem.cu_seqlens, problem.seq_len, n);
+    if (range.length() == 0) continue;  // touches nothing, not even its indices
+    for (int32_t h = 0; h < problem.num_heads; ++h) tasks.push_back({n, h, range.row, range.begin, range.end});
+    pair_tokens += range.length() * problem.num_heads;
   }
-  work(scratch[0]);
-  for (std::thread& thread : threads) thread.join();
+  // A token of one pair costs about what a chunk of the forward pass does.
+  const int64_t workers = worker_count(int64_t(tasks.size()), pair_tokens);
+  // Allocated here, before any worker starts, so that no worker can throw.
+  std::vector<DecodeScratch> scratch(size_t(workers), DecodeScratch(problem.head_dim_k, problem.head_dim_v));
+  run_on_workers(tasks.size(), workers,
+                 [&](int64_t worker, size_t t) { decode_head(problem, tasks[t], scratch[size_t(worker)]); });
 }
 
 }  // namespace fkda::cpu

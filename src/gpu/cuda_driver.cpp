@@ -66,7 +66,9 @@ Loaded load() {
             resolve(get_proc, "cuLibraryGetKernel", d.cuLibraryGetKernel, r) &&
             resolve(get_proc, "cuKernelGetFunction", d.cuKernelGetFunction, r) &&
             resolve(get_proc, "cuKernelSetAttribute", d.cuKernelSetAttribute, r) &&
-            resolve(get_proc, "cuLaunchKernel", d.cuLaunchKernel, r);
+            resolve(get_proc, "cuLaunchKernel", d.cuLaunchKernel, r) &&
+            resolve(get_proc, "cuStreamSynchronize", d.cuStreamSynchronize, r) &&
+            resolve(get_proc, "cuMemcpyDtoH", d.cuMemcpyDtoH, r);
   if (!ok) return loaded;
   CUresult result = init(0);
   if (result != CUDA_SUCCESS) {

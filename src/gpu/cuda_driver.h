@@ -28,6 +28,9 @@ struct Driver {
   CUresult (*cuKernelSetAttribute)(CUfunction_attribute, int, CUkernel, CUdevice) = nullptr;
   CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                              unsigned, CUstream, void**, void**) = nullptr;
+  // Debug checks only: they copy device-side indices to the host.
+  CUresult (*cuStreamSynchronize)(CUstream) = nullptr;
+  CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t) = nullptr;
 };
 
 // The driver, or nullptr when it cannot be used; then unavailable_reason()

@@ -334,24 +334,6 @@ std::vector<float> sequence_state(const Problem& p, const std::vector<float>& st
                             state.begin() + std::ptrdiff_t((n + 1) * per_sequence));
 }
 
-// Tokens [begin, end) of a single-row problem as a problem of their own.
-Problem token_slice(const Problem& p, int64_t begin, int64_t end) {
-  REQUIRE(p.B == 1);
-  REQUIRE(p.cu_seqlens.empty());
-  Problem slice = p;
-  slice.T = end - begin;
-  auto cut = [&](const std::vector<uint16_t>& all, int64_t per_token) {
-    return std::vector<uint16_t>(all.begin() + std::ptrdiff_t(begin * per_token),
-                                 all.begin() + std::ptrdiff_t(end * per_token));
-  };
-  slice.q = cut(p.q, p.H * p.K);
-  slice.k = cut(p.k, p.H * p.K);
-  slice.v = cut(p.v, p.H * p.V);
-  slice.g = cut(p.g, p.H * p.K);
-  slice.beta = cut(p.beta, p.H);
-  return slice;
-}
-
 // docs/BENCHMARKS.md's accuracy case: T=1024 H=4, and varlen [300, 77, 700] H=4.
 std::vector<ProblemShape> benchmark_accuracy_shapes() {
   ProblemShape dense, varlen;
@@ -582,7 +564,8 @@ TEST_CASE("CPU backend: two halves through final -> initial state equal the whol
 
   for (int64_t split : {32, 21}) {
     CAPTURE(split);
-    Problem first = token_slice(whole, 0, split), second = token_slice(whole, split, whole.T);
+    Problem first = token_range(whole, 0, 0, split), second = token_range(whole, 0, split, whole.T);
+    first.initial_state = whole.initial_state;
     const RunResult first_run = run_cpu(first, o);
     second.initial_state = first_run.final_state;
     const RunResult second_run = run_cpu(second, o);

@@ -1,0 +1,95 @@
+// The generic argument checks shared by the validation of fkda_fwd
+// (validate.cpp) and of the serving arguments: pools, slot indices,
+// checkpoints and fkda_decode (validate_serving.cpp). Each throws
+// fkda::Error with a message that starts with the argument's name.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "dtype_name.h"
+#include "flashkda.h"
+#include "plan.h"
+#include "prefill_problem.h"
+
+namespace fkda::checks {
+
+std::string join(const int64_t* values, int32_t count);
+
+// Expected extents; kAny accepts any non-negative extent (the first tensor
+// to mention an axis fixes it for the others).
+constexpr int64_t kAny = -1;
+
+bool present(const fkda_tensor& t);
+
+// What a tensor's strides must be: fully packed (row-major), packed along
+// the last axis only (rows of a strided view), or anything non-negative.
+enum class Strides { kPacked, kRows, kFree };
+
+// Dtype, rank, extents and strides of one tensor.
+void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<int32_t> dtypes,
+                  std::initializer_list<int64_t> shape, Strides strides);
+
+// A tensor the call writes must not map two elements to one address.
+void check_no_overlap(const fkda_tensor& t, const char* name);
+
+ActView act_view(const fkda_tensor& t);
+
+// GPU kernels move rows of 8 bf16 in 16-byte accesses.
+void check_gpu_alignment(const fkda_tensor& t, const char* name);
+
+struct Located {
+  const void* data;
+  const char* name;
+};
+
+// Host memory for CPU plans, memory of the current context's device for GPU plans.
+void check_residency(const Plan& plan, const std::vector<Located>& pointers);
+
+// Host-readable offsets (CPU plans): 0 = cu[0] <= cu[1] <= ... <= cu[N] = T.
+void check_cu_seqlens_contents(const fkda_tensor& cu, int64_t total_tokens);
+
+// The activations and parameters fkda_fwd and fkda_decode share, in their
+// common argument order. q fixes B and T; the others are checked against them.
+struct Activations {
+  const fkda_tensor &q, &k, &v, &g, &beta, &A_log, &dt_bias, &out;
+};
+struct ActivationExtents {
+  int64_t batch, tokens;
+};
+ActivationExtents check_activations(const Plan& plan, const Activations& a);
+
+// cu_seqlens' rank, dtype and stride; returns N (B without cu_seqlens).
+int64_t check_cu_seqlens(const fkda_tensor& cu, int64_t batch);
+
+// The fields PrefillProblem and DecodeProblem share, from checked arguments.
+template <typename Problem>
+void fill_shared_fields(const Plan& plan, const Activations& a, const fkda_tensor& cu_seqlens, int64_t batch,
+                        int64_t tokens, int64_t num_seqs, float scale, Problem& p) {
+  p.batch = batch;
+  p.seq_len = tokens;
+  p.num_seqs = num_seqs;
+  p.num_heads = plan.num_heads;
+  p.head_dim_k = plan.head_dim_k;
+  p.head_dim_v = plan.head_dim_v;
+  p.q = act_view(a.q);
+  p.k = act_view(a.k);
+  p.v = act_view(a.v);
+  p.g = act_view(a.g);
+  p.beta = act_view(a.beta);
+  p.out = act_view(a.out);
+  p.A_log = static_cast<const float*>(a.A_log.data);
+  p.dt_bias = static_cast<const float*>(a.dt_bias.data);
+  p.state_dtype = plan.state_dtype;
+  p.state_layout = plan.state_layout;
+  if (present(cu_seqlens)) p.cu_seqlens = SeqOffsets{cu_seqlens.data, cu_seqlens.dtype, cu_seqlens.strides[0]};
+  p.scale = scale;
+  p.lower_bound = plan.lower_bound.load();
+  p.debug_checks = plan.debug_checks;
+  p.null_slot_rule = plan.null_slot_rule;
+}
+
+}  // namespace fkda::checks
