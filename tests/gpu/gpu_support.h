@@ -14,18 +14,12 @@
 #include "flashkda.h"
 #include "kda_reference.h"
 #include "resource_owners.h"
+#include "status_checks.h"
 
 #define CUDA_REQUIRE(expr)                                                             \
   do {                                                                                 \
     const cudaError_t status_ = (expr);                                                \
     if (status_ != cudaSuccess) FAIL(#expr << ": " << cudaGetErrorString(status_));   \
-  } while (0)
-
-#define FKDA_REQUIRE(expr)                                                             \
-  do {                                                                                 \
-    const fkda_status status_ = (expr);                                                \
-    if (status_ != FKDA_SUCCESS)                                                       \
-      FAIL(#expr << ": " << fkda_status_string(status_) << ": " << fkda_last_error()); \
   } while (0)
 
 namespace fkda_ref {

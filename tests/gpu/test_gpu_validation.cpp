@@ -45,13 +45,6 @@ struct DeviceCall {
   }
 };
 
-void expect_invalid(fkda_status status, const std::string& message_start) {
-  CHECK(status == FKDA_ERROR_INVALID_ARGUMENT);
-  std::string message = fkda_last_error();
-  INFO("message: " << message);
-  CHECK(message.rfind(message_start, 0) == 0);
-}
-
 }  // namespace
 
 TEST_CASE("GPU plans reject host memory, CPU plans reject device memory", "[gpu][validation]") {

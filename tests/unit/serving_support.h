@@ -14,6 +14,7 @@
 #include "flashkda.h"
 #include "kda_reference.h"
 #include "resource_owners.h"
+#include "status_checks.h"
 
 namespace serving {
 
@@ -23,13 +24,6 @@ constexpr int64_t kD = 128;  // K = V
 constexpr int64_t kHeadState = kD * kD;
 // bf16 quiet NaN with a payload no computation produces: poisoned outputs.
 constexpr uint16_t kPoisonBf16 = 0x7FC1;
-
-#define FKDA_CHECK_OK(expr)                                                               \
-  do {                                                                                    \
-    const fkda_status status_ = (expr);                                                   \
-    INFO(#expr << ": " << fkda_status_string(status_) << ": " << fkda_last_error());      \
-    REQUIRE(status_ == FKDA_SUCCESS);                                                     \
-  } while (0)
 
 struct PlanOptions {
   fkda_dtype state_dtype = FKDA_DTYPE_F32;

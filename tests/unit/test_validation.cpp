@@ -14,6 +14,7 @@
 
 #include "flashkda.h"
 #include "kda_reference.h"
+#include "status_checks.h"
 
 namespace {
 
@@ -152,13 +153,6 @@ std::vector<BadCall> bad_fwd_calls() {
       {"cu_seqlens data NULL", [](fkda_fwd_args& a, Fixture&) { a.cu_seqlens.data = nullptr; }, BAD, "cu_seqlens: data is NULL", true},
       {"varlen state N mismatch", [](fkda_fwd_args& a, Fixture&) { a.final_state.shape[0] = 2; }, BAD, "final_state: expected shape [3, 2, 128, 128]", true},
   };
-}
-
-void check_failure(fkda_status status, fkda_status expected, const std::string& message_start) {
-  CHECK(status == expected);
-  std::string message = fkda_last_error();
-  INFO("message: " << message);
-  CHECK(message.rfind(message_start, 0) == 0);
 }
 
 }  // namespace
