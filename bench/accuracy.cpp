@@ -5,75 +5,37 @@
 
 #include "bench_support.h"
 #include "kda_reference.h"
+#include "run_memory.h"
 
 namespace fkda_bench {
 namespace {
 
 // Host or device copies of one problem's tensors, as fkda_ref::Buffers.
-class ProblemMemory {
- public:
-  ProblemMemory(const fkda_ref::Problem& p, const std::vector<unsigned char>& initial_state,
-                size_t out_bytes, size_t state_bytes, bool on_device)
-      : on_device_(on_device) {
-    buffers_.q = place(p.q.data(), p.q.size() * 2);
-    buffers_.k = place(p.k.data(), p.k.size() * 2);
-    buffers_.v = place(p.v.data(), p.v.size() * 2);
-    buffers_.g = place(p.g.data(), p.g.size() * 2);
-    buffers_.beta = place(p.beta.data(), p.beta.size() * 2);
-    buffers_.A_log = place(p.A_log.data(), p.A_log.size() * 4);
-    buffers_.dt_bias = place(p.dt_bias.data(), p.dt_bias.size() * 4);
-    buffers_.initial_state = place(initial_state.data(), initial_state.size());
-    if (!p.cu_seqlens.empty())
-      buffers_.cu_seqlens = place(p.cu_seqlens.data(), p.cu_seqlens.size() * sizeof(int64_t));
-    // All-ones bytes are NaN in bf16 and f32: anything left unwritten shows.
-    const std::vector<unsigned char> poison_out(out_bytes, 0xFF), poison_state(state_bytes, 0xFF);
-    buffers_.out = place(poison_out.data(), out_bytes);
-    buffers_.final_state = place(poison_state.data(), state_bytes);
-  }
-
-  const fkda_ref::Buffers& buffers() const { return buffers_; }
-
-  std::vector<unsigned char> read(const void* data, size_t bytes) const {
-    std::vector<unsigned char> bytes_out(bytes);
-    if (on_device_)
-      FKDA_BENCH_CUDA(cudaMemcpy(bytes_out.data(), data, bytes, cudaMemcpyDeviceToHost));
-    else
-      std::memcpy(bytes_out.data(), data, bytes);
-    return bytes_out;
-  }
-
- private:
-  void* place(const void* src, size_t bytes) {
-    if (on_device_) {
-      device_.emplace_back(bytes);
-      FKDA_BENCH_CUDA(cudaMemcpy(device_.back().get(), src, bytes, cudaMemcpyHostToDevice));
-      return device_.back().get();
-    }
-    host_.emplace_back(static_cast<const unsigned char*>(src),
-                       static_cast<const unsigned char*>(src) + bytes);
-    return host_.back().data();
-  }
-
-  bool on_device_;
-  fkda_ref::Buffers buffers_{};
-  // Element addresses stay put when a std::vector of buffers grows by move.
-  std::vector<DeviceBuffer> device_;
-  std::vector<std::vector<unsigned char>> host_;
-};
-
-std::vector<float> widen(const std::vector<unsigned char>& bytes, fkda_dtype dtype) {
-  if (dtype == FKDA_DTYPE_F32) {
-    std::vector<float> values(bytes.size() / 4);
-    std::memcpy(values.data(), bytes.data(), values.size() * 4);
-    return values;
-  }
-  std::vector<uint16_t> bits(bytes.size() / 2);
-  std::memcpy(bits.data(), bytes.data(), bits.size() * 2);
-  return fkda_ref::bf16_to_float(bits);
+fkda_ref::Buffers place_problem(RunMemory& memory, const fkda_ref::Problem& p,
+                                const std::vector<unsigned char>& initial_state, size_t out_bytes,
+                                size_t state_bytes) {
+  fkda_ref::Buffers buffers{};
+  buffers.q = memory.place(p.q.data(), p.q.size() * 2);
+  buffers.k = memory.place(p.k.data(), p.k.size() * 2);
+  buffers.v = memory.place(p.v.data(), p.v.size() * 2);
+  buffers.g = memory.place(p.g.data(), p.g.size() * 2);
+  buffers.beta = memory.place(p.beta.data(), p.beta.size() * 2);
+  buffers.A_log = memory.place(p.A_log.data(), p.A_log.size() * 4);
+  buffers.dt_bias = memory.place(p.dt_bias.data(), p.dt_bias.size() * 4);
+  buffers.initial_state = memory.place(initial_state.data(), initial_state.size());
+  if (!p.cu_seqlens.empty())
+    buffers.cu_seqlens = memory.place(p.cu_seqlens.data(), p.cu_seqlens.size() * sizeof(int64_t));
+  // All-ones bytes are NaN in bf16 and f32: anything left unwritten shows.
+  buffers.out = memory.allocate(out_bytes);
+  memory.fill(buffers.out, 0xFF, out_bytes);
+  buffers.final_state = memory.allocate(state_bytes);
+  memory.fill(buffers.final_state, 0xFF, state_bytes);
+  return buffers;
 }
 
 AccuracyResult run_one(const AccuracyCase& c, fkda_dtype state_dtype, bool on_cpu,
                        float lower_bound, uint64_t seed) {
+  lower_bound = c.lower_bound.value_or(lower_bound);
   fkda_ref::ProblemShape shape;
   shape.B = 1;
   shape.T = c.T;
@@ -81,6 +43,9 @@ AccuracyResult run_one(const AccuracyCase& c, fkda_dtype state_dtype, bool on_cp
   shape.lengths = c.lengths;
   shape.with_initial_state = true;
   shape.lower_bound = lower_bound;
+  shape.gate_mean = c.gate_mean;
+  shape.gate_std = c.gate_std;
+  shape.initial_state_std = c.initial_state_std;
   fkda_ref::Problem p = fkda_ref::random_problem(shape, seed);
 
   // The library receives a bf16 initial state in that case; the reference
@@ -114,8 +79,9 @@ AccuracyResult run_one(const AccuracyCase& c, fkda_dtype state_dtype, bool on_cp
 
   const size_t out_bytes = size_t(tokens * p.H * p.V) * 2;
   const size_t state_bytes = size_t(p.state_elems()) * state_dtype_bytes(state_dtype);
-  ProblemMemory memory(p, initial_state, out_bytes, state_bytes, !on_cpu);
-  const fkda_fwd_args args = fkda_ref::make_args(p, memory.buffers(), state_dtype);
+  RunMemory memory(!on_cpu);
+  const fkda_ref::Buffers buffers = place_problem(memory, p, initial_state, out_bytes, state_bytes);
+  const fkda_fwd_args args = fkda_ref::make_args(p, buffers, state_dtype);
 
   if (on_cpu) {
     std::vector<unsigned char> workspace(workspace_bytes);
@@ -128,9 +94,9 @@ AccuracyResult run_one(const AccuracyCase& c, fkda_dtype state_dtype, bool on_cp
   }
 
   const std::vector<float> out =
-      widen(memory.read(memory.buffers().out, out_bytes), FKDA_DTYPE_BF16);
+      widen_to_float(memory.read(buffers.out, out_bytes), FKDA_DTYPE_BF16);
   const std::vector<float> final_state =
-      widen(memory.read(memory.buffers().final_state, state_bytes), state_dtype);
+      widen_to_float(memory.read(buffers.final_state, state_bytes), state_dtype);
 
   AccuracyResult result;
   result.id = c.id;
@@ -139,17 +105,24 @@ AccuracyResult run_one(const AccuracyCase& c, fkda_dtype state_dtype, bool on_cp
   result.backend = on_cpu ? "CPU" : "GPU";
   result.out_rel_l2 = fkda_ref::rel_l2(out, reference.out);
   result.state_rel_l2 = fkda_ref::rel_l2(final_state, reference.final_state);
-  result.target = accuracy_target(state_dtype);
+  result.target = accuracy_target(c, state_dtype);
   return result;
 }
 
 }  // namespace
 
-std::vector<AccuracyResult> run_accuracy(bool on_cpu, float lower_bound, uint64_t seed) {
+std::vector<AccuracyResult> run_accuracy(const std::vector<AccuracyCase>& cases, bool on_cpu,
+                                         float lower_bound, uint64_t seed) {
   std::vector<AccuracyResult> results;
-  uint64_t case_seed = seed;
-  for (const AccuracyCase& c : accuracy_cases()) {
-    ++case_seed;
+  const auto& all = accuracy_cases();
+  for (const AccuracyCase& c : cases) {
+    // Each case's inputs depend on the seed and its place in the full list,
+    // not on which other cases run.
+    uint64_t case_seed = seed + 1;
+    for (const auto& known : all) {
+      if (known.id == c.id) break;
+      ++case_seed;
+    }
     for (fkda_dtype state_dtype : {FKDA_DTYPE_BF16, FKDA_DTYPE_F32})
       results.push_back(run_one(c, state_dtype, on_cpu, lower_bound, case_seed));
   }

@@ -233,14 +233,142 @@ std::vector<BenchCase> load_cases_file(const std::string& path) {
   return cases;
 }
 
+ServingCase::ServingCase() : fla_ms(kUnknown), target_ms(kUnknown), target_ratio_to_p8(kUnknown) {}
+
+int64_t ServingCase::checkpoints_per_seq() const {
+  if (kind != ServingKind::kPoolPrefill || checkpoint_every <= 0) return 0;
+  return (tokens_per_seq - 1) / checkpoint_every;
+}
+
+int64_t ServingCase::slots_per_call() const {
+  switch (kind) {
+    case ServingKind::kSpecVerify: return N * tokens_per_seq;
+    case ServingKind::kPoolPrefill: return N * (1 + checkpoints_per_seq());
+    case ServingKind::kDecode: break;
+  }
+  return N;
+}
+
+double ServingCase::state_bytes_moved() const {
+  const double one_state = double(H) * kHeadDim * kHeadDim * double(state_dtype_bytes(pool_dtype));
+  const int64_t writes = kind == ServingKind::kSpecVerify ? tokens_per_seq
+                                                          : 1 + checkpoints_per_seq();
+  return double(N) * one_state * double(1 + writes);
+}
+
+std::string ServingCase::shape() const {
+  std::ostringstream text;
+  switch (kind) {
+    case ServingKind::kDecode: text << "N=" << N << " H=" << H; break;
+    case ServingKind::kSpecVerify: text << "N=" << N << " H=" << H << " T=" << tokens_per_seq; break;
+    case ServingKind::kPoolPrefill:
+      text << "varlen " << N << 'x' << tokens_per_seq << " H=" << H;
+      if (checkpoints_per_seq() > 0) text << " ckpt/" << checkpoint_every;
+      break;
+  }
+  text << ' ' << state_dtype_name(pool_dtype) << " pool";
+  if (pool_slots > 0) text << " of " << pool_slots;
+  return text.str();
+}
+
+const char* serving_kind_name(ServingKind kind) {
+  switch (kind) {
+    case ServingKind::kDecode: return "decode";
+    case ServingKind::kSpecVerify: return "spec verify";
+    case ServingKind::kPoolPrefill: return "pool prefill";
+  }
+  return "?";
+}
+
+namespace {
+
+ServingCase decode_case(std::string id, ServingKind kind, int64_t N, int64_t H, int64_t T,
+                        fkda_dtype pool_dtype, double fla_ms, double target_ms) {
+  ServingCase c;
+  c.id = std::move(id);
+  c.kind = kind;
+  c.N = N;
+  c.H = H;
+  c.tokens_per_seq = T;
+  c.pool_dtype = pool_dtype;
+  c.fla_ms = fla_ms;
+  c.target_ms = target_ms;
+  return c;
+}
+
+ServingCase pool_prefill_case(std::string id, int64_t checkpoint_every, double target_ratio) {
+  // P8's shape: 8 sequences of 1024 tokens, 96 heads.
+  ServingCase c;
+  c.id = std::move(id);
+  c.kind = ServingKind::kPoolPrefill;
+  c.N = 8;
+  c.H = 96;
+  c.tokens_per_seq = 1024;
+  c.pool_slots = 4096;
+  c.checkpoint_every = checkpoint_every;
+  c.target_ratio_to_p8 = target_ratio;
+  return c;
+}
+
+}  // namespace
+
+const std::vector<ServingCase>& serving_cases() {
+  constexpr auto kDecode = ServingKind::kDecode;
+  constexpr auto kSpec = ServingKind::kSpecVerify;
+  constexpr auto kF32 = FKDA_DTYPE_F32;
+  static const std::vector<ServingCase> cases = {
+      decode_case("D1", kDecode, 1, 32, 1, kF32, 0.016, 0.008),
+      decode_case("D2", kDecode, 16, 32, 1, kF32, 0.029, 0.020),
+      decode_case("D3", kDecode, 64, 32, 1, kF32, 0.092, 0.070),
+      decode_case("D4", kDecode, 256, 32, 1, kF32, 0.366, 0.270),
+      decode_case("D5", kDecode, 256, 96, 1, kF32, 1.171, 0.800),
+      decode_case("D6", kDecode, 256, 12, 1, kF32, 0.128, 0.105),
+      decode_case("D7", kDecode, 1024, 12, 1, kF32, 0.543, 0.420),
+      decode_case("D8", kDecode, 256, 32, 1, FKDA_DTYPE_BF16, 0.227, 0.140),
+      decode_case("S1", kSpec, 64, 32, 4, kF32, 0.225, 0.175),
+      decode_case("S2", kSpec, 256, 12, 4, kF32, 0.352, 0.260),
+      decode_case("S3", kSpec, 64, 12, 8, kF32, 0.158, 0.120),
+      pool_prefill_case("R1", 0, 1.02),
+      pool_prefill_case("R2", 256, 1.10),
+  };
+  return cases;
+}
+
+const ServingCase* find_serving_case(const std::string& id) {
+  const std::string wanted = to_upper(id);
+  for (const auto& c : serving_cases())
+    if (c.id == wanted) return &c;
+  return nullptr;
+}
+
 std::string AccuracyCase::shape() const {
   std::ostringstream text;
   if (lengths.empty())
     text << "B=1 T=" << T << " H=" << H;
   else
     text << "varlen " << lengths_text(lengths) << " H=" << H;
+  if (long_memory)
+    text << " lb=" << *lower_bound << " g~N(" << gate_mean << "," << gate_std << "^2)";
   return text.str();
 }
+
+namespace {
+
+AccuracyCase long_memory_case(std::string id, int64_t T, int64_t H, float lower_bound,
+                              float gate_mean, float gate_std) {
+  AccuracyCase c;
+  c.id = std::move(id);
+  c.T = T;
+  c.H = H;
+  c.long_memory = true;
+  c.lower_bound = lower_bound;
+  c.gate_mean = gate_mean;
+  c.gate_std = gate_std;
+  c.initial_state_std = 1.f;
+  return c;
+}
+
+}  // namespace
 
 const std::vector<AccuracyCase>& accuracy_cases() {
   static const std::vector<AccuracyCase> cases = [] {
@@ -252,15 +380,29 @@ const std::vector<AccuracyCase>& accuracy_cases() {
     packed.id = "A2";
     packed.H = 4;
     packed.lengths = {300, 77, 700};
-    return std::vector<AccuracyCase>{single, packed};
+    return std::vector<AccuracyCase>{
+        single,
+        packed,
+        long_memory_case("LM1", 4096, 4, -5.f, -6.f, 1.f),
+        long_memory_case("LM2", 4096, 4, -5.f, -2.f, 2.f),
+        long_memory_case("LM3", 8192, 2, -1.f, 0.f, 1.f),
+    };
   }();
   return cases;
+}
+
+const AccuracyCase* find_accuracy_case(const std::string& id) {
+  const std::string wanted = to_upper(id);
+  for (const auto& c : accuracy_cases())
+    if (c.id == wanted) return &c;
+  return nullptr;
 }
 
 const AccuracyTarget kFlashKdaAccuracy = {5.8e-3, 5.0e-3};
 const AccuracyTarget kFlaAccuracy = {4.1e-3, 2.9e-3};
 
-AccuracyTarget accuracy_target(fkda_dtype state_dtype) {
+AccuracyTarget accuracy_target(const AccuracyCase& c, fkda_dtype state_dtype) {
+  if (c.long_memory) return {kUnknown, kUnknown};
   return state_dtype == FKDA_DTYPE_F32 ? AccuracyTarget{4.0e-3, 2.9e-3}
                                        : AccuracyTarget{6.0e-3, 5.0e-3};
 }

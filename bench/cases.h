@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,22 +55,72 @@ std::vector<BenchCase> load_cases_file(const std::string& path);
 // std::runtime_error with a message when a dimension is out of range.
 void validate_case(const BenchCase& c);
 
-// docs/BENCHMARKS.md's accuracy cases: T=1024 H=4 and varlen [300, 77, 700] H=4.
+// Serving cases: decode and speculative verify on a state pool (slot 0
+// reserved as the null slot, the sequences' slots scattered over the pool,
+// int32 cu_seqlens, lower_bound -5), and prefill reading and writing its
+// states in a pool.
+enum class ServingKind { kDecode, kSpecVerify, kPoolPrefill };
+
+struct ServingCase {
+  std::string id;
+  ServingKind kind = ServingKind::kDecode;
+  int64_t N = 1;               // sequences
+  int64_t H = 1;
+  int64_t tokens_per_seq = 1;  // decode 1; speculative verify: draft tokens T; prefill: length
+  fkda_dtype pool_dtype = FKDA_DTYPE_F32;
+  int64_t pool_slots = 0;          // 0: 1 + the slots the benchmark's input sets use
+  int64_t checkpoint_every = 0;    // pool prefill: a checkpoint into a pool slot every this many tokens
+  double fla_ms;                   // FLA's fused_recurrent_kda, median ms (NaN: none)
+  double target_ms;                // NaN for pool prefill, judged against P8 instead
+  double target_ratio_to_p8;       // pool prefill: median / P8's median (NaN otherwise)
+
+  ServingCase();
+  int64_t total_tokens() const { return N * tokens_per_seq; }
+  // Interior checkpoints of one sequence (the final state is not one).
+  int64_t checkpoints_per_seq() const;
+  // Pool slots one call reads or writes.
+  int64_t slots_per_call() const;
+  // Bytes of state one call moves: read once, and written once (decode,
+  // prefill), T times (speculative verify), plus the checkpoints.
+  double state_bytes_moved() const;
+  std::string shape() const;  // "N=256 H=32 f32 pool", "N=64 H=12 T=8 table", ...
+};
+
+// D1 ... D8, S1 ... S3, R1, R2.
+const std::vector<ServingCase>& serving_cases();
+// Case-insensitive lookup; nullptr when unknown.
+const ServingCase* find_serving_case(const std::string& id);
+const char* serving_kind_name(ServingKind kind);
+
+// The accuracy cases: A1 (T=1024 H=4) and A2 (varlen [300, 77, 700] H=4) on
+// the default inputs, and the long-memory cases LM1 ... LM3 on slow decays
+// with an initial state ~ N(0, 1), whose lost or blurred state shows.
 struct AccuracyCase {
   std::string id;
   int64_t T = 0;  // used when lengths is empty
   int64_t H = 4;
   std::vector<int64_t> lengths;
+  bool long_memory = false;
+  // Set for the long-memory cases; the others take --lower-bound.
+  std::optional<float> lower_bound;
+  // g ~ N(gate_mean, gate_std^2); initial state ~ initial_state_std N(0, 1).
+  float gate_mean = 0.f;
+  float gate_std = 1.f;
+  float initial_state_std = 0.1f;
   std::string shape() const;
 };
+// A1, A2, LM1, LM2, LM3.
 const std::vector<AccuracyCase>& accuracy_cases();
+// Case-insensitive lookup; nullptr when unknown.
+const AccuracyCase* find_accuracy_case(const std::string& id);
 
-// Relative L2 targets and the peers' figures, by state dtype.
+// Relative L2 targets and the peers' figures, by state dtype (the
+// long-memory cases have none: NaN).
 struct AccuracyTarget {
   double out;
   double final_state;
 };
-AccuracyTarget accuracy_target(fkda_dtype state_dtype);
+AccuracyTarget accuracy_target(const AccuracyCase& c, fkda_dtype state_dtype);
 extern const AccuracyTarget kFlashKdaAccuracy;  // bf16 or f32 state
 extern const AccuracyTarget kFlaAccuracy;       // f32 state
 

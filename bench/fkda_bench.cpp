@@ -1,10 +1,11 @@
-// fkda-bench: times libflashkda's prefill on the cases of docs/BENCHMARKS.md
-// (or custom shapes), prints the peers' figures beside ours, checks accuracy
+// fkda-bench: times libflashkda's prefill, decode and pool cases (or custom
+// prefill shapes), prints the peers' figures beside ours, checks accuracy
 // against the fp64 recurrence, and writes the results as JSON.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <limits>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -17,6 +18,7 @@
 #include "bench_support.h"
 #include "cases.h"
 #include "report.h"
+#include "serving.h"
 #include "timing.h"
 
 #ifndef FKDA_BENCH_GIT_DESCRIBE
@@ -30,17 +32,30 @@ constexpr double kP1WorkspaceTargetBytes = 0.34e9;
 
 const char* const kUsage = R"(usage: fkda-bench [CASE...] [accuracy] [options]
 
-Times libflashkda's prefill (fkda_fwd) on one GPU with random inputs and
-prints median/min/max ms, effective GB/s and workspace bytes per case, beside
-the FlashKDA, FLA and target figures of docs/BENCHMARKS.md.
+Times libflashkda's prefill (fkda_fwd), decode (fkda_decode) and prefill on a
+state pool on one GPU with random inputs and prints median/min/max ms,
+effective GB/s and workspace bytes per case, beside the FlashKDA, FLA and
+target figures of docs/BENCHMARKS.md.
 
-Cases:
-  P1 ... P10          prefill cases of docs/BENCHMARKS.md (case-insensitive)
+Cases (ids are case-insensitive):
+  P1 ... P10          prefill cases
   prefill             all of P1 ... P10 (the default when nothing else is asked)
-  all                 prefill and accuracy
+  D1 ... D8           decode, one token for N sequences, states in a pool
+  S1 ... S3           speculative verify: T draft tokens, [N, T] slot table,
+                      num_accepted random in 1 ... T
+  R1, R2              P8's shape with states in an f32 pool of 4096 slots (R2:
+                      a checkpoint into a pool slot every 256 tokens); the ratio
+                      to P8 is printed when P8 runs in the same invocation
+  decode, spec, pool  D1 ... D8, S1 ... S3, R1 and R2
+  serving             all of the above three
+  all                 prefill, serving, accuracy and long-memory
   accuracy            relative L2 error of out and final state against the fp64
-                      recurrence (T=1024 H=4 and varlen [300,77,700] H=4), with
-                      bf16 and f32 state
+                      recurrence (A1: T=1024 H=4, A2: varlen [300,77,700] H=4),
+                      with bf16 and f32 state
+  long-memory         LM1 (T=4096 H=4, lb -5, g ~ N(-6,1)), LM2 (T=4096 H=4,
+                      lb -5, g ~ N(-2,2^2)), LM3 (T=8192 H=2, lb -1, g ~ N(0,1)):
+                      slow decays, initial state ~ N(0,1); errors, no target
+  A1, A2, LM1 ... LM3 one accuracy case
   --B N --T N --H N   a custom batched shape (B defaults to 1)
   --lengths L1,L2,... --H N
                       a custom varlen shape (packed, B = 1)
@@ -58,7 +73,9 @@ Options:
   --json FILE         also write the results as JSON to FILE
   --commit SHA        commit recorded in the results (default: git describe
                       of the source tree when the build was configured)
-  --cpu               accuracy on the CPU backend (host memory, no GPU needed)
+  --cpu               accuracy cases and decode/spec cases on the CPU backend
+                      (host memory, no GPU needed): one checked call each,
+                      nothing timed
   --list              print the cases and exit; touches no GPU
   --help              print this text and exit
   Options also take the form --name=value.
@@ -67,7 +84,12 @@ Timing: device 0 is made current (cudaSetDevice(0), cudaFree(0)); each call
 is bracketed by CUDA events after the warm-up; the calls rotate over several
 input sets that together exceed the L2 cache many times. GB/s counts q, k, v,
 g, beta and the initial state read once and out and the final state written
-once.
+once. Serving cases: pools [slots, H, 128, 128] with slot 0 reserved as the
+null slot, each input set's slots scattered over the pool (fixed seed), int32
+cu_seqlens and slot tables; "state GB/s" counts the states read once and
+written once (decode, pool prefill, plus its checkpoints) or T times (verify).
+The first call of each decode case is checked against the fp64 recurrence on
+its first sequences.
 
 Exit status: 0 success; 1 a library, CUDA or output check failed; 2 bad
 command line or cases file; 3 no usable GPU; 4 an accuracy figure above its
@@ -76,7 +98,8 @@ target.
 
 struct Options {
   std::vector<BenchCase> cases;
-  bool run_accuracy = false;
+  std::vector<ServingCase> serving;
+  std::vector<AccuracyCase> accuracy;
   bool list = false;
   bool help = false;
   bool on_cpu = false;
@@ -200,20 +223,43 @@ Options parse_options(int argc, char** argv) {
   }
   if (options.help) return options;
 
+  const auto add_serving = [&](bool (*wanted)(ServingKind)) {
+    for (const auto& c : serving_cases())
+      if (wanted(c.kind)) options.serving.push_back(c);
+  };
+  const auto add_accuracy = [&](bool long_memory) {
+    for (const auto& c : accuracy_cases())
+      if (c.long_memory == long_memory) options.accuracy.push_back(c);
+  };
   for (const std::string& name : named) {
-    if (name == "accuracy") {
-      options.run_accuracy = true;
+    if (name == "accuracy" || name == "long-memory") {
+      add_accuracy(name == "long-memory");
     } else if (name == "prefill" || name == "all") {
       for (const auto& c : prefill_cases()) options.cases.push_back(c);
-      if (name == "all") options.run_accuracy = true;
+      if (name == "all") {
+        add_serving([](ServingKind) { return true; });
+        add_accuracy(false);
+        add_accuracy(true);
+      }
+    } else if (name == "serving") {
+      add_serving([](ServingKind) { return true; });
+    } else if (name == "decode") {
+      add_serving([](ServingKind kind) { return kind == ServingKind::kDecode; });
+    } else if (name == "spec") {
+      add_serving([](ServingKind kind) { return kind == ServingKind::kSpecVerify; });
+    } else if (name == "pool") {
+      add_serving([](ServingKind kind) { return kind == ServingKind::kPoolPrefill; });
     } else if (const BenchCase* c = find_prefill_case(name)) {
       options.cases.push_back(*c);
-    } else if ((name[0] == 'D' || name[0] == 'd') && name.size() == 2 && name[1] >= '1' &&
-               name[1] <= '5') {
-      throw usage_error("decode case " + name +
-                        " needs a decode entry point, which this library's ABI does not have");
+    } else if (const ServingCase* serving = find_serving_case(name)) {
+      options.serving.push_back(*serving);
+    } else if (const AccuracyCase* accuracy = find_accuracy_case(name)) {
+      options.accuracy.push_back(*accuracy);
     } else {
-      throw usage_error("unknown case \"" + name + "\"; known: P1 ... P10, prefill, accuracy, all");
+      throw usage_error("unknown case \"" + name +
+                        "\"; known: P1 ... P10, D1 ... D8, S1 ... S3, R1, R2, A1, A2, "
+                        "LM1 ... LM3, prefill, decode, spec, pool, serving, accuracy, "
+                        "long-memory, all");
     }
   }
 
@@ -244,19 +290,43 @@ Options parse_options(int argc, char** argv) {
       throw usage_error(e.what());
     }
   }
-  if (options.cases.empty() && !options.run_accuracy)
+  if (options.cases.empty() && options.serving.empty() && options.accuracy.empty())
     options.cases = prefill_cases();
 
   const float lb = options.timing.lower_bound;
   if (!(lb >= -5.f && lb <= 0.f))
     throw usage_error("--lower-bound: " + format("%g", lb) + " is outside [-5, 0]");
-  if (options.on_cpu && !options.cases.empty() && !options.list)
-    throw usage_error(
-        "--cpu runs the accuracy cases only; timing cases need a GPU (ask for just \"accuracy\")");
+  if (options.on_cpu && !options.list) {
+    if (!options.cases.empty())
+      throw usage_error("--cpu runs the accuracy, decode and spec cases only; prefill timing "
+                        "needs a GPU");
+    for (const auto& c : options.serving)
+      if (c.pool_slots > 0)
+        throw usage_error("--cpu: " + c.id + " needs a GPU (a pool of " +
+                          std::to_string(c.pool_slots) + " slots)");
+  }
   return options;
 }
 
 // ------------------------------------------------------------- listing ---
+
+std::string serving_target_text(const ServingCase& c) {
+  if (!std::isnan(c.target_ms)) return format("%.3f ms", c.target_ms);
+  return format("%.2fx P8", c.target_ratio_to_p8);
+}
+
+// Table cells of an accuracy target and the peers' figures ("-" for the
+// long-memory cases, which have neither).
+struct AccuracyCells {
+  std::string target_out, target_state, flashkda, fla;
+};
+
+AccuracyCells accuracy_cells(const AccuracyTarget& target) {
+  if (std::isnan(target.out)) return {"-", "-", "-", "-"};
+  return {format("%.1e", target.out), format("%.1e", target.final_state),
+          format("%.1e / %.1e", kFlashKdaAccuracy.out, kFlashKdaAccuracy.final_state),
+          format("%.1e / %.1e", kFlaAccuracy.out, kFlaAccuracy.final_state)};
+}
 
 void print_case_list(const Options& options) {
   const fkda_dtype state = options.timing.state_dtype;
@@ -280,18 +350,28 @@ void print_case_list(const Options& options) {
               "(FlashKDA: %.2f GB).\n",
               kP1WorkspaceTargetBytes / 1e9, flashkda_workspace_bytes(prefill_cases()[0]) / 1e9);
 
-  std::printf("\nAccuracy cases (\"accuracy\"): relative L2 error against the fp64 recurrence; "
-              "q, k, v, g, beta ~ N(0,1), A_log, dt_bias ~ U(0,1), initial state ~ 0.1 N(0,1).\n\n");
+  std::printf("\nServing cases (states in a pool [slots, H, 128, 128], slot 0 reserved, "
+              "scattered slots, int32 cu_seqlens, lower_bound = -5). FLA: fused_recurrent_kda, "
+              "one H200, median ms.\n\n");
+  TextTable serving({"case", "kind", "shape", "tokens", "FLA ms", "target", "state MB moved"},
+                    "lllrrrr");
+  for (const auto& c : options.serving.empty() ? serving_cases() : options.serving)
+    serving.add_row({c.id, serving_kind_name(c.kind), c.shape(), std::to_string(c.total_tokens()),
+                     ms_or_dash(c.fla_ms), serving_target_text(c),
+                     format("%.1f", c.state_bytes_moved() / 1e6)});
+  serving.print(stdout);
+
+  std::printf("\nAccuracy cases (\"accuracy\", \"long-memory\"): relative L2 error against the "
+              "fp64 recurrence; q, k, v, beta ~ N(0,1), A_log, dt_bias ~ U(0,1); A1, A2: "
+              "g ~ N(0,1), initial state ~ 0.1 N(0,1); LM1 ... LM3: initial state ~ N(0,1).\n\n");
   TextTable accuracy({"case", "shape", "state", "target out", "target state", "FlashKDA out/state",
                       "FLA out/state (f32)"},
                      "lllrrrr");
-  for (const auto& c : accuracy_cases())
+  for (const auto& c : options.accuracy.empty() ? accuracy_cases() : options.accuracy)
     for (fkda_dtype dtype : {FKDA_DTYPE_BF16, FKDA_DTYPE_F32}) {
-      const AccuracyTarget target = accuracy_target(dtype);
-      accuracy.add_row({c.id, c.shape(), state_dtype_name(dtype), format("%.1e", target.out),
-                        format("%.1e", target.final_state),
-                        format("%.1e / %.1e", kFlashKdaAccuracy.out, kFlashKdaAccuracy.final_state),
-                        format("%.1e / %.1e", kFlaAccuracy.out, kFlaAccuracy.final_state)});
+      const AccuracyCells cells = accuracy_cells(accuracy_target(c, dtype));
+      accuracy.add_row({c.id, c.shape(), state_dtype_name(dtype), cells.target_out,
+                        cells.target_state, cells.flashkda, cells.fla});
     }
   accuracy.print(stdout);
 }
@@ -347,14 +427,70 @@ void print_accuracy_table(const std::vector<AccuracyResult>& results) {
                    "target state", "FlashKDA out/state", "FLA out/state (f32)", "status"},
                   "llllrrrrrrl");
   for (const auto& r : results) {
+    const AccuracyCells cells = accuracy_cells(r.target);
     table.add_row({r.id, r.shape, state_dtype_name(r.state_dtype), r.backend,
-                   format("%.2e", r.out_rel_l2), format("%.2e", r.state_rel_l2),
-                   format("%.1e", r.target.out), format("%.1e", r.target.final_state),
-                   format("%.1e / %.1e", kFlashKdaAccuracy.out, kFlashKdaAccuracy.final_state),
-                   format("%.1e / %.1e", kFlaAccuracy.out, kFlaAccuracy.final_state),
-                   r.within_target() ? "within target" : "ABOVE TARGET"});
+                   format("%.2e", r.out_rel_l2), format("%.2e", r.state_rel_l2), cells.target_out,
+                   cells.target_state, cells.flashkda, cells.fla,
+                   !r.has_target() ? "-" : r.within_target() ? "within target" : "ABOVE TARGET"});
   }
   table.print(stdout);
+}
+
+// Median of the pool prefill case over P8's median in the same invocation
+// (NaN when P8 did not run).
+double ratio_to_p8(const ServingRun& run, const std::vector<CaseRun>& prefill_runs) {
+  if (run.serving_case.kind != ServingKind::kPoolPrefill || !run.timed)
+    return std::numeric_limits<double>::quiet_NaN();
+  for (const auto& p : prefill_runs)
+    if (p.bench_case.id == "P8") return run.timing.median_ms / p.timing.median_ms;
+  return std::numeric_limits<double>::quiet_NaN();
+}
+
+std::string serving_status(const ServingRun& run, double ratio) {
+  if (!run.within_check()) return "WRONG RESULT";
+  const ServingCase& c = run.serving_case;
+  if (!run.timed) return "checked";
+  if (!std::isnan(c.target_ms))
+    return run.timing.median_ms <= c.target_ms ? "meets target" : "misses target";
+  if (std::isnan(ratio)) return "run P8 too for the ratio";
+  return ratio <= c.target_ratio_to_p8 ? "meets target" : "misses target";
+}
+
+void print_serving_table(const std::vector<ServingRun>& runs,
+                         const std::vector<CaseRun>& prefill_runs, const Options& options) {
+  if (options.on_cpu)
+    std::printf("\nServing cases on the CPU backend, one call each, checked against the fp64 "
+                "recurrence:\n\n");
+  else
+    std::printf("\nServing cases, median of %d calls after %d warm-up calls:\n\n",
+                options.timing.iters, options.timing.warmup);
+  TextTable table({"case", "shape", "slots", "median ms", "min ms", "max ms", "state GB/s", "GB/s",
+                   "out err", "state err", "FLA ms", "target", "x P8", "status"},
+                  "llrrrrrrrrrrrl");
+  bool p8_state_differs = false;
+  for (const auto& run : runs) {
+    const ServingCase& c = run.serving_case;
+    const double ratio = ratio_to_p8(run, prefill_runs);
+    p8_state_differs |= !std::isnan(ratio) && options.timing.state_dtype != c.pool_dtype;
+    const auto timed = [&](const char* fmt, double value) {
+      return run.timed ? format(fmt, value) : std::string("-");
+    };
+    const auto error = [&](double value) {
+      return run.checked() ? format("%.2e", value) : std::string("-");
+    };
+    table.add_row({c.id, c.shape(), std::to_string(run.pool_slots),
+                   timed("%.4f", run.timing.median_ms), timed("%.4f", run.timing.min_ms),
+                   timed("%.4f", run.timing.max_ms), timed("%.0f", run.state_gbps),
+                   timed("%.0f", run.timing.gbps), error(run.out_rel_l2), error(run.state_rel_l2),
+                   ms_or_dash(c.fla_ms), serving_target_text(c),
+                   std::isnan(ratio) ? std::string("-") : format("%.3f", ratio),
+                   serving_status(run, ratio)});
+  }
+  table.print(stdout);
+  if (p8_state_differs)
+    std::printf("P8 ran with %s state and the pool is f32: run with --state f32 for the ratio "
+                "the targets mean.\n",
+                state_dtype_name(options.timing.state_dtype));
 }
 
 nlohmann::ordered_json ms_json(double ms) {
@@ -372,6 +508,7 @@ std::string utc_now() {
 
 void write_json(const std::string& path, const Options& options,
                 const std::optional<DeviceContext>& device, const std::vector<CaseRun>& runs,
+                const std::vector<ServingRun>& serving_runs,
                 const std::vector<AccuracyResult>& accuracy) {
   using json = nlohmann::ordered_json;
   json doc;
@@ -437,6 +574,47 @@ void write_json(const std::string& path, const Options& options,
   }
   doc["prefill"] = prefill;
 
+  json serving = json::array();
+  for (const auto& run : serving_runs) {
+    const ServingCase& c = run.serving_case;
+    const double ratio = ratio_to_p8(run, runs);
+    json shape = {{"N", c.N}, {"H", c.H}, {"tokens_per_seq", c.tokens_per_seq},
+                  {"pool_dtype", state_dtype_name(c.pool_dtype)}, {"pool_slots", run.pool_slots}};
+    if (c.checkpoints_per_seq() > 0) {
+      shape["checkpoint_every"] = c.checkpoint_every;
+      shape["checkpoints_per_seq"] = c.checkpoints_per_seq();
+    }
+    json entry = {{"id", c.id}, {"kind", serving_kind_name(c.kind)}, {"shape_text", c.shape()},
+                  {"shape", shape}, {"backend", run.timed ? "GPU" : "CPU"}};
+    if (run.timed) {
+      entry["ms"] = {{"median", run.timing.median_ms},
+                     {"min", run.timing.min_ms},
+                     {"max", run.timing.max_ms},
+                     {"back_to_back_mean", run.timing.back_to_back_mean_ms}};
+      entry["state_gbps"] = run.state_gbps;
+      entry["gbps"] = run.timing.gbps;
+      entry["input_sets"] = run.timing.input_sets;
+    }
+    entry["state_bytes_moved"] = c.state_bytes_moved();
+    entry["workspace_bytes"] = run.timing.workspace_bytes;
+    entry["check"] = run.checked() ? json{{"sequences", run.checked_seqs},
+                                          {"out_rel_l2", run.out_rel_l2},
+                                          {"state_rel_l2", run.state_rel_l2},
+                                          {"tolerance", kServingCheckTolerance},
+                                          {"passed", run.within_check()}}
+                                   : json(nullptr);
+    entry["peers"] = {{"fla_ms", ms_json(c.fla_ms)},
+                      {"target_ms", ms_json(c.target_ms)},
+                      {"target_ratio_to_p8", ms_json(c.target_ratio_to_p8)}};
+    entry["ratio_to_p8"] = ms_json(ratio);
+    const std::string status = serving_status(run, ratio);
+    entry["meets_target"] = status == "meets target"    ? json(true)
+                            : status == "misses target" ? json(false)
+                                                        : json(nullptr);
+    serving.push_back(entry);
+  }
+  doc["serving"] = serving;
+
   json accuracy_list = json::array();
   for (const auto& r : accuracy) {
     accuracy_list.push_back({{"id", r.id},
@@ -447,7 +625,8 @@ void write_json(const std::string& path, const Options& options,
                              {"final_state_rel_l2", r.state_rel_l2},
                              {"target", {{"out", r.target.out},
                                          {"final_state", r.target.final_state}}},
-                             {"within_target", r.within_target()}});
+                             {"within_target", r.has_target() ? json(r.within_target())
+                                                               : json(nullptr)}});
   }
   doc["accuracy"] = accuracy_list;
 
@@ -473,7 +652,9 @@ int run(int argc, char** argv) {
                              : *FKDA_BENCH_GIT_DESCRIBE != '\0' ? FKDA_BENCH_GIT_DESCRIBE
                                                                 : "unknown";
   std::optional<DeviceContext> device;
-  const bool needs_gpu = !options.cases.empty() || (options.run_accuracy && !options.on_cpu);
+  const bool needs_gpu = !options.on_cpu &&
+                         (!options.cases.empty() || !options.serving.empty() ||
+                          !options.accuracy.empty());
   if (needs_gpu) device = open_device();
 
   std::printf("fkda-bench: libflashkda %s, commit %s\n", fkda_version_string(), commit.c_str());
@@ -498,14 +679,37 @@ int run(int argc, char** argv) {
   }
   if (!runs.empty()) print_timing_table(runs, options);
 
+  std::vector<ServingRun> serving_runs;
+  for (const ServingCase& c : options.serving) {
+    std::fprintf(stderr, "fkda-bench: %s (%s) ...\n", c.id.c_str(), c.shape().c_str());
+    ServingRun run = run_serving_case(c, options.timing, device);
+    if (run.timed)
+      std::fprintf(stderr,
+                   "fkda-bench: %s: median %.4f ms, back-to-back mean %.4f ms (%d input sets, "
+                   "pool of %lld slots, setup %.1f s)\n",
+                   c.id.c_str(), run.timing.median_ms, run.timing.back_to_back_mean_ms,
+                   run.timing.input_sets, static_cast<long long>(run.pool_slots),
+                   run.timing.setup_seconds);
+    serving_runs.push_back(std::move(run));
+  }
+  if (!serving_runs.empty()) print_serving_table(serving_runs, runs, options);
+
   std::vector<AccuracyResult> accuracy;
-  if (options.run_accuracy) {
-    accuracy = run_accuracy(options.on_cpu, options.timing.lower_bound, options.timing.seed);
+  if (!options.accuracy.empty()) {
+    accuracy = run_accuracy(options.accuracy, options.on_cpu, options.timing.lower_bound,
+                            options.timing.seed);
     print_accuracy_table(accuracy);
   }
 
-  if (!options.json_path.empty()) write_json(options.json_path, options, device, runs, accuracy);
+  if (!options.json_path.empty())
+    write_json(options.json_path, options, device, runs, serving_runs, accuracy);
 
+  for (const auto& run : serving_runs)
+    if (!run.within_check()) {
+      std::fprintf(stderr, "fkda-bench: %s differs from the fp64 recurrence (out %.2e, state %.2e)\n",
+                   run.serving_case.id.c_str(), run.out_rel_l2, run.state_rel_l2);
+      return kExitAccuracyMissed;
+    }
   for (const auto& r : accuracy)
     if (!r.within_target()) {
       std::fprintf(stderr, "fkda-bench: accuracy above target (%s, %s state)\n", r.id.c_str(),

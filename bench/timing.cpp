@@ -11,6 +11,7 @@
 
 #include "kda_reference.h"
 #include "random_fill.h"
+#include "run_memory.h"
 
 namespace fkda_bench {
 namespace {
@@ -41,6 +42,8 @@ size_t input_set_bytes(const Shapes& s, fkda_dtype state_dtype) {
          2 * s.state_elems * state_dtype_bytes(state_dtype);
 }
 
+}  // namespace
+
 int choose_input_sets(size_t set_bytes, size_t workspace_bytes, const DeviceContext& device,
                       const std::string& id) {
   const size_t l2 = device.l2_bytes ? device.l2_bytes : kFallbackL2Bytes;
@@ -65,31 +68,63 @@ int choose_input_sets(size_t set_bytes, size_t workspace_bytes, const DeviceCont
   return sets;
 }
 
+namespace {
+
 void upload(const DeviceBuffer& dst, const void* src, size_t bytes) {
   FKDA_BENCH_CUDA(cudaMemcpy(dst.get(), src, bytes, cudaMemcpyHostToDevice));
 }
 
-// Every element of a bf16 or f32 buffer is finite.
-bool all_finite(const DeviceBuffer& buffer, bool is_f32) {
-  std::vector<unsigned char> host(buffer.bytes());
-  FKDA_BENCH_CUDA(cudaMemcpy(host.data(), buffer.get(), host.size(), cudaMemcpyDeviceToHost));
-  if (is_f32) {
-    for (size_t i = 0; i + 4 <= host.size(); i += 4) {
-      float x;
-      std::memcpy(&x, &host[i], 4);
-      if (!std::isfinite(x)) return false;
-    }
-  } else {
-    for (size_t i = 0; i + 2 <= host.size(); i += 2) {
-      uint16_t bits;
-      std::memcpy(&bits, &host[i], 2);
-      if ((bits & 0x7F80u) == 0x7F80u) return false;  // exponent all ones: inf or NaN
-    }
-  }
-  return true;
+bool buffer_finite(const DeviceBuffer& buffer, bool is_f32) {
+  return all_finite(RunMemory(true).read(buffer.get(), buffer.bytes()), is_f32);
 }
 
 }  // namespace
+
+CallTimes time_calls(const std::function<void(int)>& call, const TimingOptions& options,
+                     cudaStream_t stream) {
+  for (int i = 0; i < options.warmup; ++i) call(i);
+  FKDA_BENCH_CUDA(cudaStreamSynchronize(stream));
+
+  // One event pair per call and a single synchronisation at the end: the
+  // host queues ahead, so small cases are not timed waiting for the launch.
+  std::vector<cudaEvent_t> starts(size_t(options.iters)), stops(size_t(options.iters));
+  for (int i = 0; i < options.iters; ++i) {
+    FKDA_BENCH_CUDA(cudaEventCreate(&starts[size_t(i)]));
+    FKDA_BENCH_CUDA(cudaEventCreate(&stops[size_t(i)]));
+  }
+  CallTimes times;
+  std::vector<double> ms(size_t(options.iters));
+  try {
+    for (int i = 0; i < options.iters; ++i) {
+      FKDA_BENCH_CUDA(cudaEventRecord(starts[size_t(i)], stream));
+      call(options.warmup + i);
+      FKDA_BENCH_CUDA(cudaEventRecord(stops[size_t(i)], stream));
+    }
+    FKDA_BENCH_CUDA(cudaStreamSynchronize(stream));
+    for (int i = 0; i < options.iters; ++i) {
+      float elapsed = 0;
+      FKDA_BENCH_CUDA(cudaEventElapsedTime(&elapsed, starts[size_t(i)], stops[size_t(i)]));
+      ms[size_t(i)] = elapsed;
+    }
+    float span = 0;
+    FKDA_BENCH_CUDA(cudaEventElapsedTime(&span, starts.front(), stops.back()));
+    times.back_to_back_mean_ms = double(span) / options.iters;
+  } catch (...) {
+    for (auto event : starts) cudaEventDestroy(event);
+    for (auto event : stops) cudaEventDestroy(event);
+    throw;
+  }
+  for (int i = 0; i < options.iters; ++i) {
+    FKDA_BENCH_CUDA(cudaEventDestroy(starts[size_t(i)]));
+    FKDA_BENCH_CUDA(cudaEventDestroy(stops[size_t(i)]));
+  }
+  std::sort(ms.begin(), ms.end());
+  const size_t n = ms.size();
+  times.median_ms = n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+  times.min_ms = ms.front();
+  times.max_ms = ms.back();
+  return times;
+}
 
 TimingResult time_case(const BenchCase& c, const TimingOptions& options,
                        const DeviceContext& device) {
@@ -200,60 +235,21 @@ TimingResult time_case(const BenchCase& c, const TimingOptions& options,
     FKDA_BENCH_FKDA(fkda_fwd(plan.get(), &args[size_t(call) % args.size()], workspace.get(),
                              workspace.bytes(), stream.get()));
   };
-  for (int i = 0; i < options.warmup; ++i) fwd(i);
-  FKDA_BENCH_CUDA(cudaStreamSynchronize(stream.get()));
-
-  // One event pair per call and a single synchronisation at the end: the
-  // host queues ahead, so small cases are not timed waiting for the launch.
-  std::vector<cudaEvent_t> starts(size_t(options.iters)), stops(size_t(options.iters));
-  for (int i = 0; i < options.iters; ++i) {
-    FKDA_BENCH_CUDA(cudaEventCreate(&starts[size_t(i)]));
-    FKDA_BENCH_CUDA(cudaEventCreate(&stops[size_t(i)]));
-  }
-  std::vector<double> ms(size_t(options.iters));
-  try {
-    for (int i = 0; i < options.iters; ++i) {
-      FKDA_BENCH_CUDA(cudaEventRecord(starts[size_t(i)], stream.get()));
-      fwd(options.warmup + i);
-      FKDA_BENCH_CUDA(cudaEventRecord(stops[size_t(i)], stream.get()));
-    }
-    FKDA_BENCH_CUDA(cudaStreamSynchronize(stream.get()));
-    for (int i = 0; i < options.iters; ++i) {
-      float elapsed = 0;
-      FKDA_BENCH_CUDA(cudaEventElapsedTime(&elapsed, starts[size_t(i)], stops[size_t(i)]));
-      ms[size_t(i)] = elapsed;
-    }
-    float span = 0;
-    FKDA_BENCH_CUDA(cudaEventElapsedTime(&span, starts.front(), stops.back()));
-    result.back_to_back_mean_ms = double(span) / options.iters;
-  } catch (...) {
-    for (auto event : starts) cudaEventDestroy(event);
-    for (auto event : stops) cudaEventDestroy(event);
-    throw;
-  }
-  for (int i = 0; i < options.iters; ++i) {
-    FKDA_BENCH_CUDA(cudaEventDestroy(starts[size_t(i)]));
-    FKDA_BENCH_CUDA(cudaEventDestroy(stops[size_t(i)]));
-  }
+  static_cast<CallTimes&>(result) = time_calls(fwd, options, stream.get());
 
   // Every set ran at least once when warmup + iters >= sets; check those.
   const size_t sets_run = std::min(sets.size(), size_t(options.warmup + options.iters));
   for (size_t set = 0; set < sets_run; ++set) {
-    if (!all_finite(sets[set].out, false))
+    if (!buffer_finite(sets[set].out, false))
       throw BenchError(c.id + ": out of input set " + std::to_string(set) +
                            " holds NaN/inf or unwritten elements",
                        kExitFailure);
-    if (!all_finite(sets[set].final_state, state_f32))
+    if (!buffer_finite(sets[set].final_state, state_f32))
       throw BenchError(c.id + ": final_state of input set " + std::to_string(set) +
                            " holds NaN/inf or unwritten elements",
                        kExitFailure);
   }
 
-  std::sort(ms.begin(), ms.end());
-  const size_t n = ms.size();
-  result.median_ms = n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
-  result.min_ms = ms.front();
-  result.max_ms = ms.back();
   result.bytes_moved = bytes_moved(c, options.state_dtype);
   result.gbps = result.bytes_moved / (result.median_ms * 1e-3) / 1e9;
   return result;

@@ -3,6 +3,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <string>
 
 #include "bench_support.h"
 #include "cases.h"
@@ -17,11 +19,25 @@ struct TimingOptions {
   uint64_t seed = 1;
 };
 
-struct TimingResult {
+struct CallTimes {
   double median_ms = 0, min_ms = 0, max_ms = 0;
   // (last stop - first start) / iters. Above the median when the host cannot
   // queue calls as fast as the GPU runs them.
   double back_to_back_mean_ms = 0;
+};
+
+// Runs call(0 ... warmup - 1) untimed, then call(warmup ... warmup + iters - 1)
+// each bracketed by CUDA events on `stream`, synchronising once at the end.
+CallTimes time_calls(const std::function<void(int)>& call, const TimingOptions& options,
+                     cudaStream_t stream);
+
+// How many input sets of `set_bytes` to rotate over: enough to exceed the L2
+// cache many times, as many as fit beside `fixed_bytes` in free device memory
+// (at least one; a warning when fewer than wanted fit).
+int choose_input_sets(size_t set_bytes, size_t fixed_bytes, const DeviceContext& device,
+                      const std::string& id);
+
+struct TimingResult : CallTimes {
   double bytes_moved = 0;
   double gbps = 0;  // bytes_moved / median
   size_t workspace_bytes = 0;

@@ -1,8 +1,8 @@
-// Device primitives shared by the prefill kernels: the conversions whose
-// rounding docs/NUMERICS.md fixes, warp-level matrix products
-// (mma.sync m16n8k16 and m16n8k8, the same instructions on sm_80 and
-// sm_90a), ldmatrix, cp.async, and the sequence bounds both kernels must
-// agree on.
+// Device primitives shared by the prefill and decode kernels: the
+// conversions whose rounding docs/NUMERICS.md fixes, warp-level matrix
+// products (mma.sync m16n8k16 and m16n8k8, the same instructions on sm_80 and
+// sm_90a), ldmatrix, cp.async, the sequence bounds the kernels must agree on
+// and the reading of untrusted device-side offsets and pool slots.
 #pragma once
 
 #include <stdint.h>
@@ -37,6 +37,11 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + exp2_f
 // The same with the hardware reciprocal: for the gate, where it runs once
 // per element and the contract allows it.
 __device__ __forceinline__ float sigmoid_fast(float x) { return rcp_fast(1.0f + exp2_fast(-x * kLog2e)); }
+
+// sigmoid(x) with the library's expf and an IEEE division, a few ulp from
+// exact: for the decode, whose f32 state is compared with the fp64
+// recurrence at 1e-6 after several steps.
+__device__ __forceinline__ float sigmoid_accurate(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // Two floats to f16x2 (lo in bits 0..15), round to nearest even, saturating
 // to +-65504 so that no step makes an infinity.
@@ -136,8 +141,9 @@ __device__ __forceinline__ int small_tile_offset(int row, int col) {
 // Device-side offsets are never trusted: each is clamped into [0, T] and an
 // end below its begin becomes an empty sequence, so a bad cu_seqlens can give
 // wrong numbers but never an access outside the tensors or the workspace.
-// This reader is the device's own: the host one (SeqOffsets::at in
-// src/prefill_problem.h) reads validated host memory and does not clamp.
+// The host reads offsets through sequence_tokens (src/prefill_problem.h),
+// which clamps the same way; this is the device's own copy because the
+// kernels are compiled apart from the host code and read through __ldg.
 struct Sequence {
   int64_t row;        // batch row of its tokens
   int64_t begin;      // first token along the row
@@ -145,11 +151,34 @@ struct Sequence {
   int64_t slot_base;  // first workspace slot of its chunks
 };
 
+// Element `at` of a device-side i32 or i64 array.
+__device__ __forceinline__ int64_t load_integer(const void* data, bool is_i64, int64_t at) {
+  return is_i64 ? int64_t(__ldg(static_cast<const long long*>(data) + at))
+                : int64_t(__ldg(static_cast<const int*>(data) + at));
+}
+
+// Offset i of cu_seqlens, clamped into [0, seq_len].
+__device__ __forceinline__ int64_t load_clamped_offset(const void* cu_seqlens, int64_t stride, bool is_i64,
+                                                       int64_t seq_len, int64_t i) {
+  const int64_t value = load_integer(cu_seqlens, is_i64, i * stride);
+  return value < 0 ? 0 : (value > seq_len ? seq_len : value);
+}
+
 __device__ __forceinline__ int64_t load_offset(const FkdaPrefillParams& p, int64_t i) {
-  const int64_t at = i * p.cu_seqlens_stride;
-  int64_t value = p.cu_seqlens_is_i64 ? __ldg(static_cast<const long long*>(p.cu_seqlens) + at)
-                                      : int64_t(__ldg(static_cast<const int*>(p.cu_seqlens) + at));
-  return value < 0 ? 0 : (value > p.seq_len ? p.seq_len : value);
+  return load_clamped_offset(p.cu_seqlens, p.cu_seqlens_stride, p.cu_seqlens_is_i64 != 0, p.seq_len, i);
+}
+
+// Element (row, col) of a device-side index table, widened to i64.
+__device__ __forceinline__ int64_t load_index(const FkdaIndexTable& table, int64_t row, int64_t col) {
+  const int64_t at = row * table.stride_row + col * table.stride_col;
+  if (table.element_bytes == 1) return int64_t(__ldg(static_cast<const unsigned char*>(table.data) + at));
+  return load_integer(table.data, table.element_bytes == 8, at);
+}
+
+// A pool slot from the device, or -1 when it is null under the plan's rule
+// (below first_real_slot) or outside the pool: both make the sequence padding.
+__device__ __forceinline__ int64_t usable_slot(int64_t index, int64_t first_real_slot, int64_t slots) {
+  return index >= first_real_slot && index < slots ? index : -1;
 }
 
 __device__ __forceinline__ int64_t slot_base_of(const FkdaPrefillParams& p, int64_t n) {

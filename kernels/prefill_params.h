@@ -101,6 +101,17 @@ typedef struct FkdaOutput {
   int64_t stride_h;
 } FkdaOutput;
 
+/* Per-sequence integers on the device ([rows] or [rows, cols]: slot
+ * indices, counts, offsets, flags), never read by the host; element (r, c)
+ * at r * stride_row + c * stride_col. */
+typedef struct FkdaIndexTable {
+  const void* data; /* NULL: absent */
+  int64_t stride_row;
+  int64_t stride_col;
+  int32_t element_bytes; /* 1 (bool), 4 (i32) or 8 (i64) */
+  int32_t cols;
+} FkdaIndexTable;
+
 typedef struct FkdaPrefillParams {
   FkdaActivation q, k, v, g, beta; /* bf16 */
   FkdaOutput out;                  /* bf16 */
@@ -130,7 +141,30 @@ typedef struct FkdaPrefillParams {
   float scale;
   float gate_scale; /* lower_bound * log2(e) */
   int32_t vsplit;   /* 1, 2, 4 or 8 blocks share one head's V rows */
-  int32_t reserved; /* zero */
+  int32_t first_real_slot; /* 0 or 1: smaller pool indices are null (fkda_null_slot_rule) */
+
+  /* States in a pool instead of initial_state / final_state (state_pool
+   * non-NULL): sequence n starts from and ends in slot state_indices[n]; a
+   * null index or one outside the pool makes it padding (zero output rows, no
+   * state read or written). */
+  void* state_pool; /* [slots, H, V, K] (or KV), the state dtype */
+  int64_t pool_slots;
+  int64_t pool_slot_stride;   /* elements */
+  FkdaIndexTable state_indices;     /* [N] */
+  FkdaIndexTable has_initial_state; /* [N], optional: 0 starts from zeros (either state form) */
+
+  /* Checkpoints (checkpoint_offsets.data non-NULL): the state after
+   * checkpoint_offsets[n][c] tokens (a multiple of 16 in [16, length]; others
+   * are skipped) goes to checkpoints + n * stride_n + c * stride_c (an
+   * [H, V, K] block, or KV) or, when checkpoints is NULL, to pool slot
+   * checkpoint_slots[n][c] (null or outside the pool: skipped). */
+  FkdaIndexTable checkpoint_offsets; /* [N, C] */
+  void* checkpoints;
+  int64_t checkpoint_stride_n; /* elements */
+  int64_t checkpoint_stride_c;
+  FkdaIndexTable checkpoint_slots; /* [N, C] */
+  int32_t checkpoint_is_bf16;      /* else f32 */
+  int32_t reserved;                /* zero */
 } FkdaPrefillParams;
 
 #endif /* FLASHKDA_KERNELS_KDA_PARAMS_H */

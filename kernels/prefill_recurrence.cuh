@@ -148,6 +148,65 @@ __device__ __forceinline__ void stage_v_rows(uint32_t stage, const uint16_t* v_f
               v_first + (valid ? row * v_stride_t + col * 8 : 0), valid ? 16 : 0);
 }
 
+// Zeros over the block's V columns of the output rows of a padding
+// sequence's chunks [chunk_first, chunk_end), one 16-byte piece a thread.
+template <int kThreads, int kVCols>
+__device__ __forceinline__ void zero_output_rows(const FkdaPrefillParams& p, const Sequence& seq, int head,
+                                                 int v_block, int64_t chunk_first, int64_t chunk_end) {
+  constexpr int kPieces = kVCols / 8;
+  const int64_t first = seq.begin + chunk_first * FKDA_CHUNK;
+  const int64_t end = seq.begin + chunk_end * FKDA_CHUNK < seq.end ? seq.begin + chunk_end * FKDA_CHUNK : seq.end;
+  uint16_t* out = static_cast<uint16_t*>(p.out.data) + seq.row * p.out.stride_b + int64_t(head) * p.out.stride_h +
+                  v_block;
+  for (int64_t i = threadIdx.x; i < (end - first) * kPieces; i += kThreads) {
+    *reinterpret_cast<uint4*>(out + (first + i / kPieces) * p.out.stride_t + (i % kPieces) * 8) =
+        make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// The next checkpoint of a sequence: its column in checkpoint_offsets and
+// the token count after which it is taken (-1: none left).
+struct CheckpointCursor {
+  int64_t column;
+  int64_t boundary;
+};
+
+// Moves the cursor to the first column from its own on whose offset is a
+// chunk boundary after `after` tokens and within the sequence's length.
+// Offsets that are not (device values are untrusted) are skipped, and so are
+// offsets at or before `after`: those belong to earlier chunks.
+__device__ __forceinline__ void seek_checkpoint(const FkdaPrefillParams& p, int64_t n, int64_t length, int64_t after,
+                                                CheckpointCursor& cursor) {
+  cursor.boundary = -1;
+  if (p.checkpoint_offsets.data == nullptr) return;
+  for (; cursor.column < p.checkpoint_offsets.cols; ++cursor.column) {
+    const int64_t offset = load_index(p.checkpoint_offsets, n, cursor.column);
+    if (offset > after && offset <= length && offset % FKDA_CHUNK == 0) {
+      cursor.boundary = offset;
+      return;
+    }
+  }
+}
+
+// Where checkpoint `column` of sequence n goes; false when its pool slot is
+// null or outside the pool.
+__device__ __forceinline__ bool checkpoint_destination(const FkdaPrefillParams& p, int64_t n, int64_t column,
+                                                       int64_t head_offset, StateAccess& to) {
+  to.initial = nullptr;
+  to.kv = p.state_is_kv != 0;
+  if (p.checkpoints != nullptr) {
+    to.final = p.checkpoints;
+    to.bf16 = p.checkpoint_is_bf16 != 0;
+    to.base = n * p.checkpoint_stride_n + column * p.checkpoint_stride_c + head_offset;
+    return true;
+  }
+  const int64_t slot = usable_slot(load_index(p.checkpoint_slots, n, column), p.first_real_slot, p.pool_slots);
+  to.final = p.state_pool;
+  to.bf16 = p.state_is_bf16 != 0;
+  to.base = slot * p.pool_slot_stride + head_offset;
+  return slot >= 0;
+}
+
 template <int kVsplit>
 __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   constexpr int kWarps = 8 / kVsplit;
@@ -182,12 +241,24 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   if (chunk_end < 0) chunk_end = 0;
   if (chunks == 0 ? p.window_first != 0 : chunk_first >= chunk_end) return;
 
+  const int64_t head_offset = int64_t(head) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
   StateAccess state;
   state.initial = p.initial_state;
   state.final = p.final_state;
   state.bf16 = p.state_is_bf16 != 0;
   state.kv = p.state_is_kv != 0;
-  state.base = (n * p.num_heads + head) * int64_t(FKDA_HEAD_DIM * FKDA_HEAD_DIM);
+  state.base = n * p.num_heads * int64_t(FKDA_HEAD_DIM * FKDA_HEAD_DIM) + head_offset;
+  if (p.state_indices.data != nullptr) {
+    const int64_t slot = usable_slot(load_index(p.state_indices, n, 0), p.first_real_slot, p.pool_slots);
+    if (slot < 0) {
+      zero_output_rows<kThreads, kVCols>(p, seq, head, v_block, chunk_first, chunk_end);
+      return;
+    }
+    state.initial = p.state_pool;
+    state.final = p.state_pool;
+    state.base = slot * p.pool_slot_stride + head_offset;
+  }
+  if (p.has_initial_state.data != nullptr && load_index(p.has_initial_state, n, 0) == 0) state.initial = nullptr;
   // Where the state comes from and goes to: the caller's states, or this
   // head's f32 V x K carry matrices between windows.
   StateAccess from = state, to = state;
@@ -210,6 +281,9 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   unsigned char* out_tile = smem + FKDA_RECURRENCE_STAGES * kStageBytes + warp * FKDA_OUT_TILE_BYTES;
   uint16_t* out_row = static_cast<uint16_t*>(p.out.data) + seq.row * p.out.stride_b +
                       int64_t(head) * p.out.stride_h + e0;
+
+  CheckpointCursor checkpoint{0, -1};
+  seek_checkpoint(p, n, seq.end - seq.begin, chunk_first * FKDA_CHUNK, checkpoint);
 
   // The next chunk to stage, its record and its first v row.
   int64_t next = chunk_first;
@@ -353,6 +427,14 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
     if (first + token < seq.end) {
       const uint4 value = *reinterpret_cast<const uint4*>(out_tile + token * FKDA_OUT_TILE_PITCH_BYTES + piece * 16);
       *reinterpret_cast<uint4*>(out_row + (first + token) * p.out.stride_t + piece * 8) = value;
+    }
+    if ((chunk + 1) * FKDA_CHUNK == checkpoint.boundary) {
+      StateAccess to_checkpoint;
+      if (checkpoint_destination(p, n, checkpoint.column, head_offset, to_checkpoint)) {
+        store_state(to_checkpoint, e0, g, t, S);
+      }
+      ++checkpoint.column;
+      seek_checkpoint(p, n, seq.end - seq.begin, checkpoint.boundary, checkpoint);
     }
   }
   // Drain the empty trailing groups before the block's shared memory goes away.

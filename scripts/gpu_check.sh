@@ -88,6 +88,16 @@ for s in $steps; do
       step racecheck 240 "$out/sanitizer.log" compute-sanitizer --tool racecheck --racecheck-report all \
         --error-exitcode 3 "$tests" "[sanitize]"
       ;;
+    serving)
+      # The serving paths (decode, prefill by pool slot with checkpoints),
+      # then compute-sanitizer memcheck and racecheck on their small cases.
+      step serving 300 "$out/serving.log" "$tests" "[decode],[pool]" --durations yes
+      for tool in memcheck racecheck; do
+        step "serving_$tool" 300 "$out/serving_sanitizer.log" compute-sanitizer --tool "$tool" \
+          --error-exitcode 3 "$tests" "[decode][sanitize],[pool][sanitize]"
+      done
+      grep -hE " out [0-9]| state [0-9]|mutation|differing|warps a block|unwritten|FAIL" "$out/serving.log" | tail -n 80
+      ;;
     timing)
       step timing 120 "$out/timing.log" "$tests" "[timing]"
       grep "^timing" "$out/timing.log" | tee -a "$summary"

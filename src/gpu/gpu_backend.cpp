@@ -1,122 +1,21 @@
-// The CUDA backend's host side: the embedded fatbin is loaded once per
-// process through the driver (no cudart), kernels are fetched by name for the
-// current context and launched on the caller's stream. The launch path
-// allocates nothing, never synchronises and never changes the current
-// context, so a call can be captured in a CUDA graph.
+// The CUDA backend's prefill: windows of chunk slots, the V split, and the
+// two launches per window (kernels and launches through kernel_library.h).
+// The launch path allocates nothing, never synchronises and never changes
+// the current context, so a call can be captured in a CUDA graph.
 #include "gpu/gpu_backend.h"
 
 #include <algorithm>
 #include <cstdlib>
-#include <deque>
 #include <cstring>
 #include <limits>
-#include <mutex>
 #include <string>
 
-#include "gpu/cuda_driver.h"
 #include "error.h"
+#include "gpu/kernel_library.h"
 #include "prefill_params.h"
-
-extern "C" {
-// The fatbin's bytes, placed in .rodata by cmake/embed_fatbin.S.in.
-extern const unsigned char flashkda_embedded_fatbin[];
-extern const unsigned char flashkda_embedded_fatbin_end[];
-}
 
 namespace fkda::gpu {
 namespace {
-
-constexpr const char* kPrepareKernel = "fkda_prefill_prepare_chunks";
-// One recurrence kernel per V split (1, 2, 4, 8), indexed by log2(vsplit).
-constexpr int kVsplitCount = 4;
-constexpr int kMaxVsplit = 8;
-constexpr const char* kRecurrenceKernels[kVsplitCount] = {
-    "fkda_prefill_chunk_recurrence_v1", "fkda_prefill_chunk_recurrence_v2", "fkda_prefill_chunk_recurrence_v4",
-    "fkda_prefill_chunk_recurrence_v8"};
-
-int vsplit_index(int vsplit) { return vsplit == 1 ? 0 : vsplit == 2 ? 1 : vsplit == 4 ? 2 : 3; }
-
-struct Kernels {
-  CUkernel prepare = nullptr;
-  CUkernel recurrence[kVsplitCount] = {};
-};
-
-Kernels load_kernels(const cuda::Driver& d) {
-  CUlibrary library = nullptr;
-  // Never unloaded: launches may still be in flight on any stream at exit.
-  CUresult result = d.cuLibraryLoadData(&library, flashkda_embedded_fatbin, nullptr, nullptr, 0, nullptr,
-                                        nullptr, 0);
-  if (result != CUDA_SUCCESS) {
-    fail(FKDA_ERROR_DRIVER, "cuLibraryLoadData (the embedded kernels) failed: " + cuda::describe(result));
-  }
-  Kernels kernels;
-  auto get = [&](CUkernel* slot, const char* name) {
-    CUresult found = d.cuLibraryGetKernel(slot, library, name);
-    if (found != CUDA_SUCCESS) {
-      fail(FKDA_ERROR_DRIVER, std::string("cuLibraryGetKernel(") + name + ") failed: " + cuda::describe(found));
-    }
-  };
-  get(&kernels.prepare, kPrepareKernel);
-  for (int i = 0; i < kVsplitCount; ++i) get(&kernels.recurrence[i], kRecurrenceKernels[i]);
-  return kernels;
-}
-
-// Loaded on first use; a failed load throws and is tried again next call.
-const Kernels& kernels(const cuda::Driver& d) {
-  static const Kernels loaded = load_kernels(d);
-  return loaded;
-}
-
-// What the launch code needs to know about a device, read once per device.
-struct DeviceFacts {
-  int cc_major = 0;
-  int cc_minor = 0;
-  int sm_count = 0;
-  int max_dynamic_smem = 0;  // opt-in limit per block
-};
-
-int attribute(const cuda::Driver& d, CUdevice device, CUdevice_attribute which) {
-  int value = 0;
-  cuda::check(d.cuDeviceGetAttribute(&value, which, device), "cuDeviceGetAttribute");
-  return value;
-}
-
-const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Kernels& k) {
-  static std::mutex mutex;
-  // A deque: growing it leaves references to earlier entries valid.
-  static std::deque<std::pair<CUdevice, DeviceFacts>> known;
-  std::lock_guard<std::mutex> lock(mutex);
-  for (const auto& entry : known) {
-    if (entry.first == device) return entry.second;
-  }
-  DeviceFacts facts;
-  facts.cc_major = attribute(d, device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
-  facts.cc_minor = attribute(d, device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
-  if (!has_kernels_for(facts.cc_major, facts.cc_minor)) {
-    fail(FKDA_ERROR_UNSUPPORTED_ARCH, unsupported_arch_message(facts.cc_major, facts.cc_minor));
-  }
-  facts.sm_count = attribute(d, device, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
-  facts.max_dynamic_smem = attribute(d, device, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN);
-  // The recurrence kernels need more than the default 48 KB of shared
-  // memory; raise the limit, once, for each one this device can hold.
-  if (fkda_recurrence_smem_bytes(kMaxVsplit) > facts.max_dynamic_smem) {
-    fail(FKDA_ERROR_UNSUPPORTED_ARCH, "device allows " + std::to_string(facts.max_dynamic_smem) +
-                                          " bytes of shared memory per block; the recurrence kernel needs " +
-                                          std::to_string(fkda_recurrence_smem_bytes(kMaxVsplit)));
-  }
-  for (int vsplit = 1; vsplit <= kMaxVsplit; vsplit *= 2) {
-    const int bytes = fkda_recurrence_smem_bytes(vsplit);
-    if (bytes > facts.max_dynamic_smem) continue;
-    CUresult result = d.cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes,
-                                             k.recurrence[vsplit_index(vsplit)], device);
-    if (result != CUDA_SUCCESS) {
-      fail(FKDA_ERROR_DRIVER, std::string("cuKernelSetAttribute(") + kRecurrenceKernels[vsplit_index(vsplit)] +
-                                  ", max dynamic shared memory) failed: " + cuda::describe(result));
-    }
-  }
-  known.emplace_back(device, facts);
-  return known.back().second;
-}
 
 // FKDA_VSPLIT=1|2|4|8 forces the V split of the recurrence. A testing
 // override, read once per process; anything else is ignored.
@@ -195,34 +94,6 @@ int choose_vsplit(int64_t seqs_times_heads, const DeviceFacts& facts) {
   return vsplit;
 }
 
-CUfunction function_for_context(const cuda::Driver& d, CUkernel kernel, const char* name,
-                                const DeviceFacts& facts) {
-  CUfunction function = nullptr;
-  CUresult result = d.cuKernelGetFunction(&function, kernel);
-  if (result == CUDA_ERROR_NO_BINARY_FOR_GPU || result == CUDA_ERROR_INVALID_PTX ||
-      result == CUDA_ERROR_UNSUPPORTED_PTX_VERSION) {
-    fail(FKDA_ERROR_UNSUPPORTED_ARCH, unsupported_arch_message(facts.cc_major, facts.cc_minor) + " (" +
-                                          name + ": " + cuda::describe(result) + ")");
-  }
-  if (result != CUDA_SUCCESS) {
-    fail(FKDA_ERROR_DRIVER, std::string("cuKernelGetFunction(") + name + ") failed: " + cuda::describe(result));
-  }
-  return function;
-}
-
-void launch(const cuda::Driver& d, CUfunction function, const char* name, unsigned grid_x, unsigned grid_y,
-            unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, FkdaPrefillParams& params) {
-  void* args[] = {&params};
-  CUresult result = d.cuLaunchKernel(function, grid_x, grid_y, grid_z, threads, 1, 1, smem, stream, args, nullptr);
-  if (result != CUDA_SUCCESS) {
-    fail(FKDA_ERROR_LAUNCH_FAILED, std::string("launch of ") + name + " failed: " + cuda::describe(result));
-  }
-}
-
-FkdaActivation kernel_view(const ActView& view) {
-  return FkdaActivation{view.data, view.stride_b, view.stride_t, view.stride_h};
-}
-
 }  // namespace
 
 // The workspace: one window's records, then a carry matrix per head for
@@ -252,10 +123,7 @@ std::string unsupported_arch_message(int cc_major, int cc_minor) {
 }
 
 void fwd(const PrefillProblem& problem, void* workspace, size_t /*workspace_bytes*/, CUstream stream) {
-  const CUdevice device = cuda::current_device();  // throws FKDA_ERROR_NO_DEVICE without a context
-  const cuda::Driver& d = *cuda::driver();
-  const Kernels& k = kernels(d);
-  const DeviceFacts& facts = device_facts(d, device, k);
+  const LaunchContext context = launch_context();
 
   const int64_t total_tokens = problem.batch * problem.seq_len;
   const Windows windows = windows_for(total_tokens, problem.num_seqs, problem.num_heads);
@@ -268,36 +136,27 @@ void fwd(const PrefillProblem& problem, void* workspace, size_t /*workspace_byte
 
   FkdaPrefillParams params;
   std::memset(&params, 0, sizeof(params));
-  params.q = kernel_view(problem.q);
-  params.k = kernel_view(problem.k);
-  params.v = kernel_view(problem.v);
-  params.g = kernel_view(problem.g);
-  params.beta = kernel_view(problem.beta);
-  params.out = FkdaOutput{const_cast<void*>(problem.out.data), problem.out.stride_b, problem.out.stride_t,
-                          problem.out.stride_h};
-  params.A_log = problem.A_log;
-  params.dt_bias = problem.dt_bias;
+  set_common_params(problem, params);
   params.initial_state = problem.initial_state;
   params.final_state = problem.final_state;
-  params.state_is_bf16 = problem.state_dtype == FKDA_DTYPE_BF16;
-  params.state_is_kv = problem.state_layout == FKDA_STATE_LAYOUT_KV;
-  params.cu_seqlens = problem.cu_seqlens.data;
-  params.cu_seqlens_stride = problem.cu_seqlens.stride;
-  params.cu_seqlens_is_i64 = problem.cu_seqlens.dtype == FKDA_DTYPE_I64;
-  params.num_heads = problem.num_heads;
-  params.seq_len = problem.seq_len;
-  params.num_seqs = problem.num_seqs;
   params.workspace = static_cast<unsigned char*>(workspace);
   params.num_slots = windows.total_slots;
-  params.scale = problem.scale;
   params.gate_scale = problem.lower_bound * FKDA_LOG2E;  // NUMERICS step 1, in f32
-  params.vsplit = choose_vsplit(problem.num_seqs * problem.num_heads, facts);
+  params.vsplit = choose_vsplit(problem.num_seqs * problem.num_heads, context.facts);
+  params.state_pool = problem.pool.data;
+  params.pool_slots = problem.pool.slots;
+  params.pool_slot_stride = problem.pool.slot_stride;
+  params.state_indices = index_table(problem.state_indices);
+  params.has_initial_state = index_table(problem.has_initial_state);
+  params.checkpoint_offsets = index_table(problem.checkpoint_offsets);
+  params.checkpoints = problem.checkpoints;
+  params.checkpoint_stride_n = problem.checkpoint_stride_n;
+  params.checkpoint_stride_c = problem.checkpoint_stride_c;
+  params.checkpoint_slots = index_table(problem.checkpoint_slots);
+  params.checkpoint_is_bf16 = problem.checkpoint_dtype == FKDA_DTYPE_BF16;
 
   const unsigned heads = unsigned(problem.num_heads);
-  CUfunction prepare = function_for_context(d, k.prepare, kPrepareKernel, facts);
-  const char* recurrence_name = kRecurrenceKernels[vsplit_index(params.vsplit)];
-  CUfunction recurrence =
-      function_for_context(d, k.recurrence[vsplit_index(params.vsplit)], recurrence_name, facts);
+  const NamedKernel& recurrence = context.kernels.recurrence[vsplit_index(params.vsplit)];
   // The carries follow the window's records (a multiple of 16 bytes).
   float* carry = reinterpret_cast<float*>(params.workspace + windows.slots * int64_t(problem.num_heads) *
                                                                  FKDA_WS_RECORD_BYTES);
@@ -310,14 +169,14 @@ void fwd(const PrefillProblem& problem, void* workspace, size_t /*workspace_byte
     params.carry_in = w > 0 ? carry + (w - 1) * carry_step : nullptr;
     params.carry_out = w + 1 < windows.count ? carry + w * carry_step : nullptr;
     if (total_tokens > 0) {
-      launch(d, prepare, kPrepareKernel, unsigned(params.window_end - params.window_first), heads, 1,
-             FKDA_PREPARE_THREADS, 0, stream, params);
+      launch(context, context.kernels.prepare, unsigned(params.window_end - params.window_first), heads, 1,
+             FKDA_PREPARE_THREADS, 0, stream, &params);
     }
     // Launched even without tokens: zero-length sequences still copy their
     // initial state (or zeros) to the final state.
-    launch(d, recurrence, recurrence_name, unsigned(problem.num_seqs), heads, unsigned(params.vsplit),
+    launch(context, recurrence, unsigned(problem.num_seqs), heads, unsigned(params.vsplit),
            unsigned(32 * fkda_recurrence_warps(params.vsplit)),
-           unsigned(fkda_recurrence_smem_bytes(params.vsplit)), stream, params);
+           unsigned(fkda_recurrence_smem_bytes(params.vsplit)), stream, &params);
   }
 }
 

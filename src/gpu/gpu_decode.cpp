@@ -1,11 +1,65 @@
-// Launch code of the decode kernel (kernels/decode_*.cuh).
+// Launch code of the decode kernel (kernels/decode_recurrence.cuh): one
+// launch, one block per (sequence, V slice) and head. Allocates nothing and
+// never synchronises, so a call can be captured in a CUDA graph.
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "decode_params.h"
 #include "error.h"
 #include "gpu/gpu_backend.h"
+#include "gpu/kernel_library.h"
 
 namespace fkda::gpu {
+namespace {
 
-void decode(const DecodeProblem&, CUstream) {
-  fail(FKDA_ERROR_UNSUPPORTED, "fkda_decode: the GPU decode kernel is not in this build");
+// Warps per block: 4 (32 rows, 4 blocks per head) unless that leaves fewer
+// than two blocks per multiprocessor, then 2 or 1 (down to 16 blocks per
+// head), so that a single sequence still spreads over the GPU.
+int choose_warps(int64_t seqs_times_heads, int sm_count) {
+  int warps = FKDA_DECODE_MAX_WARPS;
+  while (warps > 1 &&
+         seqs_times_heads * (FKDA_HEAD_DIM / (FKDA_DECODE_ROWS_PER_WARP * warps)) < 2 * int64_t(sm_count)) {
+    warps /= 2;
+  }
+  return warps;
+}
+
+}  // namespace
+
+void decode(const DecodeProblem& problem, CUstream stream) {
+  // Without tokens every sequence has length zero and nothing is touched.
+  if (problem.num_seqs == 0 || problem.batch * problem.seq_len == 0) return;
+  const LaunchContext context = launch_context();
+
+  FkdaDecodeParams params;
+  std::memset(&params, 0, sizeof(params));
+  set_common_params(problem, params);
+  params.pool = problem.pool.data;
+  params.pool_slots = problem.pool.slots;
+  params.pool_slot_stride = problem.pool.slot_stride;
+  params.state_indices = index_table(problem.state_indices);
+  params.indices_are_table = problem.indices_are_table;
+  if (problem.indices_are_table) params.num_accepted = index_table(problem.num_accepted_tokens);
+  params.lower_bound = problem.lower_bound;
+  // The longest sequence the kernel serves: no sequence holds more tokens
+  // than a row, and a table has a column for each token's state.
+  int64_t max_tokens = std::min<int64_t>(FKDA_DECODE_MAX_TOKENS, problem.seq_len);
+  if (problem.indices_are_table) max_tokens = std::min<int64_t>(max_tokens, problem.state_indices.cols);
+  params.max_tokens = int32_t(max_tokens);
+  params.warps = choose_warps(problem.num_seqs * problem.num_heads, context.facts.sm_count);
+
+  const int64_t vsplit = FKDA_HEAD_DIM / (FKDA_DECODE_ROWS_PER_WARP * params.warps);
+  if (problem.num_heads > 65535 || problem.num_seqs > std::numeric_limits<int32_t>::max() / vsplit) {
+    fail(FKDA_ERROR_UNSUPPORTED, "decode too large for one launch: " + std::to_string(problem.num_seqs) +
+                                     " sequences, " + std::to_string(problem.num_heads) + " heads");
+  }
+  const NamedKernel& kernel = context.kernels.decode[decode_kernel_index(params.state_is_bf16 != 0,
+                                                                         params.state_is_kv != 0)];
+  launch(context, kernel, unsigned(problem.num_seqs * vsplit), unsigned(problem.num_heads), 1,
+         unsigned(32 * params.warps), unsigned(fkda_decode_smem_bytes(params.max_tokens, params.warps)), stream,
+         &params);
 }
 
 }  // namespace fkda::gpu

@@ -40,15 +40,18 @@ inline std::vector<uint16_t> quick_normals(size_t count, uint64_t seed) {
   return values;
 }
 
-// A plan description: these heads, gate floor, state dtype and layout, backend.
-inline fkda_plan_desc plan_desc(int64_t heads, float lower_bound, fkda_dtype state_dtype,
-                                fkda_state_layout layout, fkda_backend backend = FKDA_BACKEND_GPU) {
+// A plan description: these heads, gate floor, state dtype and layout,
+// backend and null-slot rule.
+inline fkda_plan_desc plan_desc(int64_t heads, float lower_bound, fkda_dtype state_dtype, fkda_state_layout layout,
+                                fkda_backend backend = FKDA_BACKEND_GPU,
+                                fkda_null_slot_rule rule = FKDA_NULL_SLOT_NEGATIVE) {
   fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
   desc.num_heads = int32_t(heads);
   desc.backend = backend;
   desc.state_dtype = state_dtype;
   desc.state_layout = layout;
   desc.lower_bound = lower_bound;
+  desc.null_slot_rule = rule;
   return desc;
 }
 

@@ -46,9 +46,11 @@ def test_the_real_package_wraps_every_header_function():
 @pytest.mark.parametrize(
     "old, new, expected",
     [
-        pytest.param("total_tokens::Int64", "total_tokens::Int32",
+        pytest.param("(:fkda_plan_workspace_size))(plan::fkda_plan_t, total_tokens::Int64",
+                     "(:fkda_plan_workspace_size))(plan::fkda_plan_t, total_tokens::Int32",
                      ["fkda_plan_workspace_size", "total_tokens", "Int32"], id="wrong_argument_type"),
-        pytest.param("workspace::Ptr{Cvoid}", "workspace::Ptr{UInt8}",
+        pytest.param("args::Ref{fkda_fwd_args}, workspace::Ptr{Cvoid}",
+                     "args::Ref{fkda_fwd_args}, workspace::Ptr{UInt8}",
                      ["fkda_fwd", "workspace"], id="wrong_pointee_type"),
         pytest.param("desc::Ref{fkda_plan_desc}", "desc::Ref{fkda_device_info}",
                      ["fkda_plan_create", "desc"], id="wrong_struct_pointer"),
@@ -104,7 +106,7 @@ def test_the_tuple_form_of_ccall_is_checked(tmp_path):
     copy = broken_copy(tmp_path, "end # module", good + "end # module")
     status, output = run_checker(copy)
     assert status == 0, output
-    assert "13 ccalls" in output
+    assert "15 ccalls" in output
 
     bad = ("lower_bound_again(plan, value) = "
            "ccall((:fkda_set_lower_bound, \"libflashkda.so.0\"), fkda_status, "

@@ -1,13 +1,14 @@
 """Python bindings of libflashkda: Kimi Delta Attention forward passes.
 
-A thin ctypes layer over the C ABI of include/flashkda.h. Host arrays (numpy,
-torch CPU tensors) run on the CPU reference backend; CUDA tensors (torch,
-CuPy, __cuda_array_interface__, DLPack) run on the GPU backend. numpy has no
-bf16 dtype: uint16 arrays are taken as bf16 bit patterns (see to_bf16 and
+A thin ctypes layer over the C ABI of include/flashkda.h: fwd (prefill, with
+contiguous states or states in a pool) and decode (a few tokens per sequence on
+a pool). Host arrays (numpy, torch CPU tensors) run on the CPU reference
+backend; CUDA tensors (torch, CuPy, __cuda_array_interface__, DLPack) run on
+the GPU backend. numpy has no bf16 dtype: uint16 arrays are taken as bf16 bit patterns (see to_bf16 and
 from_bf16), and ml_dtypes.bfloat16 arrays are accepted as they are.
 """
 
-from ._abi import Backend, Dtype, StateLayout, Status
+from ._abi import Backend, Dtype, NullSlotRule, StateLayout, Status
 from ._api import (
     DeviceInfo,
     Plan,
@@ -18,11 +19,12 @@ from ._api import (
     version,
     version_number,
 )
+from ._decode import decode
 from ._errors import FlashKDAError
 from ._library import LIBRARY_ENV, load_library, library_path
 from .bf16 import from_bf16, to_bf16
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Backend",
@@ -30,9 +32,11 @@ __all__ = [
     "Dtype",
     "FlashKDAError",
     "LIBRARY_ENV",
+    "NullSlotRule",
     "Plan",
     "StateLayout",
     "Status",
+    "decode",
     "from_bf16",
     "fwd",
     "last_error",

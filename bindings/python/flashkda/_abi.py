@@ -33,6 +33,7 @@ class Dtype(enum.IntEnum):
     F32 = 3
     I32 = 4
     I64 = 5
+    BOOL = 6
 
 
 class Backend(enum.IntEnum):
@@ -44,6 +45,11 @@ class Backend(enum.IntEnum):
 class StateLayout(enum.IntEnum):
     VK = 0
     KV = 1
+
+
+class NullSlotRule(enum.IntEnum):
+    NEGATIVE = 0
+    NONPOSITIVE = 1
 
 
 class FkdaTensor(ctypes.Structure):
@@ -66,6 +72,8 @@ class FkdaPlanDesc(ctypes.Structure):
         ("state_layout", ctypes.c_int32),
         ("backend", ctypes.c_int32),
         ("lower_bound", ctypes.c_float),
+        ("null_slot_rule", ctypes.c_int32),
+        ("debug_checks", ctypes.c_int32),
     ]
 
     @classmethod
@@ -80,26 +88,57 @@ class FkdaPlanDesc(ctypes.Structure):
             state_layout=StateLayout.VK,
             backend=Backend.AUTO,
             lower_bound=-5.0,
+            null_slot_rule=NullSlotRule.NEGATIVE,
+            debug_checks=0,
         )
 
 
+DEFAULT_SCALE = 0.08838834764831845  # 128^-0.5, the _INIT macros' scale
+
+# Tensor fields before and after `scale` (the 0.2 pool fields follow it).
 FWD_TENSOR_FIELDS = (
     "q", "k", "v", "g", "beta", "A_log", "dt_bias", "out",
     "initial_state", "final_state", "cu_seqlens",
 )
+FWD_POOL_TENSOR_FIELDS = (
+    "state_pool", "state_indices", "has_initial_state",
+    "checkpoint_offsets", "checkpoints", "checkpoint_slots",
+)
+DECODE_TENSOR_FIELDS = (
+    "q", "k", "v", "g", "beta", "A_log", "dt_bias", "out",
+    "state_pool", "state_indices", "num_accepted_tokens", "cu_seqlens",
+)
+
+
+def _tensor_fields(names):
+    return [(name, FkdaTensor) for name in names]
 
 
 class FkdaFwdArgs(ctypes.Structure):
     _fields_ = (
         [("struct_size", ctypes.c_size_t)]
-        + [(name, FkdaTensor) for name in FWD_TENSOR_FIELDS]
+        + _tensor_fields(FWD_TENSOR_FIELDS)
         + [("scale", ctypes.c_float)]
+        + _tensor_fields(FWD_POOL_TENSOR_FIELDS)
     )
 
     @classmethod
     def initialized(cls):
         """The values of FKDA_FWD_ARGS_INIT: every tensor absent."""
-        return cls(struct_size=ctypes.sizeof(cls), scale=0.08838834764831845)
+        return cls(struct_size=ctypes.sizeof(cls), scale=DEFAULT_SCALE)
+
+
+class FkdaDecodeArgs(ctypes.Structure):
+    _fields_ = (
+        [("struct_size", ctypes.c_size_t)]
+        + _tensor_fields(DECODE_TENSOR_FIELDS)
+        + [("scale", ctypes.c_float)]
+    )
+
+    @classmethod
+    def initialized(cls):
+        """The values of FKDA_DECODE_ARGS_INIT: every tensor absent."""
+        return cls(struct_size=ctypes.sizeof(cls), scale=DEFAULT_SCALE)
 
 
 class FkdaDeviceInfo(ctypes.Structure):
@@ -142,6 +181,15 @@ PROTOTYPES = {
     "fkda_fwd": (
         c_enum,
         [plan_handle, ctypes.POINTER(FkdaFwdArgs), ctypes.c_void_p, ctypes.c_size_t, stream_handle],
+    ),
+    "fkda_plan_decode_workspace_size": (
+        c_enum,
+        [plan_handle, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "fkda_decode": (
+        c_enum,
+        [plan_handle, ctypes.POINTER(FkdaDecodeArgs), ctypes.c_void_p, ctypes.c_size_t,
+         stream_handle],
     ),
     "fkda_query_device": (c_enum, [ctypes.c_int32, ctypes.POINTER(FkdaDeviceInfo)]),
 }

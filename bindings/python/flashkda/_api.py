@@ -6,16 +6,26 @@ import sys
 from dataclasses import dataclass
 
 from . import _arrays
-from ._abi import Backend, Dtype, FkdaDeviceInfo, FkdaFwdArgs, FkdaPlanDesc, StateLayout
+from ._abi import (
+    Backend,
+    Dtype,
+    FkdaDecodeArgs,
+    FkdaDeviceInfo,
+    FkdaFwdArgs,
+    FkdaPlanDesc,
+    NullSlotRule,
+    StateLayout,
+)
 from ._errors import FlashKDAError, invalid_argument
 from ._library import library, load_library
 
 _STATE_DTYPE_NAMES = {"bf16": Dtype.BF16, "bfloat16": Dtype.BF16, "f32": Dtype.F32, "float32": Dtype.F32}
 _BACKEND_NAMES = {"auto": Backend.AUTO, "cpu": Backend.CPU, "gpu": Backend.GPU, "cuda": Backend.GPU}
 _LAYOUT_NAMES = {"vk": StateLayout.VK, "kv": StateLayout.KV}
+_NULL_SLOT_RULE_NAMES = {"negative": NullSlotRule.NEGATIVE, "nonpositive": NullSlotRule.NONPOSITIVE}
 
-# fkda_fwd_args fields in the order of flash_kda.fwd's arguments; outputs are written.
-_OUTPUTS = ("out", "final_state")
+# Argument tensors the library writes (a pool is updated in place).
+_OUTPUTS = ("out", "final_state", "state_pool", "checkpoints")
 
 
 def _enum_value(name, value, names):
@@ -93,8 +103,9 @@ class _Call:
     def memory(self):
         return self.lead.memory if self.lead is not None else None
 
-    def fwd_args(self, scale):
-        args = FkdaFwdArgs.initialized()
+    def args(self, struct, scale):
+        """An FkdaFwdArgs or FkdaDecodeArgs over the views."""
+        args = struct.initialized()
         for name, view in self.views.items():
             setattr(args, name, _arrays.tensor_of(name, view, writable=name in _OUTPUTS))
         args.scale = _float("scale", scale)
@@ -189,6 +200,8 @@ class Plan:
         state_layout=StateLayout.VK,
         backend=Backend.AUTO,
         lower_bound=-5.0,
+        null_slot_rule=NullSlotRule.NEGATIVE,
+        debug_checks=False,
         library_path=None,
     ):
         self._handle = None
@@ -201,6 +214,8 @@ class Plan:
         desc.state_layout = _enum_value("state_layout", state_layout, _LAYOUT_NAMES)
         desc.backend = _enum_value("backend", backend, _BACKEND_NAMES)
         desc.lower_bound = _float("lower_bound", lower_bound)
+        desc.null_slot_rule = _enum_value("null_slot_rule", null_slot_rule, _NULL_SLOT_RULE_NAMES)
+        desc.debug_checks = 1 if debug_checks else 0
         handle = ctypes.c_void_p()
         self._library.check(self._library.cdll.fkda_plan_create(ctypes.byref(desc), ctypes.byref(handle)))
         self._handle = handle
@@ -267,9 +282,17 @@ class Plan:
 
     def workspace_size(self, total_tokens, num_seqs):
         """Bytes of workspace fwd needs for `total_tokens` tokens in `num_seqs` sequences."""
+        return self._size_query(self._library.cdll.fkda_plan_workspace_size, total_tokens, num_seqs)
+
+    def decode_workspace_size(self, total_tokens, num_seqs):
+        """Bytes of workspace decode needs (0 today; later versions may need some)."""
+        return self._size_query(
+            self._library.cdll.fkda_plan_decode_workspace_size, total_tokens, num_seqs)
+
+    def _size_query(self, function, total_tokens, num_seqs):
         value = ctypes.c_size_t()
         self._library.check(
-            self._library.cdll.fkda_plan_workspace_size(
+            function(
                 self._live_handle(),
                 _int64("total_tokens", total_tokens),
                 _int64("num_seqs", num_seqs),
@@ -296,6 +319,13 @@ class Plan:
         cu_seqlens=None,
         workspace=None,
         stream=None,
+        *,
+        state_pool=None,
+        state_indices=None,
+        has_initial_state=None,
+        checkpoint_offsets=None,
+        checkpoints=None,
+        checkpoint_slots=None,
     ):
         """Runs fkda_fwd, writing `out` (and `final_state`) in place.
 
@@ -304,17 +334,61 @@ class Plan:
         stream: None launches on the current stream of the arrays' producer
         (torch.cuda.current_stream(), CuPy's current stream, the stream of a
         __cuda_array_interface__; the legacy default stream otherwise).
+        state_pool ... checkpoint_slots: states in a pool and checkpoints, as
+        for flashkda.fwd; the pool and the checkpoints are written in place.
         """
-        handle = self._live_handle()
         call = _Call(
             {
                 "q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out,
                 "A_log": A_log, "dt_bias": dt_bias, "initial_state": initial_state,
                 "final_state": final_state, "cu_seqlens": cu_seqlens,
+                "state_pool": state_pool, "state_indices": state_indices,
+                "has_initial_state": has_initial_state,
+                "checkpoint_offsets": checkpoint_offsets, "checkpoints": checkpoints,
+                "checkpoint_slots": checkpoint_slots,
             }
         )
-        args = call.fwd_args(scale)
+        self._enqueue(call, call.args(FkdaFwdArgs, scale), self._library.cdll.fkda_fwd,
+                      self.workspace_size, workspace, stream)
 
+    def decode(
+        self,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        out,
+        A_log,
+        dt_bias,
+        state_pool,
+        state_indices,
+        num_accepted_tokens=None,
+        cu_seqlens=None,
+        workspace=None,
+        stream=None,
+    ):
+        """Runs fkda_decode: 1 to 16 tokens per sequence on states in a pool.
+
+        Writes `out` and updates `state_pool` in place; workspace and stream
+        as for fwd (see flashkda.decode for the arguments).
+        """
+        call = _Call(
+            {
+                "q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out,
+                "A_log": A_log, "dt_bias": dt_bias, "state_pool": state_pool,
+                "state_indices": state_indices, "num_accepted_tokens": num_accepted_tokens,
+                "cu_seqlens": cu_seqlens,
+            }
+        )
+        self._enqueue(call, call.args(FkdaDecodeArgs, scale), self._library.cdll.fkda_decode,
+                      self.decode_workspace_size, workspace, stream)
+
+    def _enqueue(self, call, args, function, workspace_size, workspace, stream):
+        """Calls `function` (fkda_fwd or fkda_decode) with `args`, a workspace
+        sized by `workspace_size` unless one is given, on the right stream."""
+        handle = self._live_handle()
         backend_memory = _arrays.HOST if self.backend == Backend.CPU else _arrays.CUDA
         # Arrays in the wrong memory for the plan are fkda_fwd's to report, by
         # name, before anything about the workspace.
@@ -327,9 +401,9 @@ class Plan:
             size = 0
             if sizes is not None:
                 try:
-                    size = self.workspace_size(*sizes)
+                    size = workspace_size(*sizes)
                 except FlashKDAError:
-                    size = 0  # fkda_fwd names the malformed argument
+                    size = 0  # the call itself names the malformed argument
             if size:
                 workspace_owner = call.allocate_workspace(size)
                 allocated_here = True
@@ -348,7 +422,7 @@ class Plan:
             stream_handle = (
                 _stream_handle(stream) if stream is not None else call.producer_stream()
             )
-            status = self._library.cdll.fkda_fwd(
+            status = function(
                 handle,
                 ctypes.byref(args),
                 workspace_ptr or None,
@@ -369,16 +443,23 @@ class Plan:
         self._library.check(status)
 
 
-def _state_dtype_of(initial_state, final_state):
-    """The plan state dtype implied by the states given (f32 when none)."""
-    for name, state in (("initial_state", initial_state), ("final_state", final_state)):
-        if state is not None:
-            dtype = _arrays.view(name, state).dtype
-            if dtype in (Dtype.BF16, Dtype.F32):
-                return dtype
-            # Any other dtype: fkda_fwd reports it against the tensor's name.
-            return Dtype.F32
-    return Dtype.F32
+def temporary_plan(call, states, lower_bound, null_slot_rule):
+    """A plan for one call of the module-level functions: the backend follows
+    where the arrays live, the head count q (or A_log), the state dtype the
+    first of `states` ({name: array or None}) given (f32 when none)."""
+    backend = Backend.GPU if call.memory == _arrays.CUDA else Backend.CPU
+    num_heads = 1
+    if call.views.get("q") is not None and len(call.views["q"].shape) == 4:
+        num_heads = call.views["q"].shape[2]
+    elif call.views.get("A_log") is not None and len(call.views["A_log"].shape) == 1:
+        num_heads = call.views["A_log"].shape[0]
+    state_dtype = Dtype.F32
+    given = [name for name, state in states.items() if state is not None]
+    if given and call.views[given[0]].dtype == Dtype.BF16:
+        # Any dtype but bf16 and f32 is the call's to report, by name.
+        state_dtype = Dtype.BF16
+    return Plan(num_heads, state_dtype=state_dtype, backend=backend, lower_bound=lower_bound,
+                null_slot_rule=null_slot_rule)
 
 
 def fwd(
@@ -395,6 +476,14 @@ def fwd(
     initial_state=None,
     final_state=None,
     cu_seqlens=None,
+    *,
+    state_pool=None,
+    state_indices=None,
+    has_initial_state=None,
+    checkpoint_offsets=None,
+    checkpoints=None,
+    checkpoint_slots=None,
+    null_slot_rule=NullSlotRule.NEGATIVE,
 ):
     """The KDA forward pass with the arguments of FlashKDA's flash_kda.fwd.
 
@@ -404,27 +493,31 @@ def fwd(
     there are none). q, k, v, g: [B, T, H, 128] bf16; beta [B, T, H] bf16;
     A_log [H] and dt_bias [H, 128] f32; states [N, H, 128, 128]; cu_seqlens
     [N + 1] int64 or int32.
+
+    States in a pool, as serving runtimes keep them:
+      state_pool         [slots, H, 128, 128] f32 or bf16, updated in place
+      state_indices      [N] int32/int64: sequence n starts from
+                         state_pool[state_indices[n]] and its final state is
+                         written back there; a null index (null_slot_rule:
+                         "negative" pads with index < 0, "nonpositive" with
+                         index <= 0, keeping slot 0 unused) makes sequence n
+                         padding, with zero output rows and no state touched
+      has_initial_state  [N] bool/int32/int64: 0 starts sequence n from zeros
+      checkpoint_offsets [N, C] int32/int64: token counts (multiples of 16,
+                         ascending, negative = none) whose states are written
+                         to checkpoints [N, C, H, 128, 128] (bf16 or f32) or
+                         to the pool slots checkpoint_slots [N, C]
     """
-    call = _Call(
-        {"q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out, "A_log": A_log,
-         "dt_bias": dt_bias, "initial_state": initial_state, "final_state": final_state,
-         "cu_seqlens": cu_seqlens}
-    )
-    backend = Backend.GPU if call.memory == _arrays.CUDA else Backend.CPU
-    num_heads = 1
-    if call.views.get("q") is not None and len(call.views["q"].shape) == 4:
-        num_heads = call.views["q"].shape[2]
-    elif call.views.get("A_log") is not None and len(call.views["A_log"].shape) == 1:
-        num_heads = call.views["A_log"].shape[0]
-    with Plan(
-        num_heads,
-        state_dtype=_state_dtype_of(initial_state, final_state),
-        backend=backend,
-        lower_bound=lower_bound,
-    ) as plan:
+    call = _Call({"q": q, "A_log": A_log, "initial_state": initial_state,
+                  "final_state": final_state, "state_pool": state_pool})
+    states = {"initial_state": initial_state, "final_state": final_state, "state_pool": state_pool}
+    with temporary_plan(call, states, lower_bound, null_slot_rule) as plan:
         plan.fwd(
             q, k, v, g, beta, scale, out, A_log, dt_bias,
             initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens,
+            state_pool=state_pool, state_indices=state_indices,
+            has_initial_state=has_initial_state, checkpoint_offsets=checkpoint_offsets,
+            checkpoints=checkpoints, checkpoint_slots=checkpoint_slots,
         )
 
 
@@ -460,7 +553,7 @@ def query_device(device=-1):
 
 
 def version():
-    """fkda_version_string() of the loaded library, e.g. "0.1.0"."""
+    """fkda_version_string() of the loaded library, e.g. "0.2.0"."""
     return library().cdll.fkda_version_string().decode()
 
 

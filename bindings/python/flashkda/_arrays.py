@@ -55,6 +55,7 @@ def _numpy_dtype(np, dtype):
         np.dtype(np.float32): Dtype.F32,
         np.dtype(np.int32): Dtype.I32,
         np.dtype(np.int64): Dtype.I64,
+        np.dtype(np.bool_): Dtype.BOOL,
     }
     return table.get(dtype)
 
@@ -90,6 +91,7 @@ def _torch_dtype(torch, dtype):
         torch.float32: Dtype.F32,
         torch.int32: Dtype.I32,
         torch.int64: Dtype.I64,
+        torch.bool: Dtype.BOOL,
     }
     uint16 = getattr(torch, "uint16", None)
     if uint16 is not None:
@@ -130,6 +132,7 @@ _TYPESTR_DTYPES = {
     "f4": Dtype.F32,
     "i4": Dtype.I32,
     "i8": Dtype.I64,
+    "b1": Dtype.BOOL,
 }
 
 
@@ -192,7 +195,7 @@ def cuda_array_interface_stream(array):
 # --------------------------------------------------------------- DLPack ---
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
-_DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT = 0, 1, 2, 4
+_DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT, _DL_BOOL = 0, 1, 2, 4, 6
 
 _DLPACK_DTYPES = {
     (_DL_BFLOAT, 16): Dtype.BF16,
@@ -201,6 +204,7 @@ _DLPACK_DTYPES = {
     (_DL_FLOAT, 32): Dtype.F32,
     (_DL_INT, 32): Dtype.I32,
     (_DL_INT, 64): Dtype.I64,
+    (_DL_BOOL, 8): Dtype.BOOL,
 }
 
 
@@ -298,7 +302,7 @@ def tensor_of(name, view_, writable):
     if view_.dtype is None:
         raise invalid_argument(
             f"{name}: dtype {view_.dtype_name} has no flashkda dtype "
-            "(bf16 as bf16/uint16, f16, f32, i32, i64)"
+            "(bf16 as bf16/uint16, f16, f32, i32, i64, bool)"
         )
     rank = len(view_.shape)
     if rank > MAX_RANK:

@@ -35,23 +35,72 @@ def kda_recurrence_fp64(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound,
         sequences = [(0, offsets[n], offsets[n + 1]) for n in range(len(offsets) - 1)]
     out = np.zeros((batch, seq_len, heads, dim_v))
     final_state = np.zeros((len(sequences), heads, dim_v, dim_k))
-    gate_rate = np.exp(A_log)[:, None]  # [H, 1]
     for n, (row, begin, end) in enumerate(sequences):
         state = (np.array(initial_state[n], dtype=np.float64) if initial_state is not None
                  else np.zeros((heads, dim_v, dim_k)))
         for t in range(begin, end):
-            q_t, k_t = q[row, t], k[row, t]
-            q_hat = q_t / np.sqrt(np.sum(q_t * q_t, axis=-1, keepdims=True) + 1e-6)
-            k_hat = k_t / np.sqrt(np.sum(k_t * k_t, axis=-1, keepdims=True) + 1e-6)
-            gate = lower_bound * sigmoid(gate_rate * (g[row, t] + dt_bias))  # [H, K]
-            write_strength = sigmoid(beta[row, t])  # [H]
-            state = state * np.exp(gate)[:, None, :]
-            predicted = np.einsum("hvk,hk->hv", state, k_hat)
-            correction = write_strength[:, None] * (v[row, t] - predicted)
-            state = state + correction[:, :, None] * k_hat[:, None, :]
-            out[row, t] = scale * np.einsum("hvk,hk->hv", state, q_hat)
+            out[row, t], state = kda_step_fp64(state, q[row, t], k[row, t], v[row, t], g[row, t],
+                                               beta[row, t], A_log, dt_bias, scale, lower_bound)
         final_state[n] = state
     return out, final_state
+
+
+def kda_step_fp64(state, q_t, k_t, v_t, g_t, beta_t, A_log, dt_bias, scale, lower_bound):
+    """One token of every head in float64: state [H, V, K], q_t, k_t, g_t
+    [H, K], v_t [H, V], beta_t [H]. Returns (out_t [H, V], the new state)."""
+    q_hat = q_t / np.sqrt(np.sum(q_t * q_t, axis=-1, keepdims=True) + 1e-6)
+    k_hat = k_t / np.sqrt(np.sum(k_t * k_t, axis=-1, keepdims=True) + 1e-6)
+    gate_rate = np.exp(np.asarray(A_log, dtype=np.float64))[:, None]  # [H, 1]
+    gate = lower_bound * sigmoid(gate_rate * (g_t + dt_bias))  # [H, K]
+    write_strength = sigmoid(beta_t)  # [H]
+    state = state * np.exp(gate)[:, None, :]
+    predicted = np.einsum("hvk,hk->hv", state, k_hat)
+    correction = write_strength[:, None] * (v_t - predicted)
+    state = state + correction[:, :, None] * k_hat[:, None, :]
+    return scale * np.einsum("hvk,hk->hv", state, q_hat), state
+
+
+def is_null_slot(index, null_slot_rule):
+    """Whether a pool index means padding under the plan's rule."""
+    return index < 0 or (null_slot_rule == "nonpositive" and index == 0)
+
+
+def decode_reference_fp64(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, state_pool,
+                          state_indices, num_accepted_tokens=None, cu_seqlens=None,
+                          null_slot_rule="negative"):
+    """fkda_decode's documented semantics in float64, on bf16-widened inputs.
+
+    state_pool [slots, H, V, K] (f32, or bf16 as uint16 bits); state_indices
+    [N] or [N, W]. Returns (out [B, T, H, V], the updated pool in float64)."""
+    q, k, v, g, beta = (flashkda.from_bf16(x).astype(np.float64) for x in (q, k, v, g, beta))
+    dt_bias = np.asarray(dt_bias, dtype=np.float64)
+    pool = (flashkda.from_bf16(state_pool) if state_pool.dtype == np.uint16
+            else state_pool).astype(np.float64)
+    batch, seq_len = q.shape[:2]
+    if cu_seqlens is None:
+        sequences = [(row, 0, seq_len) for row in range(batch)]
+    else:
+        offsets = [int(x) for x in cu_seqlens]
+        sequences = [(0, offsets[n], offsets[n + 1]) for n in range(len(offsets) - 1)]
+    out = np.zeros(q.shape[:3] + (v.shape[-1],))
+    indices = np.asarray(state_indices)
+    for n, (row, begin, end) in enumerate(sequences):
+        if indices.ndim == 1:
+            start_slot, write_slots = indices[n], None
+        else:
+            start_column = (int(num_accepted_tokens[n]) if num_accepted_tokens is not None else 1) - 1
+            start_slot, write_slots = indices[n, start_column], indices[n]
+        if is_null_slot(start_slot, null_slot_rule) or end == begin:
+            continue
+        state = pool[start_slot].copy()
+        for t in range(begin, end):
+            out[row, t], state = kda_step_fp64(state, q[row, t], k[row, t], v[row, t], g[row, t],
+                                               beta[row, t], A_log, dt_bias, scale, lower_bound)
+            if write_slots is not None and not is_null_slot(write_slots[t - begin], null_slot_rule):
+                pool[write_slots[t - begin]] = state
+        if write_slots is None:
+            pool[start_slot] = state
+    return out, pool
 
 
 def rel_l2(actual, expected):
@@ -109,9 +158,11 @@ class Problem:
 
 def make_problem(rng, *, batch=1, seq_len=40, heads=2, seq_lens=None, state_dtype=np.float32,
                  with_initial_state=True, with_final_state=True, cu_seqlens_dtype=np.int64,
-                 lower_bound=-5.0):
-    """Random inputs as in docs/BENCHMARKS.md: q, k, v, g, beta ~ N(0, 1) in bf16,
-    A_log, dt_bias ~ U(0, 1), initial state ~ 0.1 N(0, 1).
+                 lower_bound=-5.0, gate_mean=0.0):
+    """Random inputs of the accuracy cases: q, k, v, beta ~ N(0, 1) and
+    g ~ N(gate_mean, 1) in bf16, A_log, dt_bias ~ U(0, 1), initial state
+    ~ 0.1 N(0, 1). gate_mean -6 gives slow decays, under which a lost or
+    misplaced state changes the result visibly.
 
     With `seq_lens`, a varlen problem: batch 1, T = sum(seq_lens)."""
     cu_seqlens = None
@@ -135,7 +186,7 @@ def make_problem(rng, *, batch=1, seq_len=40, heads=2, seq_lens=None, state_dtyp
         q=bf16_normal(batch, seq_len, heads, HEAD_DIM),
         k=bf16_normal(batch, seq_len, heads, HEAD_DIM),
         v=bf16_normal(batch, seq_len, heads, HEAD_DIM),
-        g=bf16_normal(batch, seq_len, heads, HEAD_DIM),
+        g=flashkda.to_bf16(gate_mean + rng.standard_normal((batch, seq_len, heads, HEAD_DIM))),
         beta=bf16_normal(batch, seq_len, heads),
         A_log=rng.uniform(0.0, 1.0, heads).astype(np.float32),
         dt_bias=rng.uniform(0.0, 1.0, (heads, HEAD_DIM)).astype(np.float32),

@@ -29,6 +29,7 @@ _STRUCTS = {
     "fkda_tensor": _abi.FkdaTensor,
     "fkda_plan_desc": _abi.FkdaPlanDesc,
     "fkda_fwd_args": _abi.FkdaFwdArgs,
+    "fkda_decode_args": _abi.FkdaDecodeArgs,
     "fkda_device_info": _abi.FkdaDeviceInfo,
 }
 
@@ -87,6 +88,7 @@ def test_enums_match_the_header(header):
         "fkda_dtype": (_abi.Dtype, "FKDA_DTYPE_"),
         "fkda_backend": (_abi.Backend, "FKDA_BACKEND_"),
         "fkda_state_layout": (_abi.StateLayout, "FKDA_STATE_LAYOUT_"),
+        "fkda_null_slot_rule": (_abi.NullSlotRule, "FKDA_NULL_SLOT_"),
     }
     assert set(mirrors) == set(header["enums"])
     for enum_name, (mirror, prefix) in mirrors.items():
@@ -106,17 +108,24 @@ def test_layouts_match_the_c_compiler(header):
             assert getattr(struct, name).offset == field["offset"], f"{tag}.{name}"
 
 
-def test_init_values_follow_the_header_macros():
-    desc = _abi.FkdaPlanDesc.initialized()
-    assert desc.struct_size == ctypes.sizeof(_abi.FkdaPlanDesc)
-    assert (desc.head_dim_k, desc.head_dim_v, desc.lower_bound) == (128, 128, -5.0)
-    assert desc.state_dtype == _abi.Dtype.F32 and desc.backend == _abi.Backend.AUTO
-    args = _abi.FkdaFwdArgs.initialized()
-    assert args.struct_size == ctypes.sizeof(_abi.FkdaFwdArgs)
-    assert all(getattr(args, name).data is None and getattr(args, name).rank == 0
-               for name in _abi.FWD_TENSOR_FIELDS)
-    info = _abi.FkdaDeviceInfo.initialized()
-    assert info.struct_size == ctypes.sizeof(_abi.FkdaDeviceInfo) and info.device == -1
+def described(value):
+    """A ctypes value the way the header description prints _INIT values:
+    pointers as addresses, char arrays as text, structs as dicts."""
+    if isinstance(value, ctypes.Structure):
+        return {name: described(getattr(value, name)) for name, _ in value._fields_}
+    if isinstance(value, ctypes.Array):
+        return [described(item) for item in value]
+    if isinstance(value, bytes):  # a char array reads as bytes
+        return value.decode()
+    return 0 if value is None else value  # a NULL pointer reads as None
+
+
+def test_init_values_follow_the_header_macros(header):
+    for tag, struct in _STRUCTS.items():
+        init = header["structs"][tag]["init"]
+        # FKDA_TENSOR_NONE is all zeros, a default-constructed FkdaTensor.
+        value = struct.initialized() if hasattr(struct, "initialized") else struct()
+        assert described(value) == init["values"], init["macro"]
 
 
 def test_version_matches_the_header(header):

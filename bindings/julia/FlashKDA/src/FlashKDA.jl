@@ -21,15 +21,16 @@ module FlashKDA
 
 using Libdl
 
-export FlashKDAError, Plan, fwd!, fwd_raw!, tensor, workspace_size, backend, lower_bound, set_lower_bound!,
-       query_device, version, version_string, to_bf16, from_bf16, load_library, library_path
+export FlashKDAError, Plan, fwd!, fwd_raw!, decode!, tensor, workspace_size, decode_workspace_size,
+       backend, lower_bound, set_lower_bound!, query_device, version, version_string, to_bf16, from_bf16,
+       load_library, library_path
 
 # ------------------------------------------------------------------------
 # Mirrors of include/flashkda.h
 # ------------------------------------------------------------------------
 
 const FKDA_VERSION_MAJOR = 0
-const FKDA_VERSION_MINOR = 1
+const FKDA_VERSION_MINOR = 2
 const FKDA_VERSION_PATCH = 0
 const FKDA_VERSION_NUMBER = FKDA_VERSION_MAJOR * 10000 + FKDA_VERSION_MINOR * 100 + FKDA_VERSION_PATCH
 
@@ -53,6 +54,7 @@ const FKDA_DTYPE_F16 = fkda_dtype(2)
 const FKDA_DTYPE_F32 = fkda_dtype(3)
 const FKDA_DTYPE_I32 = fkda_dtype(4)
 const FKDA_DTYPE_I64 = fkda_dtype(5)
+const FKDA_DTYPE_BOOL = fkda_dtype(6)
 
 const FKDA_MAX_RANK = 6
 
@@ -75,6 +77,10 @@ const fkda_state_layout = Cint
 const FKDA_STATE_LAYOUT_VK = fkda_state_layout(0)
 const FKDA_STATE_LAYOUT_KV = fkda_state_layout(1)
 
+const fkda_null_slot_rule = Cint
+const FKDA_NULL_SLOT_NEGATIVE = fkda_null_slot_rule(0)
+const FKDA_NULL_SLOT_NONPOSITIVE = fkda_null_slot_rule(1)
+
 # Opaque types behind the handle typedefs.
 struct fkda_plan_s end
 struct CUstream_st end
@@ -90,6 +96,8 @@ struct fkda_plan_desc
     state_layout::Int32
     backend::Int32
     lower_bound::Cfloat
+    null_slot_rule::Int32
+    debug_checks::Int32
 end
 
 struct fkda_fwd_args
@@ -104,6 +112,29 @@ struct fkda_fwd_args
     out::fkda_tensor
     initial_state::fkda_tensor
     final_state::fkda_tensor
+    cu_seqlens::fkda_tensor
+    scale::Cfloat
+    state_pool::fkda_tensor
+    state_indices::fkda_tensor
+    has_initial_state::fkda_tensor
+    checkpoint_offsets::fkda_tensor
+    checkpoints::fkda_tensor
+    checkpoint_slots::fkda_tensor
+end
+
+struct fkda_decode_args
+    struct_size::Csize_t
+    q::fkda_tensor
+    k::fkda_tensor
+    v::fkda_tensor
+    g::fkda_tensor
+    beta::fkda_tensor
+    A_log::fkda_tensor
+    dt_bias::fkda_tensor
+    out::fkda_tensor
+    state_pool::fkda_tensor
+    state_indices::fkda_tensor
+    num_accepted_tokens::fkda_tensor
     cu_seqlens::fkda_tensor
     scale::Cfloat
 end
@@ -158,7 +189,8 @@ const BUNDLED_PATH = normpath(joinpath(@__DIR__, "..", "lib", SONAME))
 const FUNCTION_NAMES = (
     :fkda_status_string, :fkda_last_error, :fkda_version, :fkda_version_string,
     :fkda_plan_create, :fkda_plan_destroy, :fkda_plan_get_backend, :fkda_set_lower_bound,
-    :fkda_get_lower_bound, :fkda_plan_workspace_size, :fkda_fwd, :fkda_query_device,
+    :fkda_get_lower_bound, :fkda_plan_workspace_size, :fkda_fwd, :fkda_plan_decode_workspace_size,
+    :fkda_decode, :fkda_query_device,
 )
 
 struct LoadedLibrary
@@ -268,6 +300,14 @@ fkda_fwd(plan, args, workspace, workspace_bytes, stream) =
     @ccall $(c_function(:fkda_fwd))(plan::fkda_plan_t, args::Ref{fkda_fwd_args}, workspace::Ptr{Cvoid},
                                     workspace_bytes::Csize_t, stream::fkda_stream_t)::fkda_status
 
+fkda_plan_decode_workspace_size(plan, total_tokens, num_seqs, bytes) =
+    @ccall $(c_function(:fkda_plan_decode_workspace_size))(plan::fkda_plan_t, total_tokens::Int64,
+                                                           num_seqs::Int64, bytes::Ref{Csize_t})::fkda_status
+
+fkda_decode(plan, args, workspace, workspace_bytes, stream) =
+    @ccall $(c_function(:fkda_decode))(plan::fkda_plan_t, args::Ref{fkda_decode_args}, workspace::Ptr{Cvoid},
+                                       workspace_bytes::Csize_t, stream::fkda_stream_t)::fkda_status
+
 fkda_query_device(device, info) =
     @ccall $(c_function(:fkda_query_device))(device::Int32, info::Ref{fkda_device_info})::fkda_status
 
@@ -303,6 +343,7 @@ dtype_of(::Type{Float16}) = FKDA_DTYPE_F16
 dtype_of(::Type{Float32}) = FKDA_DTYPE_F32
 dtype_of(::Type{Int32}) = FKDA_DTYPE_I32
 dtype_of(::Type{Int64}) = FKDA_DTYPE_I64
+dtype_of(::Type{Bool}) = FKDA_DTYPE_BOOL
 dtype_of(::Type) = nothing
 @static if isdefined(Core, :BFloat16)
     dtype_of(::Type{Core.BFloat16}) = FKDA_DTYPE_BF16
@@ -324,6 +365,11 @@ function to_int32(name, value)
     value isa Integer || throw(invalid_argument("$name: expected an integer, got $(typeof(value))"))
     typemin(Int32) <= value <= typemax(Int32) || throw(invalid_argument("$name: $value does not fit in int32"))
     return Int32(value)
+end
+
+function to_bool(name, value)
+    value isa Bool || throw(invalid_argument("$name: expected true or false, got $(typeof(value))"))
+    return value
 end
 
 function to_float32(name, value)
@@ -349,7 +395,7 @@ function tensor_of(name, array)
     dtype = dtype_of(eltype(array))
     dtype === nothing && throw(invalid_argument(
         "$name: element type $(eltype(array)) has no flashkda dtype " *
-        "(UInt16 or BFloat16 for bf16, Float16, Float32, Int32, Int64)"))
+        "(UInt16 or BFloat16 for bf16, Float16, Float32, Int32, Int64, Bool)"))
     rank = ndims(array)
     rank <= FKDA_MAX_RANK || throw(invalid_argument("$name: rank $rank exceeds the maximum of $FKDA_MAX_RANK"))
     c_shape = reverse(size(array))
@@ -398,17 +444,22 @@ stream_handle(stream::Integer) = fkda_stream_t(UInt(stream))
 
 """
     Plan(num_heads; head_dim_k=128, head_dim_v=128, state_dtype=Float32,
-         state_layout=:VK, backend=:auto, lower_bound=-5)
+         state_layout=:VK, backend=:auto, lower_bound=-5,
+         null_slot_rule=:negative, debug_checks=false)
 
 An `fkda_plan_t`. `state_dtype` is `Float32` or bf16 (`UInt16`, `:bf16`);
-`backend` is `:auto`, `:cpu` or `:gpu`. Destroyed by `close(plan)` or, as a
-fallback, by a finalizer. Not to be used from several tasks at once.
+`backend` is `:auto`, `:cpu` or `:gpu`. `null_slot_rule` says which pool
+indices mean padding: `:negative` (index < 0) or `:nonpositive` (index <= 0,
+slot 0 reserved). `debug_checks` makes GPU calls check device-side indices on
+the host first (synchronising). Destroyed by `close(plan)` or, as a fallback,
+by a finalizer. Not to be used from several tasks at once.
 """
 mutable struct Plan
     handle::fkda_plan_t
 
     function Plan(num_heads; head_dim_k=128, head_dim_v=128, state_dtype=Float32,
-                  state_layout=:VK, backend=:auto, lower_bound=-5.0f0)
+                  state_layout=:VK, backend=:auto, lower_bound=-5.0f0,
+                  null_slot_rule=:negative, debug_checks=false)
         desc = fkda_plan_desc(
             Csize_t(sizeof(fkda_plan_desc)),
             to_int32("num_heads", num_heads),
@@ -418,6 +469,9 @@ mutable struct Plan
             choose("state_layout", state_layout, (VK=FKDA_STATE_LAYOUT_VK, KV=FKDA_STATE_LAYOUT_KV)),
             choose("backend", backend, (auto=FKDA_BACKEND_AUTO, cpu=FKDA_BACKEND_CPU, gpu=FKDA_BACKEND_GPU)),
             to_float32("lower_bound", lower_bound),
+            choose("null_slot_rule", null_slot_rule,
+                   (negative=FKDA_NULL_SLOT_NEGATIVE, nonpositive=FKDA_NULL_SLOT_NONPOSITIVE)),
+            Int32(to_bool("debug_checks", debug_checks)),
         )
         handle = Ref{fkda_plan_t}(C_NULL)
         check(fkda_plan_create(Ref(desc), handle))
@@ -480,9 +534,16 @@ function set_lower_bound!(plan::Plan, value)
 end
 
 """Bytes of workspace `fwd!` needs for `total_tokens` tokens in `num_seqs` sequences."""
-function workspace_size(plan::Plan, total_tokens::Integer, num_seqs::Integer)
+workspace_size(plan::Plan, total_tokens::Integer, num_seqs::Integer) =
+    size_query(fkda_plan_workspace_size, plan, total_tokens, num_seqs)
+
+"""Bytes of workspace `decode!` needs (0 today; later versions may need some)."""
+decode_workspace_size(plan::Plan, total_tokens::Integer, num_seqs::Integer) =
+    size_query(fkda_plan_decode_workspace_size, plan, total_tokens, num_seqs)
+
+function size_query(c_function, plan::Plan, total_tokens::Integer, num_seqs::Integer)
     bytes = Ref{Csize_t}(0)
-    check(fkda_plan_workspace_size(live_handle(plan), Int64(total_tokens), Int64(num_seqs), bytes))
+    check(c_function(live_handle(plan), Int64(total_tokens), Int64(num_seqs), bytes))
     return Int(bytes[])
 end
 
@@ -499,38 +560,82 @@ end
 """
     fwd!(plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
          initial_state=nothing, final_state=nothing, cu_seqlens=nothing,
+         state_pool=nothing, state_indices=nothing, has_initial_state=nothing,
+         checkpoint_offsets=nothing, checkpoints=nothing, checkpoint_slots=nothing,
          workspace=nothing, stream=nothing)
 
 `fkda_fwd`: writes `out` (and `final_state`) in place. Sizes are the C shapes
 reversed: q, k, g `(K, H, T, B)`; v, out `(V, H, T, B)`; beta `(H, T, B)`;
 A_log `(H,)`; dt_bias `(K, H)`; states `(K, V, H, N)`; cu_seqlens `(N + 1,)`.
+States in a pool: `state_pool` `(K, V, H, slots)` updated in place at the
+slots `state_indices` `(N,)` (a null index makes its sequence padding);
+`has_initial_state` `(N,)` (false starts from zeros); checkpoints after the
+token counts `checkpoint_offsets` `(C, N)` go to `checkpoints`
+`(K, V, H, C, N)` or to the pool slots `checkpoint_slots` `(C, N)`.
 `workspace = nothing` allocates one of `workspace_size` bytes in the arrays'
 memory; `stream = nothing` uses CUDA.jl's current stream for CuArrays.
 """
 function fwd!(plan::Plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
               initial_state=nothing, final_state=nothing, cu_seqlens=nothing,
+              state_pool=nothing, state_indices=nothing, has_initial_state=nothing,
+              checkpoint_offsets=nothing, checkpoints=nothing, checkpoint_slots=nothing,
               workspace=nothing, stream=nothing)
-    handle = live_handle(plan)
     arrays = (q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, out=out,
               initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens)
-    tensors = map(name -> tensor_of(String(name), arrays[name]), keys(arrays))
-    args = fkda_fwd_args(Csize_t(sizeof(fkda_fwd_args)), tensors..., to_float32("scale", scale))
+    pool = (state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
+            checkpoint_offsets=checkpoint_offsets, checkpoints=checkpoints,
+            checkpoint_slots=checkpoint_slots)
+    args = fkda_fwd_args(Csize_t(sizeof(fkda_fwd_args)), tensors_of(arrays)...,
+                         to_float32("scale", scale), tensors_of(pool)...)
+    enqueue!(fkda_fwd, args, workspace_size, plan, merge(arrays, pool), workspace, stream)
+    return out
+end
 
+"""
+    decode!(plan, q, k, v, g, beta, scale, out, A_log, dt_bias, state_pool, state_indices;
+            num_accepted_tokens=nothing, cu_seqlens=nothing, workspace=nothing, stream=nothing)
+
+`fkda_decode`: 1 to 16 tokens per sequence on states in a pool, writing `out`
+and updating `state_pool` `(K, V, H, slots)` in place. q, k, g, v, out
+`(K, H, T, N)` (T <= 16), or packed `(K, H, total, 1)` with cu_seqlens
+`(N + 1,)`; beta `(H, T, N)`. `state_indices` `(N,)` reads and writes one slot
+per sequence; `(W, N)` (speculative verify) starts from row
+`num_accepted_tokens[n]` and writes the state after token t to row t + 1.
+A sequence whose starting index is null (the plan's `null_slot_rule`) is
+padding: zero output, no state touched.
+"""
+function decode!(plan::Plan, q, k, v, g, beta, scale, out, A_log, dt_bias, state_pool, state_indices;
+                 num_accepted_tokens=nothing, cu_seqlens=nothing, workspace=nothing, stream=nothing)
+    arrays = (q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, out=out,
+              state_pool=state_pool, state_indices=state_indices,
+              num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens)
+    args = fkda_decode_args(Csize_t(sizeof(fkda_decode_args)), tensors_of(arrays)...,
+                            to_float32("scale", scale))
+    enqueue!(fkda_decode, args, decode_workspace_size, plan, arrays, workspace, stream)
+    return out
+end
+
+tensors_of(arrays::NamedTuple) = map(name -> tensor_of(String(name), arrays[name]), keys(arrays))
+
+# Calls `c_function` (fkda_fwd or fkda_decode) with `args`, a workspace sized
+# by `size_query` unless one is given, on the arrays' device and stream.
+function enqueue!(c_function, args, size_query, plan::Plan, arrays::NamedTuple, workspace, stream)
+    handle = live_handle(plan)
     lead = something(values(arrays)..., missing)
     kind = lead === missing ? :host : memory_kind(lead)
     plan_memory = backend(plan) == :gpu ? :device : :host
-    # Arrays in the wrong memory for the plan are fkda_fwd's to report, by
+    # Arrays in the wrong memory for the plan are the call's to report, by
     # name, before anything about the workspace.
     arrays_fit_the_plan = lead !== missing && kind == plan_memory
     if workspace === nothing && arrays_fit_the_plan
-        sizes = tokens_and_sequences(q, cu_seqlens)
+        sizes = tokens_and_sequences(arrays.q, arrays.cu_seqlens)
         bytes = 0
         if sizes !== nothing
             bytes = try
-                workspace_size(plan, sizes...)
+                size_query(plan, sizes...)
             catch error
                 error isa FlashKDAError || rethrow()
-                0  # fkda_fwd names the malformed argument
+                0  # the call names the malformed argument
             end
         end
         workspace = bytes > 0 ? allocate_workspace(Val(kind), bytes, lead) : nothing
@@ -539,7 +644,7 @@ function fwd!(plan::Plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
     if workspace !== nothing
         memory_kind(workspace) === nothing && throw(invalid_argument(
             "workspace: $(typeof(workspace)) is neither a strided host array nor a CuArray"))
-        # fkda_fwd checks the workspace's size and alignment, not where it lives.
+        # The library checks the workspace's size and alignment, not where it lives.
         if arrays_fit_the_plan && memory_kind(workspace) != plan_memory
             throw(invalid_argument("workspace: $(typeof(workspace)) is not $plan_memory memory, " *
                                    "which the plan's backend needs"))
@@ -548,34 +653,43 @@ function fwd!(plan::Plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
         workspace_bytes = sizeof(workspace)
     end
 
-    GC.@preserve q k v g beta A_log dt_bias out initial_state final_state cu_seqlens workspace begin
+    GC.@preserve arrays workspace begin
         status = on_device_of(Val(kind), lead) do
             raw_stream = stream === nothing ? default_stream(Val(kind), lead) : stream_handle(stream)
-            fkda_fwd(handle, Ref(args), workspace_pointer, Csize_t(workspace_bytes), raw_stream)
+            c_function(handle, Ref(args), workspace_pointer, Csize_t(workspace_bytes), raw_stream)
         end
         check(status)
     end
-    return out
+    return nothing
 end
 
 """
     fwd_raw!(plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
              initial_state=FKDA_TENSOR_NONE, final_state=FKDA_TENSOR_NONE,
              cu_seqlens=FKDA_TENSOR_NONE, workspace=C_NULL, workspace_bytes=0,
-             stream=C_NULL)
+             stream=C_NULL, state_pool=FKDA_TENSOR_NONE, ...)
 
-`fkda_fwd` with `fkda_tensor` descriptors from `tensor(pointer, dims)`.
+`fkda_fwd` with `fkda_tensor` descriptors from `tensor(pointer, dims)`; the
+pool keywords (state_pool, state_indices, has_initial_state,
+checkpoint_offsets, checkpoints, checkpoint_slots) are descriptors too.
 Unsafe: nothing here can check that the pointers are valid for the shapes
-they are described with, readable, and (for `out` and `final_state`)
-writable until the work completes on `stream`.
+they are described with, readable, and (for `out`, `final_state`, the pool
+and the checkpoints) writable until the work completes on `stream`.
 """
 function fwd_raw!(plan::Plan, q::fkda_tensor, k::fkda_tensor, v::fkda_tensor, g::fkda_tensor,
                   beta::fkda_tensor, scale, out::fkda_tensor, A_log::fkda_tensor, dt_bias::fkda_tensor;
                   initial_state::fkda_tensor=FKDA_TENSOR_NONE, final_state::fkda_tensor=FKDA_TENSOR_NONE,
                   cu_seqlens::fkda_tensor=FKDA_TENSOR_NONE, workspace=C_NULL, workspace_bytes::Integer=0,
-                  stream=C_NULL)
+                  stream=C_NULL, state_pool::fkda_tensor=FKDA_TENSOR_NONE,
+                  state_indices::fkda_tensor=FKDA_TENSOR_NONE,
+                  has_initial_state::fkda_tensor=FKDA_TENSOR_NONE,
+                  checkpoint_offsets::fkda_tensor=FKDA_TENSOR_NONE,
+                  checkpoints::fkda_tensor=FKDA_TENSOR_NONE,
+                  checkpoint_slots::fkda_tensor=FKDA_TENSOR_NONE)
     args = fkda_fwd_args(Csize_t(sizeof(fkda_fwd_args)), q, k, v, g, beta, A_log, dt_bias, out,
-                         initial_state, final_state, cu_seqlens, to_float32("scale", scale))
+                         initial_state, final_state, cu_seqlens, to_float32("scale", scale),
+                         state_pool, state_indices, has_initial_state, checkpoint_offsets,
+                         checkpoints, checkpoint_slots)
     check(fkda_fwd(live_handle(plan), Ref(args), raw_pointer(workspace), Csize_t(workspace_bytes),
                    stream_handle(stream)))
     return nothing
@@ -583,30 +697,63 @@ end
 
 """
     fwd!(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound;
-         initial_state=nothing, final_state=nothing, cu_seqlens=nothing)
+         initial_state=nothing, final_state=nothing, cu_seqlens=nothing,
+         state_pool=nothing, state_indices=nothing, has_initial_state=nothing,
+         checkpoint_offsets=nothing, checkpoints=nothing, checkpoint_slots=nothing,
+         null_slot_rule=:negative)
 
 The forward pass with the arguments of FlashKDA's `flash_kda.fwd`, through a
 temporary plan: host arrays run on the CPU backend, CuArrays on the GPU; the
-state dtype follows the states given (Float32 when none).
+state dtype follows the states given (Float32 when none). The pool arguments
+are those of `fwd!(plan, ...)`.
 """
 function fwd!(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound;
-              initial_state=nothing, final_state=nothing, cu_seqlens=nothing)
-    lead = something(q, k, v, g, beta, out, A_log, dt_bias, missing)
+              initial_state=nothing, final_state=nothing, cu_seqlens=nothing,
+              state_pool=nothing, state_indices=nothing, has_initial_state=nothing,
+              checkpoint_offsets=nothing, checkpoints=nothing, checkpoint_slots=nothing,
+              null_slot_rule=:negative)
+    with_temporary_plan(q, A_log, something(initial_state, final_state, state_pool, missing),
+                        lower_bound, null_slot_rule) do plan
+        fwd!(plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
+             initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens,
+             state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
+             checkpoint_offsets=checkpoint_offsets, checkpoints=checkpoints,
+             checkpoint_slots=checkpoint_slots)
+    end
+    return out
+end
+
+"""
+    decode!(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, state_pool, state_indices;
+            num_accepted_tokens=nothing, cu_seqlens=nothing, null_slot_rule=:negative)
+
+`decode!(plan, ...)` through a temporary plan whose state dtype is the pool's.
+"""
+function decode!(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, state_pool, state_indices;
+                 num_accepted_tokens=nothing, cu_seqlens=nothing, null_slot_rule=:negative)
+    with_temporary_plan(q, A_log, something(state_pool, missing), lower_bound, null_slot_rule) do plan
+        decode!(plan, q, k, v, g, beta, scale, out, A_log, dt_bias, state_pool, state_indices;
+                num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens)
+    end
+    return out
+end
+
+# Runs f(plan) on a plan made for q's memory, q's (or A_log's) head count and
+# the state's dtype, closed afterwards.
+function with_temporary_plan(f, q, A_log, state, lower_bound, null_slot_rule)
+    lead = something(q, A_log, missing)
     kind = lead === missing ? :host : something(memory_kind(lead), :host)
     num_heads = q isa AbstractArray && ndims(q) == 4 ? size(q, 2) :
                 A_log isa AbstractArray && ndims(A_log) == 1 ? length(A_log) : 1
-    state = something(initial_state, final_state, missing)
     state_dtype = state === missing ? Float32 :
                   dtype_of(eltype(state)) in (FKDA_DTYPE_BF16, FKDA_DTYPE_F32) ? eltype(state) : Float32
     plan = Plan(num_heads; state_dtype=state_dtype, backend=kind == :device ? :gpu : :cpu,
-                lower_bound=lower_bound)
+                lower_bound=lower_bound, null_slot_rule=null_slot_rule)
     try
-        fwd!(plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
-             initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens)
+        f(plan)
     finally
         close(plan)
     end
-    return out
 end
 
 # ------------------------------------------------------------------------

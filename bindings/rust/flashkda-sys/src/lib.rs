@@ -17,7 +17,7 @@ use core::mem::size_of;
 use core::ptr::null_mut;
 
 pub const FKDA_VERSION_MAJOR: u32 = 0;
-pub const FKDA_VERSION_MINOR: u32 = 1;
+pub const FKDA_VERSION_MINOR: u32 = 2;
 pub const FKDA_VERSION_PATCH: u32 = 0;
 pub const FKDA_VERSION_NUMBER: u32 =
     FKDA_VERSION_MAJOR * 10000 + FKDA_VERSION_MINOR * 100 + FKDA_VERSION_PATCH;
@@ -45,6 +45,7 @@ pub const FKDA_DTYPE_F16: fkda_dtype = 2;
 pub const FKDA_DTYPE_F32: fkda_dtype = 3;
 pub const FKDA_DTYPE_I32: fkda_dtype = 4;
 pub const FKDA_DTYPE_I64: fkda_dtype = 5;
+pub const FKDA_DTYPE_BOOL: fkda_dtype = 6;
 
 pub const FKDA_MAX_RANK: usize = 6;
 
@@ -78,6 +79,10 @@ pub type fkda_state_layout = c_int;
 pub const FKDA_STATE_LAYOUT_VK: fkda_state_layout = 0;
 pub const FKDA_STATE_LAYOUT_KV: fkda_state_layout = 1;
 
+pub type fkda_null_slot_rule = c_int;
+pub const FKDA_NULL_SLOT_NEGATIVE: fkda_null_slot_rule = 0;
+pub const FKDA_NULL_SLOT_NONPOSITIVE: fkda_null_slot_rule = 1;
+
 /// The opaque plan object behind `fkda_plan_t`.
 #[repr(C)]
 pub struct fkda_plan_s {
@@ -105,6 +110,8 @@ pub struct fkda_plan_desc {
     pub state_layout: i32,
     pub backend: i32,
     pub lower_bound: f32,
+    pub null_slot_rule: i32,
+    pub debug_checks: i32,
 }
 
 /// FKDA_PLAN_DESC_INIT.
@@ -117,6 +124,8 @@ pub const FKDA_PLAN_DESC_INIT: fkda_plan_desc = fkda_plan_desc {
     state_layout: FKDA_STATE_LAYOUT_VK,
     backend: FKDA_BACKEND_AUTO,
     lower_bound: -5.0,
+    null_slot_rule: FKDA_NULL_SLOT_NEGATIVE,
+    debug_checks: 0,
 };
 
 // ----------------------------------------------------------------- forward
@@ -137,6 +146,12 @@ pub struct fkda_fwd_args {
     pub final_state: fkda_tensor,
     pub cu_seqlens: fkda_tensor,
     pub scale: f32,
+    pub state_pool: fkda_tensor,
+    pub state_indices: fkda_tensor,
+    pub has_initial_state: fkda_tensor,
+    pub checkpoint_offsets: fkda_tensor,
+    pub checkpoints: fkda_tensor,
+    pub checkpoint_slots: fkda_tensor,
 }
 
 /// FKDA_FWD_ARGS_INIT: every tensor absent, scale 128^-0.5.
@@ -152,6 +167,51 @@ pub const FKDA_FWD_ARGS_INIT: fkda_fwd_args = fkda_fwd_args {
     out: FKDA_TENSOR_NONE,
     initial_state: FKDA_TENSOR_NONE,
     final_state: FKDA_TENSOR_NONE,
+    cu_seqlens: FKDA_TENSOR_NONE,
+    scale: 0.088_388_347_648_318_45,
+    state_pool: FKDA_TENSOR_NONE,
+    state_indices: FKDA_TENSOR_NONE,
+    has_initial_state: FKDA_TENSOR_NONE,
+    checkpoint_offsets: FKDA_TENSOR_NONE,
+    checkpoints: FKDA_TENSOR_NONE,
+    checkpoint_slots: FKDA_TENSOR_NONE,
+};
+
+// ------------------------------------------------------------------ decode
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct fkda_decode_args {
+    pub struct_size: usize,
+    pub q: fkda_tensor,
+    pub k: fkda_tensor,
+    pub v: fkda_tensor,
+    pub g: fkda_tensor,
+    pub beta: fkda_tensor,
+    pub A_log: fkda_tensor,
+    pub dt_bias: fkda_tensor,
+    pub out: fkda_tensor,
+    pub state_pool: fkda_tensor,
+    pub state_indices: fkda_tensor,
+    pub num_accepted_tokens: fkda_tensor,
+    pub cu_seqlens: fkda_tensor,
+    pub scale: f32,
+}
+
+/// FKDA_DECODE_ARGS_INIT: every tensor absent, scale 128^-0.5.
+pub const FKDA_DECODE_ARGS_INIT: fkda_decode_args = fkda_decode_args {
+    struct_size: size_of::<fkda_decode_args>(),
+    q: FKDA_TENSOR_NONE,
+    k: FKDA_TENSOR_NONE,
+    v: FKDA_TENSOR_NONE,
+    g: FKDA_TENSOR_NONE,
+    beta: FKDA_TENSOR_NONE,
+    A_log: FKDA_TENSOR_NONE,
+    dt_bias: FKDA_TENSOR_NONE,
+    out: FKDA_TENSOR_NONE,
+    state_pool: FKDA_TENSOR_NONE,
+    state_indices: FKDA_TENSOR_NONE,
+    num_accepted_tokens: FKDA_TENSOR_NONE,
     cu_seqlens: FKDA_TENSOR_NONE,
     scale: 0.088_388_347_648_318_45,
 };
@@ -208,6 +268,20 @@ extern "C" {
     pub fn fkda_fwd(
         plan: fkda_plan_t,
         args: *const fkda_fwd_args,
+        workspace: *mut c_void,
+        workspace_bytes: usize,
+        stream: fkda_stream_t,
+    ) -> fkda_status;
+
+    pub fn fkda_plan_decode_workspace_size(
+        plan: fkda_plan_t,
+        total_tokens: i64,
+        num_seqs: i64,
+        bytes: *mut usize,
+    ) -> fkda_status;
+    pub fn fkda_decode(
+        plan: fkda_plan_t,
+        args: *const fkda_decode_args,
         workspace: *mut c_void,
         workspace_bytes: usize,
         stream: fkda_stream_t,

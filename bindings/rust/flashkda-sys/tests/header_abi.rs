@@ -596,11 +596,16 @@ mirrors! {
     fkda_tensor = FKDA_TENSOR_NONE { data, dtype, rank, shape, strides }
     fkda_plan_desc = FKDA_PLAN_DESC_INIT {
         struct_size, num_heads, head_dim_k, head_dim_v, state_dtype, state_layout, backend,
-        lower_bound,
+        lower_bound, null_slot_rule, debug_checks,
     }
     fkda_fwd_args = FKDA_FWD_ARGS_INIT {
         struct_size, q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state,
-        cu_seqlens, scale,
+        cu_seqlens, scale, state_pool, state_indices, has_initial_state, checkpoint_offsets,
+        checkpoints, checkpoint_slots,
+    }
+    fkda_decode_args = FKDA_DECODE_ARGS_INIT {
+        struct_size, q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_indices,
+        num_accepted_tokens, cu_seqlens, scale,
     }
     fkda_device_info = FKDA_DEVICE_INFO_INIT {
         struct_size, driver_loaded, driver_version, device_count, device, cc_major, cc_minor,

@@ -1,11 +1,13 @@
 //! Safe Rust bindings of libflashkda: Kimi Delta Attention (KDA) forward
 //! passes behind the C ABI of `include/flashkda.h`.
 //!
-//! A [`Plan`] holds a configuration (heads, state dtype, backend, gate floor)
-//! and is destroyed when dropped. [`Plan::fwd_host`] runs the CPU backend on
-//! host slices, with every slice length checked against the shapes it
-//! implies; [`Plan::fwd_raw`] passes device pointers to the GPU backend and
-//! is `unsafe`, as nothing can vouch for raw pointers. Every failure is an
+//! A [`Plan`] holds a configuration (heads, state dtype, backend, gate floor,
+//! null-slot rule) and is destroyed when dropped. [`Plan::fwd_host`] runs the
+//! CPU backend on host slices, with every slice length checked against the
+//! shapes it implies; [`Plan::fwd_host_pool`] does the same with states in a
+//! pool (and checkpoints), [`Plan::decode_host`] the decode step on a pool.
+//! [`Plan::fwd_raw`] and [`Plan::decode_raw`] pass device pointers to the GPU
+//! backend and are `unsafe`, as nothing can vouch for raw pointers. Every failure is an
 //! [`Error`] carrying the library's status and its `fkda_last_error()`
 //! message, which names the argument.
 //!
@@ -184,6 +186,8 @@ pub enum Dtype {
     F32,
     I32,
     I64,
+    /// One byte, nonzero is true (`has_initial_state`).
+    Bool,
 }
 
 impl Dtype {
@@ -194,6 +198,7 @@ impl Dtype {
             Dtype::F32 => sys::FKDA_DTYPE_F32,
             Dtype::I32 => sys::FKDA_DTYPE_I32,
             Dtype::I64 => sys::FKDA_DTYPE_I64,
+            Dtype::Bool => sys::FKDA_DTYPE_BOOL,
         }
     }
 }
@@ -204,6 +209,16 @@ pub enum StateLayout {
     Vk,
     /// `[N, H, K, V]`.
     Kv,
+}
+
+/// Which pool indices mean "no sequence here" (padding: zero output rows,
+/// no state read or written).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NullSlotRule {
+    /// index < 0 is padding; slot 0 is a real slot.
+    Negative,
+    /// index <= 0 is padding; slot 0 is reserved and never touched.
+    Nonpositive,
 }
 
 // ------------------------------------------------------------------- plans
@@ -221,6 +236,10 @@ pub struct PlanDesc {
     pub backend: Backend,
     /// The gate floor, in [-5, 0].
     pub lower_bound: f32,
+    pub null_slot_rule: NullSlotRule,
+    /// GPU calls copy device-side indices to the host and check them before
+    /// the launch (synchronises; not for graph capture).
+    pub debug_checks: bool,
 }
 
 impl PlanDesc {
@@ -234,6 +253,8 @@ impl PlanDesc {
             state_layout: StateLayout::Vk,
             backend: Backend::Auto,
             lower_bound: init.lower_bound,
+            null_slot_rule: NullSlotRule::Negative,
+            debug_checks: false,
         }
     }
 
@@ -249,6 +270,11 @@ impl PlanDesc {
             },
             backend: self.backend.raw(),
             lower_bound: self.lower_bound,
+            null_slot_rule: match self.null_slot_rule {
+                NullSlotRule::Negative => sys::FKDA_NULL_SLOT_NEGATIVE,
+                NullSlotRule::Nonpositive => sys::FKDA_NULL_SLOT_NONPOSITIVE,
+            },
+            debug_checks: self.debug_checks as i32,
             ..sys::FKDA_PLAN_DESC_INIT
         }
     }
@@ -329,37 +355,150 @@ impl Plan {
         Ok(bytes)
     }
 
+    /// `fkda_plan_decode_workspace_size`: bytes of workspace decode needs (0
+    /// today; later versions may need some).
+    pub fn decode_workspace_size(&self, total_tokens: i64, num_seqs: i64) -> Result<usize> {
+        let mut bytes = 0usize;
+        // SAFETY: live handle, valid out pointer.
+        check(unsafe {
+            sys::fkda_plan_decode_workspace_size(self.as_raw(), total_tokens, num_seqs, &mut bytes)
+        })?;
+        Ok(bytes)
+    }
+
     /// The forward pass on host memory (a CPU plan). Slices are contiguous
     /// row-major arrays of the shapes listed on [`HostFwd`]; their lengths
     /// are checked before the call. `workspace: None` allocates one of
     /// [`Plan::workspace_size`] bytes.
     pub fn fwd_host(&self, args: HostFwd<'_>, workspace: Option<&mut [u8]>) -> Result<()> {
+        let (raw, sizes) = self.host_fwd_args(&args)?;
+        self.run_host(Entry::Fwd(&raw), sizes, workspace)
+    }
+
+    /// The forward pass on host memory with the states in a pool: sequence n
+    /// starts from `pool.pool[pool.state_indices[n]]` and its final state is
+    /// written back there (see [`HostPool`]). `args.initial_state` and
+    /// `args.final_state` stay `None`.
+    pub fn fwd_host_pool(&self, args: HostFwd<'_>, pool: HostPool<'_>, workspace: Option<&mut [u8]>) -> Result<()> {
+        let (mut raw, sizes) = self.host_fwd_args(&args)?;
+        let num_seqs = sizes.1 as usize;
+        let slot_shape = self.slot_shape(pool.slots);
+        raw.state_pool = state_tensor("state_pool", &pool.pool, &slot_shape)?;
+        raw.state_indices = pool.state_indices.tensor("state_indices", &[num_seqs])?;
+        if let Some(flags) = pool.has_initial_state {
+            raw.has_initial_state = host_tensor("has_initial_state", flags, Dtype::Bool, &[num_seqs])?;
+        }
+        if let Some(checkpoints) = &pool.checkpoints {
+            let table = [num_seqs, checkpoints.per_seq];
+            raw.checkpoint_offsets = checkpoints.offsets.tensor("checkpoint_offsets", &table)?;
+            match &checkpoints.destination {
+                CheckpointDestination::Tensor(states) => {
+                    let mut shape = vec![num_seqs, checkpoints.per_seq];
+                    shape.extend_from_slice(&slot_shape[1..]);
+                    raw.checkpoints = state_tensor("checkpoints", states, &shape)?;
+                }
+                CheckpointDestination::Slots(slots) => {
+                    raw.checkpoint_slots = slots.tensor("checkpoint_slots", &table)?;
+                }
+            }
+        }
+        self.run_host(Entry::Fwd(&raw), sizes, workspace)
+    }
+
+    /// The decode step on host memory (a CPU plan): 1 to 16 tokens per
+    /// sequence (batched, `seq_len` <= 16, or packed with `cu_seqlens`,
+    /// lengths 0 to 16) on states in a pool, updated in place (see
+    /// [`DecodePool`]). `args.initial_state` and `args.final_state` stay
+    /// `None`. `workspace: None` allocates one of
+    /// [`Plan::decode_workspace_size`] bytes.
+    pub fn decode_host(&self, args: HostFwd<'_>, pool: DecodePool<'_>, workspace: Option<&mut [u8]>) -> Result<()> {
+        for (name, given) in [("initial_state", args.initial_state.is_some()), ("final_state", args.final_state.is_some())] {
+            if given {
+                return Err(Error::invalid(format!("{name}: decode reads and writes its states in the pool")));
+            }
+        }
+        let activations = self.host_activations(&args)?;
+        let num_seqs = activations.num_seqs;
+        let mut raw = sys::FKDA_DECODE_ARGS_INIT;
+        raw.q = activations.q;
+        raw.k = activations.k;
+        raw.v = activations.v;
+        raw.g = activations.g;
+        raw.beta = activations.beta;
+        raw.A_log = activations.a_log;
+        raw.dt_bias = activations.dt_bias;
+        raw.out = activations.out;
+        raw.cu_seqlens = activations.cu_seqlens;
+        raw.scale = args.scale;
+        raw.state_pool = state_tensor("state_pool", &pool.pool, &self.slot_shape(pool.slots))?;
+        raw.state_indices = match pool.verify_columns {
+            Some(columns) => pool.state_indices.tensor("state_indices", &[num_seqs, columns])?,
+            None => pool.state_indices.tensor("state_indices", &[num_seqs])?,
+        };
+        if let Some(accepted) = &pool.num_accepted_tokens {
+            raw.num_accepted_tokens = accepted.tensor("num_accepted_tokens", &[num_seqs])?;
+        }
+        self.run_host(Entry::Decode(&raw), activations.sizes(), workspace)
+    }
+
+    /// `[slots, H, V, K]` (or `[slots, H, K, V]`) in this plan's layout.
+    fn slot_shape(&self, slots: usize) -> Vec<usize> {
         let heads = self.desc.num_heads.max(0) as usize;
         let dim_k = self.desc.head_dim_k.max(0) as usize;
         let dim_v = self.desc.head_dim_v.max(0) as usize;
-        let (batch, seq_len) = (args.batch, args.seq_len);
-        let num_seqs = match &args.cu_seqlens {
+        match self.desc.state_layout {
+            StateLayout::Vk => vec![slots, heads, dim_v, dim_k],
+            StateLayout::Kv => vec![slots, heads, dim_k, dim_v],
+        }
+    }
+
+    /// The tensors every call has, checked against the shapes they imply.
+    fn host_activations(&self, args: &HostFwd<'_>) -> Result<HostActivations> {
+        let (batch, seq_len, cu_seqlens) = (args.batch, args.seq_len, &args.cu_seqlens);
+        let heads = self.desc.num_heads.max(0) as usize;
+        let dim_k = self.desc.head_dim_k.max(0) as usize;
+        let dim_v = self.desc.head_dim_v.max(0) as usize;
+        let num_seqs = match cu_seqlens {
             Some(SeqLens::I64(offsets)) => offsets.len().saturating_sub(1),
             Some(SeqLens::I32(offsets)) => offsets.len().saturating_sub(1),
             None => batch,
         };
-        let (state_rows, state_cols) = match self.desc.state_layout {
-            StateLayout::Vk => (dim_v, dim_k),
-            StateLayout::Kv => (dim_k, dim_v),
-        };
         let qk_shape = [batch, seq_len, heads, dim_k];
         let v_shape = [batch, seq_len, heads, dim_v];
-        let state_shape = [num_seqs, heads, state_rows, state_cols];
+        Ok(HostActivations {
+            num_seqs,
+            total_tokens: batch.saturating_mul(seq_len),
+            q: host_tensor("q", args.q, Dtype::Bf16, &qk_shape)?,
+            k: host_tensor("k", args.k, Dtype::Bf16, &qk_shape)?,
+            v: host_tensor("v", args.v, Dtype::Bf16, &v_shape)?,
+            g: host_tensor("g", args.g, Dtype::Bf16, &qk_shape)?,
+            beta: host_tensor("beta", args.beta, Dtype::Bf16, &[batch, seq_len, heads])?,
+            a_log: host_tensor("A_log", args.a_log, Dtype::F32, &[heads])?,
+            dt_bias: host_tensor("dt_bias", args.dt_bias, Dtype::F32, &[heads, dim_k])?,
+            out: host_tensor("out", &*args.out, Dtype::Bf16, &v_shape)?,
+            cu_seqlens: match cu_seqlens {
+                Some(SeqLens::I64(o)) => host_tensor("cu_seqlens", o, Dtype::I64, &[o.len()])?,
+                Some(SeqLens::I32(o)) => host_tensor("cu_seqlens", o, Dtype::I32, &[o.len()])?,
+                None => sys::FKDA_TENSOR_NONE,
+            },
+        })
+    }
 
+    /// fkda_fwd_args of a host forward call and its (total_tokens, num_seqs).
+    fn host_fwd_args(&self, args: &HostFwd<'_>) -> Result<(sys::fkda_fwd_args, (i64, i64))> {
+        let activations = self.host_activations(args)?;
+        let state_shape = self.slot_shape(activations.num_seqs);
         let mut raw = sys::FKDA_FWD_ARGS_INIT;
-        raw.q = host_tensor("q", args.q, Dtype::Bf16, &qk_shape)?;
-        raw.k = host_tensor("k", args.k, Dtype::Bf16, &qk_shape)?;
-        raw.v = host_tensor("v", args.v, Dtype::Bf16, &v_shape)?;
-        raw.g = host_tensor("g", args.g, Dtype::Bf16, &qk_shape)?;
-        raw.beta = host_tensor("beta", args.beta, Dtype::Bf16, &[batch, seq_len, heads])?;
-        raw.A_log = host_tensor("A_log", args.a_log, Dtype::F32, &[heads])?;
-        raw.dt_bias = host_tensor("dt_bias", args.dt_bias, Dtype::F32, &[heads, dim_k])?;
-        raw.out = host_tensor("out", &*args.out, Dtype::Bf16, &v_shape)?;
+        raw.q = activations.q;
+        raw.k = activations.k;
+        raw.v = activations.v;
+        raw.g = activations.g;
+        raw.beta = activations.beta;
+        raw.A_log = activations.a_log;
+        raw.dt_bias = activations.dt_bias;
+        raw.out = activations.out;
+        raw.cu_seqlens = activations.cu_seqlens;
+        raw.scale = args.scale;
         if let Some(state) = &args.initial_state {
             raw.initial_state = match state {
                 StateRef::Bf16(s) => host_tensor("initial_state", s, Dtype::Bf16, &state_shape)?,
@@ -367,36 +506,39 @@ impl Plan {
             };
         }
         if let Some(state) = &args.final_state {
-            raw.final_state = match state {
-                StateMut::Bf16(s) => host_tensor("final_state", s, Dtype::Bf16, &state_shape)?,
-                StateMut::F32(s) => host_tensor("final_state", s, Dtype::F32, &state_shape)?,
-            };
+            raw.final_state = state_tensor("final_state", state, &state_shape)?;
         }
-        if let Some(offsets) = &args.cu_seqlens {
-            raw.cu_seqlens = match offsets {
-                SeqLens::I64(o) => host_tensor("cu_seqlens", o, Dtype::I64, &[o.len()])?,
-                SeqLens::I32(o) => host_tensor("cu_seqlens", o, Dtype::I32, &[o.len()])?,
-            };
-        }
-        raw.scale = args.scale;
+        Ok((raw, activations.sizes()))
+    }
 
+    /// Runs a host call with the given workspace, or one of the size the
+    /// library asks for.
+    fn run_host(&self, entry: Entry<'_>, sizes: (i64, i64), workspace: Option<&mut [u8]>) -> Result<()> {
         let mut owned_workspace = Vec::new();
         let workspace: &mut [u8] = match workspace {
             Some(buffer) => buffer,
             None => {
-                let total_tokens = i64::try_from(batch.saturating_mul(seq_len)).unwrap_or(i64::MAX);
-                let size = self.workspace_size(total_tokens, num_seqs as i64).unwrap_or(0);
-                owned_workspace.resize(size, 0u8);
+                let size = match entry {
+                    Entry::Fwd(_) => self.workspace_size(sizes.0, sizes.1),
+                    Entry::Decode(_) => self.decode_workspace_size(sizes.0, sizes.1),
+                };
+                owned_workspace.resize(size.unwrap_or(0), 0u8);
                 &mut owned_workspace
             }
         };
         let workspace_ptr = if workspace.is_empty() { null_mut() } else { workspace.as_mut_ptr().cast() };
         // SAFETY: every tensor points into a slice whose length was checked
-        // against the shape it is described with; `out` and `final_state`
-        // come from &mut slices; the workspace is a live &mut buffer. The
-        // library validates shapes, dtypes and contents before any access.
+        // against the shape it is described with; outputs, the pool and the
+        // checkpoints come from &mut slices; the workspace is a live &mut
+        // buffer. The library validates shapes, dtypes and contents before
+        // any access.
         check(unsafe {
-            sys::fkda_fwd(self.as_raw(), &raw, workspace_ptr, workspace.len(), null_mut())
+            match entry {
+                Entry::Fwd(raw) => sys::fkda_fwd(self.as_raw(), raw, workspace_ptr, workspace.len(), null_mut()),
+                Entry::Decode(raw) => {
+                    sys::fkda_decode(self.as_raw(), raw, workspace_ptr, workspace.len(), null_mut())
+                }
+            }
         })
     }
 
@@ -417,6 +559,22 @@ impl Plan {
     ) -> Result<()> {
         let raw = args.to_sys();
         check(sys::fkda_fwd(self.as_raw(), &raw, workspace, workspace_bytes, stream))
+    }
+
+    /// `fkda_decode` with caller-described tensors, for device memory (a GPU
+    /// plan) or any layout `decode_host` does not cover.
+    ///
+    /// # Safety
+    /// As for [`Plan::fwd_raw`]; `out` and `state_pool` are written.
+    pub unsafe fn decode_raw(
+        &self,
+        args: &RawDecodeArgs,
+        workspace: *mut c_void,
+        workspace_bytes: usize,
+        stream: sys::fkda_stream_t,
+    ) -> Result<()> {
+        let raw = args.to_sys();
+        check(sys::fkda_decode(self.as_raw(), &raw, workspace, workspace_bytes, stream))
     }
 }
 
@@ -456,8 +614,10 @@ pub enum SeqLens<'a> {
     I32(&'a [i32]),
 }
 
-/// Arguments of [`Plan::fwd_host`], all contiguous row-major; H, K and V come
-/// from the plan, N is `batch` or `cu_seqlens.len() - 1` (then `batch` is 1).
+/// Arguments of [`Plan::fwd_host`] (and the activations of
+/// [`Plan::fwd_host_pool`] and [`Plan::decode_host`]), all contiguous
+/// row-major; H, K and V come from the plan, N is `batch` or
+/// `cu_seqlens.len() - 1` (then `batch` is 1).
 pub struct HostFwd<'a> {
     pub batch: usize,
     pub seq_len: usize,
@@ -481,6 +641,104 @@ pub struct HostFwd<'a> {
     pub initial_state: Option<StateRef<'a>>,
     pub final_state: Option<StateMut<'a>>,
     pub cu_seqlens: Option<SeqLens<'a>>,
+}
+
+/// A pool of states `[slots, H, V, K]` (or `[slots, H, K, V]`, the plan's
+/// layout) in the plan's state dtype, updated in place.
+///
+/// Sequence n starts from slot `state_indices[n]` and its final state is
+/// written back there; a null index (the plan's [`NullSlotRule`]) makes the
+/// sequence padding: zero output rows, no state read or written.
+pub struct HostPool<'a> {
+    pub pool: StateMut<'a>,
+    pub slots: usize,
+    /// `[N]`.
+    pub state_indices: Indices<'a>,
+    /// `[N]`: false starts sequence n from zeros.
+    pub has_initial_state: Option<&'a [bool]>,
+    pub checkpoints: Option<HostCheckpoints<'a>>,
+}
+
+/// The states after given token counts of each sequence (prefix caching).
+pub struct HostCheckpoints<'a> {
+    /// C, the columns of the `[N, C]` tables.
+    pub per_seq: usize,
+    /// `[N, C]`: token counts from the sequence's start, multiples of 16,
+    /// ascending; negative means none.
+    pub offsets: Indices<'a>,
+    pub destination: CheckpointDestination<'a>,
+}
+
+pub enum CheckpointDestination<'a> {
+    /// `[N, C, H, V, K]` (bf16 or f32, whatever the plan's state dtype).
+    Tensor(StateMut<'a>),
+    /// `[N, C]` slots of the pool; null indices are skipped.
+    Slots(Indices<'a>),
+}
+
+/// Slot indices or token counts, int32 or int64 as the runtime keeps them.
+pub enum Indices<'a> {
+    I32(&'a [i32]),
+    I64(&'a [i64]),
+}
+
+impl Indices<'_> {
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<sys::fkda_tensor> {
+        match self {
+            Indices::I32(values) => host_tensor(name, values, Dtype::I32, shape),
+            Indices::I64(values) => host_tensor(name, values, Dtype::I64, shape),
+        }
+    }
+}
+
+/// The pool of [`Plan::decode_host`]: states `[slots, H, V, K]` (or the
+/// plan's KV layout) in the plan's state dtype, updated in place.
+pub struct DecodePool<'a> {
+    pub pool: StateMut<'a>,
+    pub slots: usize,
+    /// `[N]`: read and write slot `state_indices[n]`; or, with
+    /// `verify_columns: Some(W)`, `[N, W]` (speculative verify): start from
+    /// column `num_accepted_tokens[n] - 1`, write the state after token t into
+    /// column t.
+    pub state_indices: Indices<'a>,
+    pub verify_columns: Option<usize>,
+    /// `[N]` in [1, W], with `[N, W]` indices only; `None` means 1.
+    pub num_accepted_tokens: Option<Indices<'a>>,
+}
+
+/// The checked descriptors every call has.
+struct HostActivations {
+    num_seqs: usize,
+    total_tokens: usize,
+    q: sys::fkda_tensor,
+    k: sys::fkda_tensor,
+    v: sys::fkda_tensor,
+    g: sys::fkda_tensor,
+    beta: sys::fkda_tensor,
+    a_log: sys::fkda_tensor,
+    dt_bias: sys::fkda_tensor,
+    out: sys::fkda_tensor,
+    cu_seqlens: sys::fkda_tensor,
+}
+
+impl HostActivations {
+    /// (total_tokens, num_seqs) as the workspace queries take them.
+    fn sizes(&self) -> (i64, i64) {
+        (i64::try_from(self.total_tokens).unwrap_or(i64::MAX), self.num_seqs as i64)
+    }
+}
+
+/// Which entry point a host call runs.
+enum Entry<'r> {
+    Fwd(&'r sys::fkda_fwd_args),
+    Decode(&'r sys::fkda_decode_args),
+}
+
+fn state_tensor(name: &str, state: &StateMut<'_>, shape: &[usize]) -> Result<sys::fkda_tensor> {
+    match state {
+        StateMut::Bf16(s) => host_tensor(name, s, Dtype::Bf16, shape),
+        StateMut::F32(s) => host_tensor(name, s, Dtype::F32, shape),
+    }
 }
 
 fn host_tensor<T>(name: &str, data: &[T], dtype: Dtype, shape: &[usize]) -> Result<sys::fkda_tensor> {
@@ -584,11 +842,30 @@ pub struct RawFwdArgs {
     pub final_state: Option<RawTensor>,
     pub cu_seqlens: Option<RawTensor>,
     pub scale: f32,
+    /// States in a pool and checkpoints, as in `fkda_fwd_args`.
+    pub pool: Option<RawPoolArgs>,
+}
+
+/// The pool fields of `fkda_fwd_args`.
+#[derive(Clone, Copy, Debug)]
+pub struct RawPoolArgs {
+    pub state_pool: Option<RawTensor>,
+    pub state_indices: Option<RawTensor>,
+    pub has_initial_state: Option<RawTensor>,
+    pub checkpoint_offsets: Option<RawTensor>,
+    pub checkpoints: Option<RawTensor>,
+    pub checkpoint_slots: Option<RawTensor>,
+}
+
+fn optional_tensor(tensor: &Option<RawTensor>) -> sys::fkda_tensor {
+    tensor.map_or(sys::FKDA_TENSOR_NONE, |t| t.to_sys())
 }
 
 impl RawFwdArgs {
     pub fn to_sys(&self) -> sys::fkda_fwd_args {
-        let optional = |tensor: &Option<RawTensor>| tensor.map_or(sys::FKDA_TENSOR_NONE, |t| t.to_sys());
+        let optional = optional_tensor;
+        let pool = self.pool.as_ref();
+        let pool_field = |field: fn(&RawPoolArgs) -> Option<RawTensor>| optional(&pool.and_then(field));
         sys::fkda_fwd_args {
             q: self.q.to_sys(),
             k: self.k.to_sys(),
@@ -602,7 +879,52 @@ impl RawFwdArgs {
             final_state: optional(&self.final_state),
             cu_seqlens: optional(&self.cu_seqlens),
             scale: self.scale,
+            state_pool: pool_field(|p| p.state_pool),
+            state_indices: pool_field(|p| p.state_indices),
+            has_initial_state: pool_field(|p| p.has_initial_state),
+            checkpoint_offsets: pool_field(|p| p.checkpoint_offsets),
+            checkpoints: pool_field(|p| p.checkpoints),
+            checkpoint_slots: pool_field(|p| p.checkpoint_slots),
             ..sys::FKDA_FWD_ARGS_INIT
+        }
+    }
+}
+
+/// Arguments of [`Plan::decode_raw`]; the shapes are those of `fkda_decode_args`.
+#[derive(Clone, Copy, Debug)]
+pub struct RawDecodeArgs {
+    pub q: RawTensor,
+    pub k: RawTensor,
+    pub v: RawTensor,
+    pub g: RawTensor,
+    pub beta: RawTensor,
+    pub a_log: RawTensor,
+    pub dt_bias: RawTensor,
+    pub out: RawTensor,
+    pub state_pool: RawTensor,
+    pub state_indices: RawTensor,
+    pub num_accepted_tokens: Option<RawTensor>,
+    pub cu_seqlens: Option<RawTensor>,
+    pub scale: f32,
+}
+
+impl RawDecodeArgs {
+    pub fn to_sys(&self) -> sys::fkda_decode_args {
+        sys::fkda_decode_args {
+            q: self.q.to_sys(),
+            k: self.k.to_sys(),
+            v: self.v.to_sys(),
+            g: self.g.to_sys(),
+            beta: self.beta.to_sys(),
+            A_log: self.a_log.to_sys(),
+            dt_bias: self.dt_bias.to_sys(),
+            out: self.out.to_sys(),
+            state_pool: self.state_pool.to_sys(),
+            state_indices: self.state_indices.to_sys(),
+            num_accepted_tokens: optional_tensor(&self.num_accepted_tokens),
+            cu_seqlens: optional_tensor(&self.cu_seqlens),
+            scale: self.scale,
+            ..sys::FKDA_DECODE_ARGS_INIT
         }
     }
 }

@@ -2,8 +2,9 @@
 //! recurrence on random inputs, plan reuse, and the error paths.
 
 use flashkda::{
-    from_bf16, query_device, to_bf16, version, version_string, Backend, Dtype, Error, HostFwd, Plan,
-    PlanDesc, RawFwdArgs, RawTensor, SeqLens, StateMut, StateRef, Status,
+    from_bf16, query_device, to_bf16, version, version_string, Backend, CheckpointDestination, Dtype,
+    Error, DecodePool, HostCheckpoints, HostFwd, HostPool, Indices, NullSlotRule, Plan, PlanDesc,
+    RawFwdArgs, RawTensor, SeqLens, StateMut, StateRef, Status,
 };
 use std::ffi::c_void;
 use std::ptr::null_mut;
@@ -45,6 +46,7 @@ impl Rng {
 
 // --------------------------------------------------------------- reference
 
+#[derive(Clone)]
 struct Problem {
     batch: usize,
     seq_len: usize,
@@ -334,6 +336,7 @@ fn raw_forward_on_host_pointers_matches_fwd_host() {
         final_state: Some(tensor(state.as_mut_ptr().cast(), Dtype::F32, &state_shape)),
         cu_seqlens: None,
         scale: problem.scale,
+        pool: None,
     };
     let mut workspace = vec![0u8; plan.workspace_size(24, 1).unwrap()];
     // SAFETY: every pointer is a live host buffer of the described shape.
@@ -510,4 +513,184 @@ fn bf16_round_trips_and_rounds_to_nearest_even() {
     assert_eq!(to_bf16(f32::MAX), 0x7F80);
     assert_eq!(to_bf16(f32::INFINITY), 0x7F80);
     assert_eq!(to_bf16(-0.0), 0x8000);
+}
+
+// ------------------------------------------------------------ state pools
+
+const POOL_SLOTS: usize = 6;
+
+/// A pool of random states with the problem's initial state of sequence n
+/// in slot `slots[n]`.
+fn pool_holding(problem: &Problem, slots: &[i64], seed: u64) -> Vec<f32> {
+    let slot_len = problem.heads * DIM * DIM;
+    let mut rng = Rng(seed);
+    let mut pool: Vec<f32> = (0..POOL_SLOTS * slot_len).map(|_| rng.normal() as f32).collect();
+    let initial = problem.initial_state.as_ref().unwrap();
+    for (n, &slot) in slots.iter().enumerate() {
+        if slot >= 0 {
+            let slot = slot as usize;
+            pool[slot * slot_len..(slot + 1) * slot_len].copy_from_slice(&initial[n * slot_len..(n + 1) * slot_len]);
+        }
+    }
+    pool
+}
+
+/// Slots `slots[n]` hold the reference's final state of sequence n within
+/// `tolerance`; every other slot is bit for bit as it was.
+fn assert_pool_updated(problem: &Problem, pool: &[f32], before: &[f32], slots: &[i64], tolerance: f64) {
+    let slot_len = problem.heads * DIM * DIM;
+    let (_, expected_state) = problem.reference();
+    for slot in 0..POOL_SLOTS {
+        let range = slot * slot_len..(slot + 1) * slot_len;
+        match slots.iter().position(|&s| s == slot as i64) {
+            Some(n) => {
+                let expected = &expected_state[n * slot_len..(n + 1) * slot_len];
+                let error = rel_l2(pool[range].iter().map(|&x| x as f64), expected);
+                assert!(error <= tolerance, "pool slot {slot}: relative L2 error {error:.3e}");
+            }
+            None => assert_eq!(pool[range.clone()], before[range], "pool slot {slot} was touched"),
+        }
+    }
+}
+
+/// Decodes `problem` on a pool holding its initial states at `slots` (i32,
+/// as runtimes pass them; null entries hold -1 in `pool_slots`). Returns
+/// (out, pool after, pool before).
+fn decode_on_pool(problem: &Problem, plan: &Plan, slots: &[i32], pool_slots: &[i64]) -> (Vec<u16>, Vec<f32>, Vec<f32>) {
+    let mut pool = pool_holding(problem, pool_slots, 7);
+    let before = pool.clone();
+    let mut out = vec![BF16_NAN; problem.q.len()];
+    plan.decode_host(
+        problem.inputs(&mut out),
+        DecodePool {
+            pool: StateMut::F32(&mut pool),
+            slots: POOL_SLOTS,
+            state_indices: Indices::I32(slots),
+            verify_columns: None,
+            num_accepted_tokens: None,
+        },
+        None,
+    )
+    .unwrap();
+    (out, pool, before)
+}
+
+#[test]
+fn decode_on_a_pool_matches_the_recurrence() {
+    let problem = Problem::random(31, 3, 2, 2, None, true);
+    let slots = [4i32, 1, 5];
+    let pool_slots = [4i64, 1, 5];
+    let (out, pool, before) = decode_on_pool(&problem, &cpu_plan(2), &slots, &pool_slots);
+    let (expected_out, _) = problem.reference();
+    let out_error = rel_l2(out.iter().map(|&x| from_bf16(x) as f64), &expected_out);
+    assert!(out_error <= 6e-3, "out: relative L2 error {out_error:.3e}");
+    assert_pool_updated(&problem, &pool, &before, &pool_slots, 1e-4);
+}
+
+#[test]
+fn decode_padding_leaves_the_pool_alone() {
+    let problem = Problem::random(32, 2, 1, 2, None, true);
+    let plan = Plan::new(&PlanDesc {
+        backend: Backend::Cpu,
+        null_slot_rule: NullSlotRule::Nonpositive,
+        ..PlanDesc::new(2)
+    })
+    .unwrap();
+    // Slot 0 is the null slot under this rule: sequence 0 is padding.
+    let (out, pool, before) = decode_on_pool(&problem, &plan, &[0, 3], &[-1, 3]);
+    let row = problem.heads * DIM;
+    assert!(out[..row].iter().all(|&x| x == 0), "the padding sequence's output is not zero");
+    assert!(out[row..].iter().all(|&x| !from_bf16(x).is_nan()), "out: some elements were not written");
+    assert_pool_updated(&problem, &pool, &before, &[-1, 3], 1e-4);
+}
+
+#[test]
+fn prefill_on_a_pool_equals_contiguous_states_and_writes_checkpoints() {
+    let problem = Problem::random(33, 1, 0, 2, Some(&[40, 24]), true);
+    let plan = cpu_plan(2);
+    let (expected_out, expected_state) = problem.run(&plan).unwrap();
+    let slots = [2i64, 5];
+    let mut pool = pool_holding(&problem, &slots, 9);
+    let offsets = [16i32, 32, 16, -1];
+    let slot_len = problem.heads * DIM * DIM;
+    let mut checkpoints = vec![f32::NAN; 4 * slot_len];
+    let mut out = vec![BF16_NAN; problem.q.len()];
+    let offsets_i64 = problem.cu_seqlens.clone().unwrap();
+    plan.fwd_host_pool(
+        HostFwd { cu_seqlens: Some(SeqLens::I64(&offsets_i64)), ..problem.inputs(&mut out) },
+        HostPool {
+            pool: StateMut::F32(&mut pool),
+            slots: POOL_SLOTS,
+            state_indices: Indices::I64(&slots),
+            has_initial_state: Some(&[true, true]),
+            checkpoints: Some(HostCheckpoints {
+                per_seq: 2,
+                offsets: Indices::I32(&offsets),
+                destination: CheckpointDestination::Tensor(StateMut::F32(&mut checkpoints)),
+            }),
+        },
+        None,
+    )
+    .unwrap();
+    assert_eq!(out, expected_out);
+    for (n, &slot) in slots.iter().enumerate() {
+        let slot = slot as usize;
+        assert_eq!(pool[slot * slot_len..(slot + 1) * slot_len], expected_state[n * slot_len..(n + 1) * slot_len]);
+    }
+    // Checkpoint (n, c) holds the state after offsets[n][c] tokens: the
+    // final state of the sequence cut there.
+    for (index, &count) in offsets.iter().enumerate() {
+        let written = &checkpoints[index * slot_len..(index + 1) * slot_len];
+        if count < 0 {
+            assert!(written.iter().all(|x| x.is_nan()), "checkpoint {index} has no offset but was written");
+            continue;
+        }
+        let n = index / 2;
+        let start = offsets_i64[n];
+        let prefix = Problem {
+            cu_seqlens: Some(vec![start, start + count as i64]),
+            initial_state: Some(problem.initial_state.as_ref().unwrap()[n * slot_len..(n + 1) * slot_len].to_vec()),
+            ..problem.clone()
+        };
+        let (_, expected) = prefix.reference();
+        let error = rel_l2(written.iter().map(|&x| x as f64), &expected);
+        assert!(error <= 5e-3, "checkpoint {index}: relative L2 error {error:.3e}");
+    }
+}
+
+#[test]
+fn pool_arguments_are_checked_by_name() {
+    let problem = Problem::random(34, 2, 1, 2, None, true);
+    let plan = cpu_plan(2);
+    let mut pool = vec![0f32; POOL_SLOTS * problem.heads * DIM * DIM];
+    let mut out = vec![BF16_NAN; problem.q.len()];
+    let too_short = [1i64];
+    let error = plan.fwd_host_pool(
+        problem.inputs(&mut out),
+        HostPool {
+            pool: StateMut::F32(&mut pool),
+            slots: POOL_SLOTS,
+            state_indices: Indices::I64(&too_short),
+            has_initial_state: None,
+            checkpoints: None,
+        },
+        None,
+    );
+    expect_invalid(error, "state_indices");
+    let outside = [1i64, POOL_SLOTS as i64];
+    let error = plan
+        .fwd_host_pool(
+            problem.inputs(&mut out),
+            HostPool {
+                pool: StateMut::F32(&mut pool),
+                slots: POOL_SLOTS,
+                state_indices: Indices::I64(&outside),
+                has_initial_state: None,
+                checkpoints: None,
+            },
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(error.status, Status::InvalidArgument);
+    assert!(error.message.starts_with("state_indices[1]:"), "{}", error.message);
 }

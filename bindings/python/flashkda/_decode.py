@@ -1,0 +1,53 @@
+"""The decode step as serving runtimes call it: a few tokens per sequence,
+states in a pool updated in place."""
+
+from ._abi import NullSlotRule
+from ._api import _Call, temporary_plan
+
+
+def decode(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    out,
+    A_log,
+    dt_bias,
+    lower_bound,
+    state_pool,
+    state_indices,
+    num_accepted_tokens=None,
+    cu_seqlens=None,
+    *,
+    null_slot_rule=NullSlotRule.NEGATIVE,
+):
+    """fkda_decode through a temporary plan (flashkda.Plan.decode reuses one).
+
+    Writes `out` and updates `state_pool` in place. Host arrays run on the
+    CPU backend, CUDA arrays on the GPU backend, on the current stream of
+    their producer; the plan's state dtype is the pool's.
+
+      q, k, g, v, out    bf16 [N, T, H, 128] (T <= 16), or packed
+                         [1, total, H, 128] with cu_seqlens [N + 1]
+                         (lengths 0 to 16)
+      beta               bf16 [N, T, H] (or [1, total, H])
+      A_log, dt_bias     f32 [H] and [H, 128]
+      state_pool         f32 or bf16 [slots, H, 128, 128]
+      state_indices      int32/int64 [N]: read and write slot state_indices[n];
+                         or [N, W] for speculative verify: start from column
+                         num_accepted_tokens[n] - 1 and write the state after
+                         token t to the slot in column t
+      num_accepted_tokens  int32/int64 [N] in [1, W], with [N, W] indices only
+      null_slot_rule     "negative" (index < 0 is padding) or "nonpositive"
+                         (index <= 0 is padding, slot 0 reserved)
+    A sequence whose starting slot is null is padding: its output rows are
+    zero and no state is read or written.
+    """
+    call = _Call({"q": q, "A_log": A_log, "state_pool": state_pool})
+    with temporary_plan(call, {"state_pool": state_pool}, lower_bound, null_slot_rule) as plan:
+        plan.decode(
+            q, k, v, g, beta, scale, out, A_log, dt_bias, state_pool, state_indices,
+            num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens,
+        )

@@ -1,0 +1,78 @@
+/* Parameters of the decode kernel (kernels/decode_recurrence.cuh), shared
+ * with its launch code in src/gpu/gpu_decode.cpp. Plain C like
+ * prefill_params.h, whose activation views and head size it reuses; passed by
+ * value as the kernel's single argument. */
+#ifndef FLASHKDA_KERNELS_DECODE_PARAMS_H
+#define FLASHKDA_KERNELS_DECODE_PARAMS_H
+
+#include <stdint.h>
+
+#include "prefill_params.h"
+
+/* The longest sequence a decode call serves (tokens). */
+#define FKDA_DECODE_MAX_TOKENS 16
+
+/* Each warp owns this many V rows of one (sequence, head) state, two per
+ * group of 8 lanes; the 8 lanes of a group split the 128 K columns. A block
+ * has 1, 2 or 4 warps, so 16, 8 or 4 blocks share a head's 128 rows. */
+#define FKDA_DECODE_ROWS_PER_WARP 8
+#define FKDA_DECODE_MAX_WARPS 4
+
+/* Dynamic shared memory of a block, for sequences of at most max_tokens
+ * tokens, in this order (byte offsets below):
+ *   write_slots  int64 [FKDA_DECODE_MAX_TOKENS]  pool slot of each token's state (table), -1: none
+ *   key          f32 [max_tokens][128]          k / |k|
+ *   query        f32 [max_tokens][128]          scale q / |q|
+ *   decay        f32 [max_tokens][128]          exp(a_t)
+ *   value        f32 [max_tokens][rows]         the block's V rows of v
+ *   beta         f32 [max_tokens]               sigmoid(beta)
+ * Every array starts on a 16-byte boundary. */
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_key_offset(void) { return FKDA_DECODE_MAX_TOKENS * 8; }
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_query_offset(int32_t max_tokens) {
+  return fkda_decode_key_offset() + max_tokens * FKDA_HEAD_DIM * 4;
+}
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_decay_offset(int32_t max_tokens) {
+  return fkda_decode_query_offset(max_tokens) + max_tokens * FKDA_HEAD_DIM * 4;
+}
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_value_offset(int32_t max_tokens) {
+  return fkda_decode_decay_offset(max_tokens) + max_tokens * FKDA_HEAD_DIM * 4;
+}
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_beta_offset(int32_t max_tokens, int32_t warps) {
+  return fkda_decode_value_offset(max_tokens) + max_tokens * warps * FKDA_DECODE_ROWS_PER_WARP * 4;
+}
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_smem_bytes(int32_t max_tokens, int32_t warps) {
+  return fkda_decode_beta_offset(max_tokens, warps) + ((max_tokens * 4 + 15) / 16) * 16;
+}
+
+typedef struct FkdaDecodeParams {
+  FkdaActivation q, k, v, g, beta; /* bf16 */
+  FkdaOutput out;                  /* bf16 */
+  const float* A_log;              /* [H] */
+  const float* dt_bias;            /* [H, K] */
+
+  void* pool;               /* [slots, H, V, K] (or [slots, H, K, V]) */
+  int64_t pool_slots;
+  int64_t pool_slot_stride; /* elements */
+  int32_t state_is_bf16;    /* else f32 */
+  int32_t state_is_kv;
+
+  FkdaIndexTable state_indices;   /* [N] (cols 1) or [N, W] */
+  FkdaIndexTable num_accepted;    /* [N], with a table; data NULL means 1 */
+  int32_t indices_are_table;
+  int32_t first_real_slot;        /* 0 or 1: smaller indices are null (fkda_null_slot_rule) */
+
+  const void* cu_seqlens; /* NULL: sequence n is batch row n */
+  int64_t cu_seqlens_stride;
+  int32_t cu_seqlens_is_i64;
+  int32_t num_heads;
+
+  int64_t seq_len;  /* T: tokens per row (the packed total with cu_seqlens) */
+  int64_t num_seqs; /* N */
+
+  float scale;
+  float lower_bound;  /* the decay is exp(lower_bound * sigmoid(...)), base e (decode_recurrence.cuh) */
+  int32_t max_tokens; /* sequences longer than this are treated as padding; <= FKDA_DECODE_MAX_TOKENS */
+  int32_t warps;      /* per block: 1, 2 or 4 */
+} FkdaDecodeParams;
+
+#endif /* FLASHKDA_KERNELS_DECODE_PARAMS_H */

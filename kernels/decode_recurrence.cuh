@@ -1,0 +1,332 @@
+// The decode kernel: the token-by-token recurrence for 1 to 16 tokens per
+// sequence, on states kept in a pool and updated in place.
+//
+// Per (sequence n, head h), with S the pool's V x K matrix in f32:
+//   for each token t:
+//     k^ = k / sqrt(|k|^2 + 1e-6),  q^ likewise (IEEE sqrt and division)
+//     decay[c] = exp(lower_bound * sigmoid(exp(A_log[h]) * (g[c] + dt_bias[h][c])))
+//     b = sigmoid(beta)
+//     for each V row e:  s_e *= decay;  u = b (v[e] - s_e . k^);  s_e += u k^
+//                        out[e] = bf16(s_e . (scale q^))
+//     table: S rounded to the pool dtype -> slot of column t (unless null)
+//   [N] indices: S rounded to the pool dtype -> the slot it came from
+//
+// The rows of S evolve independently, so block (n * vsplit + z, h) takes
+// `rows` = 8 x warps of them, starting at z x rows, and keeps them in
+// registers for all the sequence's tokens: each state element is read once
+// and written once per call ([N] indices) or once per token (table). Within a
+// warp, each group of 8 lanes owns two adjacent rows and splits the 128 K
+// columns into 16 a lane, taken as four runs of 4 ("quads") placed so that
+// every global access of a group is one contiguous 128-byte segment of a row:
+// dot products over K are 16 fused multiply-adds and three shuffles.
+//
+// Before the steps, the block's warps prepare every token's normalised key
+// and query, decay and beta (one warp per token, each lane 4 channels) into
+// shared memory, with the block's rows of v; the state loads are issued
+// first, so they are in flight during that work.
+//
+// The decay is formed in base e from lower_bound rather than through the
+// prefill's rounded base-2 gate_scale, and every exp, division and square
+// root is the accurate one: an f32 pool is compared with the fp64 recurrence
+// at 1e-6 after several chained calls, and the error of a decay factor enters
+// the state in full.
+//
+// Untrusted device values: offsets are clamped into [0, T]; a sequence longer
+// than max_tokens, a count of accepted tokens outside [1, W], or a starting
+// slot that is null or outside the pool makes the sequence padding (its
+// output rows zero, no state touched); a null or out-of-range write slot of a
+// table is skipped. A zero-length sequence touches nothing.
+#pragma once
+
+#include "decode_params.h"
+#include "device_common.cuh"
+
+namespace fkda_dev {
+
+constexpr int kDecodeColumnsPerLane = 16;
+
+// First K column of quad m (0..3) of lane l (0..7) of a group. An f32 row
+// is read as four 16-byte pieces, quad m at piece 8 m + l; a bf16 row as two,
+// piece j = m / 2 holding quads 2 j and 2 j + 1.
+template <bool kBf16>
+__device__ __forceinline__ int quad_column(int m, int l) {
+  return kBf16 ? ((m >> 1) * 8 + l) * 8 + (m & 1) * 4 : (m * 8 + l) * 4;
+}
+
+// A group's two rows e, e + 1 of one V x K (or K x V) matrix: s[r][4 m + i]
+// is row e + r, column quad_column(m, l) + i. Streaming cache hints: each
+// element is used once per call.
+template <bool kBf16, bool kKV>
+__device__ __forceinline__ void load_state_rows(const void* matrix, int e, int l, float (&s)[2][kDecodeColumnsPerLane]) {
+  if (!kKV) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (kBf16) {
+        const uint16_t* row = static_cast<const uint16_t*>(matrix) + (e + r) * FKDA_HEAD_DIM;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const uint4 w = __ldcs(reinterpret_cast<const uint4*>(row + quad_column<true>(2 * j, l)));
+          const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            s[r][8 * j + 2 * i] = bf16_lo(words[i]);
+            s[r][8 * j + 2 * i + 1] = bf16_hi(words[i]);
+          }
+        }
+      } else {
+        const float* row = static_cast<const float*>(matrix) + (e + r) * FKDA_HEAD_DIM;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const float4 f = __ldcs(reinterpret_cast<const float4*>(row + quad_column<false>(m, l)));
+          s[r][4 * m] = f.x;
+          s[r][4 * m + 1] = f.y;
+          s[r][4 * m + 2] = f.z;
+          s[r][4 * m + 3] = f.w;
+        }
+      }
+    }
+  } else {
+    // K x V: rows e, e + 1 are adjacent in each column's line.
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int at = (quad_column<kBf16>(m, l) + i) * FKDA_HEAD_DIM + e;
+        if (kBf16) {
+          const uint32_t w = __ldcs(reinterpret_cast<const unsigned int*>(static_cast<const uint16_t*>(matrix) + at));
+          s[0][4 * m + i] = bf16_lo(w);
+          s[1][4 * m + i] = bf16_hi(w);
+        } else {
+          const float2 f = __ldcs(reinterpret_cast<const float2*>(static_cast<const float*>(matrix) + at));
+          s[0][4 * m + i] = f.x;
+          s[1][4 * m + i] = f.y;
+        }
+      }
+    }
+  }
+}
+
+// The inverse of load_state_rows, rounding to bf16 (nearest even) for a bf16 pool.
+template <bool kBf16, bool kKV>
+__device__ __forceinline__ void store_state_rows(void* matrix, int e, int l, const float (&s)[2][kDecodeColumnsPerLane]) {
+  if (!kKV) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (kBf16) {
+        uint16_t* row = static_cast<uint16_t*>(matrix) + (e + r) * FKDA_HEAD_DIM;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          uint4 w;
+          w.x = pack_bf16x2(s[r][8 * j], s[r][8 * j + 1]);
+          w.y = pack_bf16x2(s[r][8 * j + 2], s[r][8 * j + 3]);
+          w.z = pack_bf16x2(s[r][8 * j + 4], s[r][8 * j + 5]);
+          w.w = pack_bf16x2(s[r][8 * j + 6], s[r][8 * j + 7]);
+          __stcs(reinterpret_cast<uint4*>(row + quad_column<true>(2 * j, l)), w);
+        }
+      } else {
+        float* row = static_cast<float*>(matrix) + (e + r) * FKDA_HEAD_DIM;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          __stcs(reinterpret_cast<float4*>(row + quad_column<false>(m, l)),
+                 make_float4(s[r][4 * m], s[r][4 * m + 1], s[r][4 * m + 2], s[r][4 * m + 3]));
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int at = (quad_column<kBf16>(m, l) + i) * FKDA_HEAD_DIM + e;
+        if (kBf16) {
+          __stcs(reinterpret_cast<unsigned int*>(static_cast<uint16_t*>(matrix) + at),
+                 pack_bf16x2(s[0][4 * m + i], s[1][4 * m + i]));
+        } else {
+          __stcs(reinterpret_cast<float2*>(static_cast<float*>(matrix) + at),
+                 make_float2(s[0][4 * m + i], s[1][4 * m + i]));
+        }
+      }
+    }
+  }
+}
+
+// The lane's 16 values of a prepared 128-wide row in shared memory, in the
+// order of its state registers.
+template <bool kBf16>
+__device__ __forceinline__ void load_lane_columns(const float* row, int l, float (&x)[kDecodeColumnsPerLane]) {
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const float4 f = *reinterpret_cast<const float4*>(row + quad_column<kBf16>(m, l));
+    x[4 * m] = f.x;
+    x[4 * m + 1] = f.y;
+    x[4 * m + 2] = f.z;
+    x[4 * m + 3] = f.w;
+  }
+}
+
+// The sum over the 8 lanes of a group, in every lane of it.
+__device__ __forceinline__ float group_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int d = 16; d >= 1; d >>= 1) x += __shfl_xor_sync(0xffffffffu, x, d);
+  return x;
+}
+
+// Four consecutive bf16 values (8 bytes) of an activation row.
+__device__ __forceinline__ float4 load_bf16x4(const uint16_t* at) {
+  const uint2 w = __ldg(reinterpret_cast<const uint2*>(at));
+  return make_float4(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
+}
+
+template <bool kBf16, bool kKV>
+__device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
+  extern __shared__ __align__(16) unsigned char decode_smem[];
+  const int warps = p.warps;
+  const int rows = warps * FKDA_DECODE_ROWS_PER_WARP;  // of this block
+  const int vsplit = FKDA_HEAD_DIM / rows;
+  const int64_t n = blockIdx.x / vsplit;
+  const int block_row = int(blockIdx.x % vsplit) * rows;
+  const int head = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, l = lane & 7;
+  const int local_row = warp * FKDA_DECODE_ROWS_PER_WARP + (lane >> 3) * 2;  // the group's first row
+  const int e = block_row + local_row;
+
+  int64_t batch_row = n, begin = 0, end = p.seq_len;
+  if (p.cu_seqlens != nullptr) {
+    batch_row = 0;
+    begin = load_clamped_offset(p.cu_seqlens, p.cu_seqlens_stride, p.cu_seqlens_is_i64 != 0, p.seq_len, n);
+    end = load_clamped_offset(p.cu_seqlens, p.cu_seqlens_stride, p.cu_seqlens_is_i64 != 0, p.seq_len, n + 1);
+    if (end < begin) end = begin;
+  }
+  const int64_t length = end - begin;
+  if (length == 0) return;
+
+  // The slot the state starts from; -1 makes the sequence padding.
+  int64_t start_slot = -1;
+  if (length <= p.max_tokens) {
+    int64_t column = 0;
+    if (p.num_accepted.data != nullptr) {
+      const int64_t accepted = load_index(p.num_accepted, n, 0);
+      column = accepted >= 1 && accepted <= p.state_indices.cols ? accepted - 1 : -1;
+    }
+    if (column >= 0) {
+      start_slot = usable_slot(load_index(p.state_indices, n, column), p.first_real_slot, p.pool_slots);
+    }
+  }
+
+  uint16_t* out = static_cast<uint16_t*>(p.out.data) + batch_row * p.out.stride_b + int64_t(head) * p.out.stride_h +
+                  begin * p.out.stride_t + block_row;
+  if (start_slot < 0) {
+    for (int64_t i = tid; i < length * rows; i += blockDim.x) out[(i / rows) * p.out.stride_t + i % rows] = 0;
+    return;
+  }
+  const int tokens = int(length);
+
+  const int64_t element_bytes = kBf16 ? 2 : 4;
+  const int64_t head_offset = int64_t(head) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
+  auto matrix_of = [&](int64_t slot) {
+    return static_cast<unsigned char*>(p.pool) + (slot * p.pool_slot_stride + head_offset) * element_bytes;
+  };
+  float s[2][kDecodeColumnsPerLane];
+  load_state_rows<kBf16, kKV>(matrix_of(start_slot), e, l, s);
+
+  // ---- preparation of every token, into shared memory ----
+  int64_t* write_slots = reinterpret_cast<int64_t*>(decode_smem);
+  float* key = reinterpret_cast<float*>(decode_smem + fkda_decode_key_offset());
+  float* query = reinterpret_cast<float*>(decode_smem + fkda_decode_query_offset(p.max_tokens));
+  float* decay = reinterpret_cast<float*>(decode_smem + fkda_decode_decay_offset(p.max_tokens));
+  float* value = reinterpret_cast<float*>(decode_smem + fkda_decode_value_offset(p.max_tokens));
+  float* beta = reinterpret_cast<float*>(decode_smem + fkda_decode_beta_offset(p.max_tokens, warps));
+  if (p.indices_are_table) {
+    for (int t = tid; t < tokens; t += blockDim.x) {
+      write_slots[t] = usable_slot(load_index(p.state_indices, n, t), p.first_real_slot, p.pool_slots);
+    }
+  }
+  {
+    const float decay_rate = expf(__ldg(p.A_log + head));
+    const float* dt_bias = p.dt_bias + int64_t(head) * FKDA_HEAD_DIM + 4 * lane;
+    const float dt[4] = {__ldg(dt_bias), __ldg(dt_bias + 1), __ldg(dt_bias + 2), __ldg(dt_bias + 3)};
+    auto token_row = [&](const FkdaActivation& a, int t) {
+      return static_cast<const uint16_t*>(a.data) + batch_row * a.stride_b + int64_t(head) * a.stride_h +
+             (begin + t) * a.stride_t;
+    };
+    for (int t = warp; t < tokens; t += warps) {
+      const float4 q = load_bf16x4(token_row(p.q, t) + 4 * lane);
+      const float4 k = load_bf16x4(token_row(p.k, t) + 4 * lane);
+      const float4 g = load_bf16x4(token_row(p.g, t) + 4 * lane);
+      const float rq = 1.0f / sqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f);
+      const float rk = 1.0f / sqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
+      const float qs = rq * p.scale;
+      reinterpret_cast<float4*>(key + t * FKDA_HEAD_DIM)[lane] = make_float4(k.x * rk, k.y * rk, k.z * rk, k.w * rk);
+      reinterpret_cast<float4*>(query + t * FKDA_HEAD_DIM)[lane] =
+          make_float4(q.x * qs, q.y * qs, q.z * qs, q.w * qs);
+      const float gv[4] = {g.x, g.y, g.z, g.w};
+      float d[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d[i] = expf(p.lower_bound * sigmoid_accurate(decay_rate * (gv[i] + dt[i])));
+      reinterpret_cast<float4*>(decay + t * FKDA_HEAD_DIM)[lane] = make_float4(d[0], d[1], d[2], d[3]);
+      if (lane == 0) beta[t] = sigmoid_accurate(bf16_bits(*token_row(p.beta, t)));
+    }
+    for (int i = tid; i < tokens * rows; i += blockDim.x) {
+      const int t = i / rows, r = i % rows;
+      value[i] = bf16_bits(__ldg(token_row(p.v, t) + block_row + r));
+    }
+  }
+  __syncthreads();
+
+  // ---- the steps ----
+  for (int t = 0; t < tokens; ++t) {
+    float kk[kDecodeColumnsPerLane], dd[kDecodeColumnsPerLane];
+    load_lane_columns<kBf16>(key + t * FKDA_HEAD_DIM, l, kk);
+    load_lane_columns<kBf16>(decay + t * FKDA_HEAD_DIM, l, dd);
+    const float b = beta[t];
+    float u[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float x = 0.f;
+#pragma unroll
+      for (int c = 0; c < kDecodeColumnsPerLane; ++c) {
+        s[r][c] *= dd[c];
+        x = fmaf(s[r][c], kk[c], x);
+      }
+      u[r] = b * (value[t * rows + local_row + r] - group_sum(x));
+    }
+    float qq[kDecodeColumnsPerLane];
+    load_lane_columns<kBf16>(query + t * FKDA_HEAD_DIM, l, qq);
+    float o[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float y = 0.f;
+#pragma unroll
+      for (int c = 0; c < kDecodeColumnsPerLane; ++c) {
+        s[r][c] = fmaf(u[r], kk[c], s[r][c]);
+        y = fmaf(s[r][c], qq[c], y);
+      }
+      o[r] = group_sum(y);
+    }
+    if (l == 0) *reinterpret_cast<uint32_t*>(out + t * p.out.stride_t + local_row) = pack_bf16x2(o[0], o[1]);
+    if (p.indices_are_table && write_slots[t] >= 0) {
+      store_state_rows<kBf16, kKV>(matrix_of(write_slots[t]), e, l, s);
+    }
+  }
+  if (!p.indices_are_table) store_state_rows<kBf16, kKV>(matrix_of(start_slot), e, l, s);
+}
+
+}  // namespace fkda_dev
+
+// One kernel per pool dtype and layout.
+#define FKDA_DEFINE_DECODE(name, bf16, kv)                                                     \
+  extern "C" __global__ void __launch_bounds__(32 * FKDA_DECODE_MAX_WARPS) name(const FkdaDecodeParams p) { \
+    fkda_dev::decode_steps<bf16, kv>(p);                                                         \
+  }
+FKDA_DEFINE_DECODE(fkda_decode_f32_vk, false, false)
+FKDA_DEFINE_DECODE(fkda_decode_f32_kv, false, true)
+FKDA_DEFINE_DECODE(fkda_decode_bf16_vk, true, false)
+FKDA_DEFINE_DECODE(fkda_decode_bf16_kv, true, true)
+#undef FKDA_DEFINE_DECODE

@@ -1,0 +1,136 @@
+// Loading of the embedded fatbin through the driver (no cudart), the device
+// facts the launch code needs, and the launch call itself.
+#include "gpu/kernel_library.h"
+
+#include <deque>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "error.h"
+#include "gpu/gpu_backend.h"
+#include "prefill_params.h"
+
+extern "C" {
+// The fatbin's bytes, placed in .rodata by cmake/embed_fatbin.S.in.
+extern const unsigned char flashkda_embedded_fatbin[];
+extern const unsigned char flashkda_embedded_fatbin_end[];
+}
+
+namespace fkda::gpu {
+namespace {
+
+Kernels load_kernels(const cuda::Driver& d) {
+  CUlibrary library = nullptr;
+  // Never unloaded: launches may still be in flight on any stream at exit.
+  CUresult result = d.cuLibraryLoadData(&library, flashkda_embedded_fatbin, nullptr, nullptr, 0, nullptr,
+                                        nullptr, 0);
+  if (result != CUDA_SUCCESS) {
+    fail(FKDA_ERROR_DRIVER, "cuLibraryLoadData (the embedded kernels) failed: " + cuda::describe(result));
+  }
+  Kernels kernels;
+  auto get = [&](NamedKernel* slot, const char* name) {
+    slot->name = name;
+    CUresult found = d.cuLibraryGetKernel(&slot->kernel, library, name);
+    if (found != CUDA_SUCCESS) {
+      fail(FKDA_ERROR_DRIVER, std::string("cuLibraryGetKernel(") + name + ") failed: " + cuda::describe(found));
+    }
+  };
+  get(&kernels.prepare, "fkda_prefill_prepare_chunks");
+  const char* recurrence[kVsplitCount] = {"fkda_prefill_chunk_recurrence_v1", "fkda_prefill_chunk_recurrence_v2",
+                                          "fkda_prefill_chunk_recurrence_v4", "fkda_prefill_chunk_recurrence_v8"};
+  for (int i = 0; i < kVsplitCount; ++i) get(&kernels.recurrence[i], recurrence[i]);
+  get(&kernels.decode[decode_kernel_index(false, false)], "fkda_decode_f32_vk");
+  get(&kernels.decode[decode_kernel_index(false, true)], "fkda_decode_f32_kv");
+  get(&kernels.decode[decode_kernel_index(true, false)], "fkda_decode_bf16_vk");
+  get(&kernels.decode[decode_kernel_index(true, true)], "fkda_decode_bf16_kv");
+  return kernels;
+}
+
+// Loaded on first use; a failed load throws and is tried again next call.
+const Kernels& kernels(const cuda::Driver& d) {
+  static const Kernels loaded = load_kernels(d);
+  return loaded;
+}
+
+int attribute(const cuda::Driver& d, CUdevice device, CUdevice_attribute which) {
+  int value = 0;
+  cuda::check(d.cuDeviceGetAttribute(&value, which, device), "cuDeviceGetAttribute");
+  return value;
+}
+
+const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Kernels& k) {
+  static std::mutex mutex;
+  // A deque: growing it leaves references to earlier entries valid.
+  static std::deque<std::pair<CUdevice, DeviceFacts>> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& entry : known) {
+    if (entry.first == device) return entry.second;
+  }
+  DeviceFacts facts;
+  facts.cc_major = attribute(d, device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
+  facts.cc_minor = attribute(d, device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
+  if (!has_kernels_for(facts.cc_major, facts.cc_minor)) {
+    fail(FKDA_ERROR_UNSUPPORTED_ARCH, unsupported_arch_message(facts.cc_major, facts.cc_minor));
+  }
+  facts.sm_count = attribute(d, device, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
+  facts.max_dynamic_smem = attribute(d, device, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN);
+  // The recurrence kernels need more than the default 48 KB of shared
+  // memory; raise the limit, once, for each one this device can hold.
+  if (fkda_recurrence_smem_bytes(kMaxVsplit) > facts.max_dynamic_smem) {
+    fail(FKDA_ERROR_UNSUPPORTED_ARCH, "device allows " + std::to_string(facts.max_dynamic_smem) +
+                                          " bytes of shared memory per block; the recurrence kernel needs " +
+                                          std::to_string(fkda_recurrence_smem_bytes(kMaxVsplit)));
+  }
+  for (int vsplit = 1; vsplit <= kMaxVsplit; vsplit *= 2) {
+    const int bytes = fkda_recurrence_smem_bytes(vsplit);
+    if (bytes > facts.max_dynamic_smem) continue;
+    const NamedKernel& recurrence = k.recurrence[vsplit_index(vsplit)];
+    CUresult result =
+        d.cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes, recurrence.kernel, device);
+    if (result != CUDA_SUCCESS) {
+      fail(FKDA_ERROR_DRIVER, std::string("cuKernelSetAttribute(") + recurrence.name +
+                                  ", max dynamic shared memory) failed: " + cuda::describe(result));
+    }
+  }
+  known.emplace_back(device, facts);
+  return known.back().second;
+}
+
+}  // namespace
+
+LaunchContext launch_context() {
+  const CUdevice device = cuda::current_device();  // throws FKDA_ERROR_NO_DEVICE without a context
+  const cuda::Driver& d = *cuda::driver();
+  const Kernels& k = kernels(d);
+  return LaunchContext{d, k, device_facts(d, device, k)};
+}
+
+CUfunction function_for_context(const LaunchContext& context, const NamedKernel& kernel) {
+  CUfunction function = nullptr;
+  CUresult result = context.driver.cuKernelGetFunction(&function, kernel.kernel);
+  if (result == CUDA_ERROR_NO_BINARY_FOR_GPU || result == CUDA_ERROR_INVALID_PTX ||
+      result == CUDA_ERROR_UNSUPPORTED_PTX_VERSION) {
+    const DeviceFacts& facts = context.facts;
+    fail(FKDA_ERROR_UNSUPPORTED_ARCH, unsupported_arch_message(facts.cc_major, facts.cc_minor) + " (" +
+                                          kernel.name + ": " + cuda::describe(result) + ")");
+  }
+  if (result != CUDA_SUCCESS) {
+    fail(FKDA_ERROR_DRIVER,
+         std::string("cuKernelGetFunction(") + kernel.name + ") failed: " + cuda::describe(result));
+  }
+  return function;
+}
+
+void launch(const LaunchContext& context, const NamedKernel& kernel, unsigned grid_x, unsigned grid_y,
+            unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params) {
+  CUfunction function = function_for_context(context, kernel);
+  void* args[] = {params};
+  CUresult result =
+      context.driver.cuLaunchKernel(function, grid_x, grid_y, grid_z, threads, 1, 1, smem, stream, args, nullptr);
+  if (result != CUDA_SUCCESS) {
+    fail(FKDA_ERROR_LAUNCH_FAILED, std::string("launch of ") + kernel.name + " failed: " + cuda::describe(result));
+  }
+}
+
+}  // namespace fkda::gpu

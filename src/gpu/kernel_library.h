@@ -1,0 +1,105 @@
+// The embedded kernels as the launch code sees them: the fatbin loaded once
+// per process, each kernel fetched by name, what the launch code needs to
+// know about the current device, and one launch call that turns driver
+// failures into fkda::Error. Shared by the prefill (gpu_backend.cpp) and the
+// decode (gpu_decode.cpp).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "flashkda.h"
+#include "gpu/cuda_driver.h"
+#include "prefill_params.h"
+#include "prefill_problem.h"
+
+namespace fkda::gpu {
+
+// One chunk recurrence kernel per V split (1, 2, 4, 8), indexed by log2(vsplit).
+constexpr int kVsplitCount = 4;
+constexpr int kMaxVsplit = 8;
+inline int vsplit_index(int vsplit) { return vsplit == 1 ? 0 : vsplit == 2 ? 1 : vsplit == 4 ? 2 : 3; }
+
+// One decode kernel per pool dtype and layout, indexed by decode_kernel_index.
+constexpr int kDecodeKernelCount = 4;
+inline int decode_kernel_index(bool bf16, bool kv) { return (bf16 ? 2 : 0) + (kv ? 1 : 0); }
+
+// A kernel of the library and its extern "C" name (for messages).
+struct NamedKernel {
+  CUkernel kernel = nullptr;
+  const char* name = "";
+};
+
+struct Kernels {
+  NamedKernel prepare;
+  NamedKernel recurrence[kVsplitCount];
+  NamedKernel decode[kDecodeKernelCount];
+};
+
+// What the launch code needs to know about a device, read once per device.
+struct DeviceFacts {
+  int cc_major = 0;
+  int cc_minor = 0;
+  int sm_count = 0;
+  int max_dynamic_smem = 0;  // opt-in limit per block
+};
+
+// Everything a launch needs: the driver, the kernels and the current
+// context's device. Throws FKDA_ERROR_NO_DEVICE without a current context,
+// FKDA_ERROR_UNSUPPORTED_ARCH or FKDA_ERROR_DRIVER.
+struct LaunchContext {
+  const cuda::Driver& driver;
+  const Kernels& kernels;
+  const DeviceFacts& facts;
+};
+LaunchContext launch_context();
+
+// The kernel's function in the current context.
+CUfunction function_for_context(const LaunchContext& context, const NamedKernel& kernel);
+
+// Enqueues `kernel` with its single by-value argument; FKDA_ERROR_LAUNCH_FAILED
+// when the driver refuses.
+void launch(const LaunchContext& context, const NamedKernel& kernel, unsigned grid_x, unsigned grid_y,
+            unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params);
+
+// The kernels' views of an activation and of the output.
+inline FkdaActivation kernel_view(const ActView& view) {
+  return FkdaActivation{view.data, view.stride_b, view.stride_t, view.stride_h};
+}
+inline FkdaOutput output_view(const ActView& view) {
+  return FkdaOutput{const_cast<void*>(view.data), view.stride_b, view.stride_t, view.stride_h};
+}
+// The kernels' view of device-side integers (absent: data NULL).
+inline FkdaIndexTable index_table(const IndexView& view) {
+  const int32_t bytes = view.dtype == FKDA_DTYPE_I64 ? 8 : view.dtype == FKDA_DTYPE_I32 ? 4 : 1;
+  const int64_t cols = view.cols < INT32_MAX ? view.cols : INT32_MAX;
+  return FkdaIndexTable{view.data, view.stride_row, view.stride_col, bytes, int32_t(cols)};
+}
+
+// The fields that the prefill and decode parameters share, from the
+// validated problem: activations, gate parameters, state dtype and layout,
+// sequence offsets, sizes and scale.
+template <typename Params, typename Problem>
+void set_common_params(const Problem& problem, Params& params) {
+  params.q = kernel_view(problem.q);
+  params.k = kernel_view(problem.k);
+  params.v = kernel_view(problem.v);
+  params.g = kernel_view(problem.g);
+  params.beta = kernel_view(problem.beta);
+  params.out = output_view(problem.out);
+  params.A_log = problem.A_log;
+  params.dt_bias = problem.dt_bias;
+  params.state_is_bf16 = problem.state_dtype == FKDA_DTYPE_BF16;
+  params.state_is_kv = problem.state_layout == FKDA_STATE_LAYOUT_KV;
+  params.first_real_slot = problem.null_slot_rule == FKDA_NULL_SLOT_NONPOSITIVE ? 1 : 0;
+  params.cu_seqlens = problem.cu_seqlens.data;
+  params.cu_seqlens_stride = problem.cu_seqlens.stride;
+  params.cu_seqlens_is_i64 = problem.cu_seqlens.dtype == FKDA_DTYPE_I64;
+  params.num_heads = problem.num_heads;
+  params.seq_len = problem.seq_len;
+  params.num_seqs = problem.num_seqs;
+  params.scale = problem.scale;
+}
+
+}  // namespace fkda::gpu

@@ -1,0 +1,197 @@
+// What the serving tests share (decode and prefill by pool slot): state pools
+// on the host and the device, scattered slot choices, the fp64 reference of
+// one sequence from a given state, integer tensors for indices and offsets,
+// and error reports that name the case.
+#pragma once
+
+#include "gpu_support.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace fkda_ref {
+
+constexpr int64_t kMatrixElements = 128 * 128;
+// Elements between the end of one slot's [H, V, K] block and the next slot:
+// a free slot stride, and bytes that must stay untouched.
+constexpr int64_t kSlotGap = 64;
+
+inline size_t dtype_bytes(fkda_dtype dtype) { return dtype == FKDA_DTYPE_BF16 ? 2 : 4; }
+
+// A state pool [slots, H, V, K] (or [slots, H, K, V]) with a slot stride of
+// H V K + kSlotGap elements, on the host. Every byte starts random (finite
+// values N(0, 1) in the pool's dtype, the gaps included), so a write where
+// none belongs and a slot read as zeros both show.
+struct HostPool {
+  int64_t slots = 0, H = 0;
+  fkda_dtype dtype = FKDA_DTYPE_F32;
+  fkda_state_layout layout = FKDA_STATE_LAYOUT_VK;
+  std::vector<unsigned char> bytes;
+
+  HostPool(int64_t slot_count, int64_t heads, fkda_dtype state_dtype, fkda_state_layout state_layout, uint64_t seed)
+      : slots(slot_count), H(heads), dtype(state_dtype), layout(state_layout),
+        bytes(size_t(slot_count * slot_stride()) * dtype_bytes(state_dtype)) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    const size_t count = bytes.size() / dtype_bytes(dtype);
+    for (size_t i = 0; i < count; ++i) store_element(i, normal(rng));
+  }
+
+  int64_t slot_stride() const { return H * kMatrixElements + kSlotGap; }
+
+  // Element (slot, h, e, k) of the V-first view, wherever the layout puts it.
+  size_t element_index(int64_t slot, int64_t h, int64_t e, int64_t k) const {
+    const int64_t inner = layout == FKDA_STATE_LAYOUT_VK ? e * 128 + k : k * 128 + e;
+    return size_t(slot * slot_stride() + h * kMatrixElements + inner);
+  }
+  void store_element(size_t i, float value) {
+    if (dtype == FKDA_DTYPE_BF16) {
+      const uint16_t bits = to_bf16(value);
+      std::memcpy(bytes.data() + i * 2, &bits, 2);
+    } else {
+      std::memcpy(bytes.data() + i * 4, &value, 4);
+    }
+  }
+  float load_element(size_t i) const {
+    if (dtype == FKDA_DTYPE_BF16) {
+      uint16_t bits;
+      std::memcpy(&bits, bytes.data() + i * 2, 2);
+      return from_bf16(bits);
+    }
+    float value;
+    std::memcpy(&value, bytes.data() + i * 4, 4);
+    return value;
+  }
+
+  // A slot's H matrices as f32 [H, V, K] (V-first), exactly as stored.
+  std::vector<float> get(int64_t slot) const {
+    std::vector<float> vk(size_t(H * kMatrixElements));
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t e = 0; e < 128; ++e)
+        for (int64_t k = 0; k < 128; ++k)
+          vk[size_t((h * 128 + e) * 128 + k)] = load_element(element_index(slot, h, e, k));
+    return vk;
+  }
+  // [H, V, K] f32 values into a slot, rounded to the pool's dtype.
+  void put(int64_t slot, const float* vk) {
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t e = 0; e < 128; ++e)
+        for (int64_t k = 0; k < 128; ++k) store_element(element_index(slot, h, e, k), vk[(h * 128 + e) * 128 + k]);
+  }
+
+  // The bytes of a slot's [H, V, K] block (the gap after it excluded).
+  size_t slot_first_byte(int64_t slot) const { return size_t(slot * slot_stride()) * dtype_bytes(dtype); }
+  size_t slot_bytes() const { return size_t(H * kMatrixElements) * dtype_bytes(dtype); }
+
+  fkda_tensor view(void* data) const {
+    fkda_tensor t = tensor(data, dtype, {slots, H, 128, 128});
+    t.strides[0] = slot_stride();
+    return t;
+  }
+};
+
+// Bytes of `after` that differ from `before` outside the listed slots'
+// blocks (gaps included): writes where none belongs.
+inline size_t touched_outside(const HostPool& pool, const std::vector<unsigned char>& before,
+                              const std::vector<unsigned char>& after, const std::vector<int64_t>& written_slots) {
+  std::vector<char> allowed(before.size(), 0);
+  for (int64_t slot : written_slots) {
+    if (slot < 0 || slot >= pool.slots) continue;
+    std::fill_n(allowed.begin() + std::ptrdiff_t(pool.slot_first_byte(slot)), pool.slot_bytes(), 1);
+  }
+  size_t touched = 0;
+  for (size_t i = 0; i < before.size(); ++i) touched += !allowed[i] && before[i] != after[i];
+  return touched;
+}
+
+// `count` distinct slots in [first, slots), scattered over the pool.
+inline std::vector<int64_t> scattered_slots(int64_t count, int64_t first, int64_t slots, uint64_t seed) {
+  std::vector<int64_t> all(size_t(slots - first));
+  std::iota(all.begin(), all.end(), first);
+  std::mt19937_64 rng(seed);
+  std::shuffle(all.begin(), all.end(), rng);
+  all.resize(size_t(count));
+  return all;
+}
+
+// i32 or i64 values as the bytes of a device tensor.
+inline std::vector<unsigned char> integer_bytes(const std::vector<int64_t>& values, fkda_dtype dtype) {
+  std::vector<unsigned char> bytes(values.size() * (dtype == FKDA_DTYPE_I64 ? 8 : 4));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == FKDA_DTYPE_I64) {
+      std::memcpy(bytes.data() + i * 8, &values[i], 8);
+    } else {
+      const int32_t narrow = int32_t(values[i]);
+      std::memcpy(bytes.data() + i * 4, &narrow, 4);
+    }
+  }
+  return bytes;
+}
+
+// Tokens [begin, begin + length) of sequence n of p.
+struct SequenceTokens {
+  int64_t row, begin, length;
+};
+inline SequenceTokens tokens_of(const Problem& p, int64_t n) {
+  if (p.cu_seqlens.empty()) return {n, 0, p.T};
+  return {0, p.cu_seqlens[size_t(n)], p.cu_seqlens[size_t(n) + 1] - p.cu_seqlens[size_t(n)]};
+}
+
+// The fp64 recurrence over the first `count` tokens of the sequence at `s`
+// in p's activations, starting from `initial` ([H, V, K] f32, V-first).
+inline Reference sequence_reference(const Problem& p, const SequenceTokens& s, int64_t count,
+                                    const std::vector<float>& initial) {
+  Problem one;
+  one.B = 1;
+  one.T = count;
+  one.H = p.H;
+  one.scale = p.scale;
+  one.lower_bound = p.lower_bound;
+  one.A_log = p.A_log;
+  one.dt_bias = p.dt_bias;
+  one.initial_state = initial;
+  const size_t row = size_t(p.H * 128), beta_row = size_t(p.H);
+  auto slice = [&](const std::vector<uint16_t>& all, size_t width) {
+    const size_t first = size_t(s.row * p.T + s.begin) * width;
+    return std::vector<uint16_t>(all.begin() + std::ptrdiff_t(first),
+                                 all.begin() + std::ptrdiff_t(first + size_t(count) * width));
+  };
+  one.q = slice(p.q, row);
+  one.k = slice(p.k, row);
+  one.v = slice(p.v, row);
+  one.g = slice(p.g, row);
+  one.beta = slice(p.beta, beta_row);
+  return reference_recurrence(one);
+}
+
+// A relative L2 error and its tolerance, for the report and the check.
+struct Accuracy {
+  const char* what;
+  double error;
+  double tolerance;
+  bool ok() const { return error <= tolerance; }
+};
+
+inline void report(const std::string& name, const std::vector<Accuracy>& figures) {
+  std::printf("%-44s", name.c_str());
+  for (const Accuracy& a : figures) std::printf("  %s %.3e (<= %.1e)%s", a.what, a.error, a.tolerance, a.ok() ? "" : " FAIL");
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+// A mutation check: the check of `what` applied to a deliberately wrong
+// result must fail by a wide margin, else the check could not see the fault.
+inline void require_detected(const std::string& name, const char* what, double error, double tolerance,
+                             double margin = 10.0) {
+  std::printf("%-44s  mutation (%s): error %.3e = %.0fx the tolerance %.1e\n", name.c_str(), what, error,
+              error / tolerance, tolerance);
+  std::fflush(stdout);
+  CHECK(error > margin * tolerance);
+}
+
+}  // namespace fkda_ref

@@ -1,0 +1,401 @@
+// The serving arguments are checked before any work: every bad pool, index,
+// offset, table or struct size gets a status and a message naming the
+// argument (and the sequence, for contents), and nothing is written. Structs
+// of the 0.1 sizes keep working; the debug checks report shared slots.
+#include <catch2/catch.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "flashkda.h"
+#include "kda_reference.h"
+#include "serving_support.h"
+
+namespace {
+
+using namespace serving;
+
+Problem random_inputs(ProblemShape shape, uint64_t seed) {
+  shape.H = 1;
+  shape.with_initial_state = false;
+  return random_problem(shape, seed);
+}
+
+// A valid prefill by slot: sequences of 20, 40 and 16 tokens on slots 1, 4
+// and 6 with checkpoints into slots 2, 3, 5 and 7 (or into a tensor).
+struct PrefillFixture {
+  Problem p;
+  Pool pool{8, 1, FKDA_DTYPE_F32, 3};
+  std::vector<uint16_t> out;
+  std::vector<int32_t> slots = {1, 4, 6};
+  std::vector<uint8_t> has_initial = {1, 0, 1};
+  std::vector<int64_t> offsets = {16, -1, 16, 32, 16, -1};  // [3, 2]
+  std::vector<int32_t> checkpoint_slots = {2, -1, 3, 5, 7, -1};
+  std::vector<float> checkpoints, initial_state, final_state;
+
+  PrefillFixture() {
+    ProblemShape shape;
+    shape.lengths = {20, 40, 16};
+    p = random_inputs(shape, 101);
+    out.assign(size_t(p.T * p.H * kD), kPoisonBf16);
+    checkpoints.assign(size_t(3 * 2 * p.H * kHeadState), 0.f);
+    initial_state.assign(size_t(3 * p.H * kHeadState), 0.5f);
+    final_state.assign(size_t(3 * p.H * kHeadState), 0.f);
+  }
+
+  fkda_fwd_args common() {
+    Buffers b{p.q.data(), p.k.data(), p.v.data(), p.g.data(), p.beta.data(), p.A_log.data(), p.dt_bias.data(), out.data()};
+    b.cu_seqlens = p.cu_seqlens.data();
+    fkda_fwd_args a = make_args(p, b, FKDA_DTYPE_F32);
+    a.checkpoint_offsets = tensor(offsets.data(), FKDA_DTYPE_I64, {3, 2});
+    return a;
+  }
+  // States and checkpoints in the pool.
+  fkda_fwd_args by_slot() {
+    fkda_fwd_args a = common();
+    a.state_pool = pool.tensor();
+    a.state_indices = tensor(slots.data(), FKDA_DTYPE_I32, {3});
+    a.has_initial_state = tensor(has_initial.data(), FKDA_DTYPE_BOOL, {3});
+    a.checkpoint_slots = tensor(checkpoint_slots.data(), FKDA_DTYPE_I32, {3, 2});
+    return a;
+  }
+  // Contiguous states, checkpoints into a tensor.
+  fkda_fwd_args contiguous() {
+    fkda_fwd_args a = common();
+    a.initial_state = tensor(initial_state.data(), FKDA_DTYPE_F32, {3, p.H, kD, kD});
+    a.final_state = tensor(final_state.data(), FKDA_DTYPE_F32, {3, p.H, kD, kD});
+    a.checkpoints = tensor(checkpoints.data(), FKDA_DTYPE_F32, {3, 2, p.H, kD, kD});
+    return a;
+  }
+};
+
+// A valid decode: four packed sequences of 1, 3, 4 and 16 tokens (or three
+// batched rows of 2), on [N] slots or an [N, 16] table with accepted counts.
+struct DecodeFixture {
+  Problem p;
+  Pool pool{24, 1, FKDA_DTYPE_F32, 4};
+  std::vector<uint16_t> out;
+  std::vector<int32_t> cu = {0, 1, 4, 8, 24};
+  std::vector<int64_t> slots = {3, 0, 7, 2};
+  std::vector<int32_t> table = std::vector<int32_t>(4 * 16, -1);
+  std::vector<int32_t> accepted = {1, 2, 3, 1};
+
+  DecodeFixture() {
+    ProblemShape shape;
+    shape.lengths = {1, 3, 4, 16};
+    p = random_inputs(shape, 202);
+    out.assign(size_t(p.T * p.H * kD), kPoisonBf16);
+    int32_t next = 0;
+    for (int64_t n = 0; n < 4; ++n)
+      for (int64_t t = 0; t < cu[size_t(n) + 1] - cu[size_t(n)]; ++t) table[size_t(n * 16 + t)] = next++;
+  }
+
+  fkda_decode_args packed() {
+    Buffers b{p.q.data(), p.k.data(), p.v.data(), p.g.data(), p.beta.data(), p.A_log.data(), p.dt_bias.data(), out.data()};
+    fkda_decode_args a = make_decode_args(p, b);
+    a.cu_seqlens = tensor(cu.data(), FKDA_DTYPE_I32, {5});
+    a.state_pool = pool.tensor();
+    a.state_indices = tensor(slots.data(), FKDA_DTYPE_I64, {4});
+    return a;
+  }
+  fkda_decode_args speculative() {
+    fkda_decode_args a = packed();
+    a.state_indices = tensor(table.data(), FKDA_DTYPE_I32, {4, 16});
+    a.num_accepted_tokens = tensor(accepted.data(), FKDA_DTYPE_I32, {4});
+    return a;
+  }
+  // B rows of T tokens over the same buffers (B * T <= 24), slots [B].
+  fkda_decode_args batched(int64_t B, int64_t T) {
+    fkda_decode_args a = packed();
+    for (fkda_tensor* t : {&a.q, &a.k, &a.v, &a.g, &a.out}) *t = tensor(t->data, FKDA_DTYPE_BF16, {B, T, p.H, kD});
+    a.beta = tensor(a.beta.data, FKDA_DTYPE_BF16, {B, T, p.H});
+    a.cu_seqlens = FKDA_TENSOR_NONE;
+    a.state_indices = tensor(slots.data(), FKDA_DTYPE_I64, {B});
+    return a;
+  }
+};
+
+template <typename Args, typename Fixture>
+struct BadCall {
+  const char* what;
+  std::function<Args(Fixture&)> valid;
+  std::function<void(Args&, Fixture&)> break_it;
+  const char* message_start;
+};
+
+using BadPrefill = BadCall<fkda_fwd_args, PrefillFixture>;
+using BadDecode = BadCall<fkda_decode_args, DecodeFixture>;
+
+const auto kBySlot = [](PrefillFixture& f) { return f.by_slot(); };
+const auto kContiguous = [](PrefillFixture& f) { return f.contiguous(); };
+const auto kPacked = [](DecodeFixture& f) { return f.packed(); };
+const auto kSpeculative = [](DecodeFixture& f) { return f.speculative(); };
+const auto kBatched = [](DecodeFixture& f) { return f.batched(3, 2); };
+
+std::vector<BadPrefill> bad_prefill_calls() {
+  using A = fkda_fwd_args;
+  using F = PrefillFixture;
+  return {
+      {"state_indices without state_pool", kBySlot, [](A& a, F&) { a.state_pool = FKDA_TENSOR_NONE; }, "state_indices: given without state_pool"},
+      {"state_pool alone", kBySlot, [](A& a, F&) { a.state_indices = a.has_initial_state = a.checkpoint_slots = a.checkpoint_offsets = FKDA_TENSOR_NONE; }, "state_pool: given without state_indices or checkpoint_slots"},
+      {"state_indices with initial_state", kBySlot, [](A& a, F& f) { a.initial_state = f.contiguous().initial_state; }, "state_indices: the states come from state_pool"},
+      {"state_indices f32", kBySlot, [](A& a, F&) { a.state_indices.dtype = FKDA_DTYPE_F32; }, "state_indices: expected dtype i32 or i64, got f32"},
+      {"state_indices one too many", kBySlot, [](A& a, F&) { a.state_indices.shape[0] = 4; }, "state_indices: expected shape [3], got [4]"},
+      {"state_indices rank 2", kBySlot, [](A& a, F&) { a.state_indices.rank = 2; a.state_indices.shape[1] = 1; }, "state_indices: expected rank 1, got 2"},
+      {"state_pool bf16 on an f32 plan", kBySlot, [](A& a, F&) { a.state_pool.dtype = FKDA_DTYPE_BF16; }, "state_pool: expected dtype f32 (the plan's state_dtype), got bf16"},
+      {"state_pool with 3 heads", kBySlot, [](A& a, F&) { a.state_pool.shape[1] = 3; }, "state_pool: expected shape [*, 1, 128, 128], got [8, 3, 128, 128]"},
+      {"state_pool rank 3", kBySlot, [](A& a, F&) { a.state_pool.rank = 3; }, "state_pool: expected rank 4, got 3"},
+      {"state_pool slots overlapping", kBySlot, [](A& a, F&) { a.state_pool.strides[0] = 128; }, "state_pool: strides"},
+      {"state_pool rows strided", kBySlot, [](A& a, F&) { a.state_pool.strides[2] = 256; }, "state_pool: each state must be contiguous"},
+      {"state_pool data NULL", kBySlot, [](A& a, F&) { a.state_pool.data = nullptr; }, "state_pool: data is NULL"},
+      {"has_initial_state without a state", kBySlot, [](A& a, F&) { a.state_indices = FKDA_TENSOR_NONE; }, "has_initial_state: given without initial_state or state_indices"},
+      {"has_initial_state f32", kBySlot, [](A& a, F&) { a.has_initial_state.dtype = FKDA_DTYPE_F32; }, "has_initial_state: expected dtype bool or i32 or i64, got f32"},
+      {"checkpoint_offsets without destination", kBySlot, [](A& a, F&) { a.checkpoint_slots = FKDA_TENSOR_NONE; }, "checkpoint_offsets: needs exactly one destination"},
+      {"checkpoint_offsets with two destinations", kBySlot, [](A& a, F& f) { a.checkpoints = f.contiguous().checkpoints; }, "checkpoint_offsets: needs exactly one destination"},
+      {"checkpoint_slots without offsets", kBySlot, [](A& a, F&) { a.checkpoint_offsets = FKDA_TENSOR_NONE; }, "checkpoint_slots: given without checkpoint_offsets"},
+      {"checkpoints without offsets", kContiguous, [](A& a, F&) { a.checkpoint_offsets = FKDA_TENSOR_NONE; }, "checkpoints: given without checkpoint_offsets"},
+      {"checkpoint_offsets f32", kBySlot, [](A& a, F&) { a.checkpoint_offsets.dtype = FKDA_DTYPE_F32; }, "checkpoint_offsets: expected dtype i32 or i64, got f32"},
+      {"checkpoint_slots of another width", kBySlot, [](A& a, F&) { a.checkpoint_slots.shape[1] = 1; }, "checkpoint_slots: expected shape [3, 2], got [3, 1]"},
+      {"checkpoint_slots without state_pool", kContiguous, [](A& a, F& f) { a.checkpoints = FKDA_TENSOR_NONE; a.checkpoint_slots = f.by_slot().checkpoint_slots; }, "checkpoint_slots: given without state_pool"},
+      {"checkpoints i32", kContiguous, [](A& a, F&) { a.checkpoints.dtype = FKDA_DTYPE_I32; }, "checkpoints: expected dtype bf16 or f32, got i32"},
+      {"checkpoints of another width", kContiguous, [](A& a, F&) { a.checkpoints.shape[1] = 3; }, "checkpoints: expected shape [3, 2, *, *, *], got [3, 3, 1, 128, 128]"},
+      {"checkpoints with 3 heads", kContiguous, [](A& a, F&) { a.checkpoints.shape[2] = 3; }, "checkpoints: expected shape [3, 2, 1, 128, 128]"},
+      {"checkpoints overlapping across C", kContiguous, [](A& a, F&) { a.checkpoints.strides[1] = 0; }, "checkpoints: strides"},
+      {"checkpoints rows strided", kContiguous, [](A& a, F&) { a.checkpoints.strides[3] = 256; }, "checkpoints: each state must be contiguous"},
+      {"checkpoints over final_state", kContiguous, [](A& a, F&) { a.checkpoints.data = a.final_state.data; }, "checkpoints: overlaps final_state"},
+      {"out over q", kBySlot, [](A& a, F&) { a.out.data = a.q.data; }, "out: overlaps q"},
+      {"out over the pool", kBySlot, [](A& a, F&) { a.out.data = a.state_pool.data; }, "out: overlaps state_pool"},
+      {"final_state over the checkpoints", kContiguous, [](A& a, F&) { a.final_state.data = a.checkpoints.data; }, "checkpoints: overlaps final_state"},
+      {"state index past the pool", kBySlot, [](A&, F& f) { f.slots[1] = 8; }, "state_indices[1]: slot 8 is outside the pool's 8 slots (sequence 1)"},
+      {"checkpoint offset not a multiple of 16", kBySlot, [](A&, F& f) { f.offsets[2] = 20; }, "checkpoint_offsets[1][0]: 20 is not a multiple of 16 in [16, 40] (sequence 1 has 40 tokens)"},
+      {"checkpoint offset past its sequence", kBySlot, [](A&, F& f) { f.offsets[0] = 32; }, "checkpoint_offsets[0][0]: 32 is not a multiple of 16 in [16, 20]"},
+      {"checkpoint offset 0", kContiguous, [](A&, F& f) { f.offsets[4] = 0; }, "checkpoint_offsets[2][0]: 0 is not a multiple of 16 in [16, 16]"},
+      {"checkpoint offsets descending", kBySlot, [](A&, F& f) { f.offsets[2] = 32; f.offsets[3] = 16; }, "checkpoint_offsets[1][1]: 16 follows 32; a sequence's offsets must ascend"},
+      {"checkpoint offsets repeated", kContiguous, [](A&, F& f) { f.offsets[3] = 16; }, "checkpoint_offsets[1][1]: 16 follows 16"},
+      {"checkpoint slot past the pool", kBySlot, [](A&, F& f) { f.checkpoint_slots[3] = 9; }, "checkpoint_slots[1][1]: slot 9 is outside the pool's 8 slots (sequence 1)"},
+  };
+}
+
+std::vector<BadDecode> bad_decode_calls() {
+  using A = fkda_decode_args;
+  using F = DecodeFixture;
+  return {
+      {"struct_size from a newer header", kPacked, [](A& a, F&) { a.struct_size += 8; }, "args: struct_size is 1368, expected 1360 (initialise with FKDA_DECODE_ARGS_INIT; a larger size"},
+      {"struct_size short", kPacked, [](A& a, F&) { a.struct_size -= 8; }, "args: struct_size is 1352, expected 1360 (initialise with FKDA_DECODE_ARGS_INIT)"},
+      {"q missing", kPacked, [](A& a, F&) { a.q = FKDA_TENSOR_NONE; }, "q: required tensor is missing"},
+      {"v of another length", kPacked, [](A& a, F&) { a.v.shape[1] = 23; }, "v: expected shape [1, 24, 1, 128], got [1, 23, 1, 128]"},
+      {"17 tokens per row", kPacked, [](A& a, F& f) { a = f.batched(1, 17); }, "q: fkda_decode takes at most 16 tokens per sequence, got T = 17"},
+      {"state_pool missing", kPacked, [](A& a, F&) { a.state_pool = FKDA_TENSOR_NONE; }, "state_pool: required tensor is missing"},
+      {"state_pool with 2 heads", kPacked, [](A& a, F&) { a.state_pool.shape[1] = 2; }, "state_pool: expected shape [*, 1, 128, 128]"},
+      {"state_pool slots overlapping", kPacked, [](A& a, F&) { a.state_pool.strides[0] = 8192; }, "state_pool: strides"},
+      {"state_indices missing", kPacked, [](A& a, F&) { a.state_indices = FKDA_TENSOR_NONE; }, "state_indices: required tensor is missing"},
+      {"state_indices rank 3", kPacked, [](A& a, F&) { a.state_indices.rank = 3; a.state_indices.shape[1] = a.state_indices.shape[2] = 1; }, "state_indices: expected rank 1, got 3"},
+      {"state_indices one short", kPacked, [](A& a, F&) { a.state_indices.shape[0] = 3; }, "state_indices: expected shape [4], got [3]"},
+      {"state_indices f32", kPacked, [](A& a, F&) { a.state_indices.dtype = FKDA_DTYPE_F32; }, "state_indices: expected dtype i32 or i64, got f32"},
+      {"a table without columns", kSpeculative, [](A& a, F&) { a.state_indices.shape[1] = 0; }, "state_indices: a slot table needs at least one column, got 0"},
+      {"a table narrower than the rows", kBatched, [](A& a, F& f) { a.state_indices = tensor(f.table.data(), FKDA_DTYPE_I32, {3, 1}); }, "state_indices: 2 tokens per sequence but the slot table has 1 columns"},
+      {"num_accepted_tokens with [N] indices", kPacked, [](A& a, F& f) { a.num_accepted_tokens = f.speculative().num_accepted_tokens; }, "num_accepted_tokens: needs state_indices as an [N, W] slot table"},
+      {"num_accepted_tokens one short", kSpeculative, [](A& a, F&) { a.num_accepted_tokens.shape[0] = 3; }, "num_accepted_tokens: expected shape [4], got [3]"},
+      {"num_accepted_tokens bool", kSpeculative, [](A& a, F&) { a.num_accepted_tokens.dtype = FKDA_DTYPE_BOOL; }, "num_accepted_tokens: expected dtype i32 or i64, got bool"},
+      {"scale NaN", kPacked, [](A& a, F&) { a.scale = std::numeric_limits<float>::quiet_NaN(); }, "scale: must be finite"},
+      {"out over the pool", kPacked, [](A& a, F&) { a.out.data = a.state_pool.data; }, "out: overlaps state_pool"},
+      {"out over v", kPacked, [](A& a, F&) { a.out.data = a.v.data; }, "out: overlaps v"},
+      {"cu_seqlens past T", kPacked, [](A&, F& f) { f.cu[4] = 25; }, "cu_seqlens: must end at T = 24"},
+      {"a sequence of 17 tokens", kPacked, [](A&, F& f) { f.cu[3] = 7; }, "cu_seqlens: sequence 3 has 17 tokens; fkda_decode takes at most 16 per sequence"},
+      {"a sequence longer than its table", kSpeculative, [](A& a, F&) { a.state_indices.shape[1] = 8; }, "state_indices: sequence 3 has 16 tokens but the slot table has 8 columns"},
+      {"start slot past the pool", kPacked, [](A&, F& f) { f.slots[2] = 24; }, "state_indices[2]: slot 24 is outside the pool's 24 slots (sequence 2)"},
+      {"table slot past the pool", kSpeculative, [](A&, F& f) { f.table[1 * 16 + 2] = 100; }, "state_indices[1][2]: slot 100 is outside the pool's 24 slots (sequence 1)"},
+      {"no accepted token", kSpeculative, [](A&, F& f) { f.accepted[1] = 0; }, "num_accepted_tokens[1]: 0 is outside [1, 16]"},
+      {"more accepted tokens than columns", kSpeculative, [](A&, F& f) { f.accepted[2] = 17; }, "num_accepted_tokens[2]: 17 is outside [1, 16]"},
+  };
+}
+
+template <typename Args, typename Fixture, typename Run>
+void check_bad_calls(const std::vector<BadCall<Args, Fixture>>& calls, const Run& run) {
+  for (const BadCall<Args, Fixture>& bad : calls) {
+    SECTION(bad.what) {
+      Fixture fixture;
+      Args args = bad.valid(fixture);
+      REQUIRE(run(args) == FKDA_SUCCESS);  // the unbroken call is valid
+      std::fill(fixture.out.begin(), fixture.out.end(), kPoisonBf16);
+      const Pool before = fixture.pool;
+      bad.break_it(args, fixture);
+      expect_invalid(run(args), bad.message_start);
+      CHECK(inspect_rows(fixture.out, 1, {}).poisoned == fixture.out.size());
+      CHECK(bytes_changed_outside(before, fixture.pool, {}) == 0);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("bad serving arguments of fkda_fwd are rejected with a message naming them", "[validation][serving]") {
+  CpuPlan plan(1);
+  check_bad_calls(bad_prefill_calls(), [&](const fkda_fwd_args& a) { return plan.fwd(a); });
+}
+
+TEST_CASE("bad fkda_decode calls are rejected with a message naming the argument", "[validation][serving]") {
+  CpuPlan plan(1);
+  check_bad_calls(bad_decode_calls(), [&](const fkda_decode_args& a) { return plan.decode(a); });
+}
+
+TEST_CASE("null indices are padding, not errors, under either rule", "[validation][serving]") {
+  DecodeFixture f;
+  SECTION("negative indices with FKDA_NULL_SLOT_NEGATIVE") {
+    CpuPlan plan(1);
+    f.slots = {-1, -7, 0, 23};
+    FKDA_REQUIRE(plan.decode(f.packed()));
+  }
+  SECTION("zero and negative indices with FKDA_NULL_SLOT_NONPOSITIVE") {
+    CpuPlan plan(1, {FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK, FKDA_NULL_SLOT_NONPOSITIVE});
+    f.slots = {0, -3, 5, 0};
+    FKDA_REQUIRE(plan.decode(f.packed()));
+    f.table[0] = 0;  // sequence 0's only column: padding, and its other indices unchecked
+    f.table[1] = 999;
+    FKDA_REQUIRE(plan.decode(f.speculative()));
+  }
+}
+
+TEST_CASE("fkda_decode needs no workspace", "[validation][serving]") {
+  CpuPlan plan(1);
+  size_t bytes = 1;
+  REQUIRE(fkda_plan_decode_workspace_size(plan.get(), 24, 4, &bytes) == FKDA_SUCCESS);
+  CHECK(bytes == 0);
+  expect_invalid(fkda_plan_decode_workspace_size(plan.get(), -1, 4, &bytes), "total_tokens: must be >= 0");
+  expect_invalid(fkda_plan_decode_workspace_size(plan.get(), 24, 4, nullptr), "bytes: NULL output pointer");
+  expect_invalid(fkda_plan_decode_workspace_size(nullptr, 24, 4, &bytes), "plan: NULL");
+  DecodeFixture f;
+  const fkda_decode_args args = f.packed();
+  FKDA_REQUIRE(fkda_decode(plan.get(), &args, nullptr, 0, nullptr));
+  expect_invalid(fkda_decode(plan.get(), nullptr, nullptr, 0, nullptr), "args: NULL");
+}
+
+TEST_CASE("structs of the 0.1 sizes keep working; larger ones are rejected", "[validation][abi]") {
+  constexpr size_t kDesc01 = offsetof(fkda_plan_desc, lower_bound) + sizeof(float);
+  constexpr size_t kArgs01 = offsetof(fkda_fwd_args, state_pool);
+
+  SECTION("fkda_plan_desc") {
+    fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+    desc.num_heads = 1;
+    desc.backend = FKDA_BACKEND_CPU;
+    desc.null_slot_rule = 7;  // past a 0.1 struct: never read
+    desc.debug_checks = 9;
+    fkda_plan_t plan = nullptr;
+    desc.struct_size = kDesc01;
+    FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
+    // The 0.1 plan has the default null rule: slot 0 is a real slot and is written.
+    DecodeFixture f;
+    f.slots = {0, 1, 2, 3};
+    const Pool before = f.pool;
+    const fkda_decode_args args = f.packed();
+    FKDA_REQUIRE(fkda_decode(plan, &args, nullptr, 0, nullptr));
+    CHECK(bytes_changed_outside(before, f.pool, {1, 2, 3}) > 0);
+    fkda_plan_destroy(plan);
+
+    desc.struct_size = sizeof(fkda_plan_desc);
+    expect_invalid(fkda_plan_create(&desc, &plan), "desc.null_slot_rule: expected FKDA_NULL_SLOT_NEGATIVE (0) or FKDA_NULL_SLOT_NONPOSITIVE (1), got 7");
+    desc.null_slot_rule = FKDA_NULL_SLOT_NONPOSITIVE;
+    expect_invalid(fkda_plan_create(&desc, &plan), "desc.debug_checks: expected 0 or 1, got 9");
+    desc.struct_size = sizeof(fkda_plan_desc) + 8;
+    expect_invalid(fkda_plan_create(&desc, &plan),
+                  "desc: struct_size is " + std::to_string(sizeof(fkda_plan_desc) + 8) + ", expected " +
+                      std::to_string(kDesc01) + " to " + std::to_string(sizeof(fkda_plan_desc)) +
+                      " (initialise with FKDA_PLAN_DESC_INIT; a larger size means the caller was built against a newer flashkda.h)");
+    desc.struct_size = kDesc01 - 4;
+    expect_invalid(fkda_plan_create(&desc, &plan), "desc: struct_size is " + std::to_string(kDesc01 - 4));
+  }
+
+  SECTION("fkda_fwd_args") {
+    CpuPlan plan(1);
+    PrefillFixture f;
+    fkda_fwd_args full = f.contiguous();
+    full.checkpoint_offsets = full.checkpoints = FKDA_TENSOR_NONE;
+    FKDA_REQUIRE(plan.fwd(full));
+    const std::vector<uint16_t> full_out = f.out;
+    const std::vector<float> full_state = f.final_state;
+
+    // Fields past a 0.1 struct hold garbage that would fail validation if read.
+    fkda_fwd_args old = full;
+    old.state_indices = tensor(nullptr, FKDA_DTYPE_F32, {99});
+    old.checkpoints = tensor(f.p.q.data(), FKDA_DTYPE_I32, {1});
+    old.struct_size = kArgs01;
+    std::fill(f.out.begin(), f.out.end(), kPoisonBf16);
+    std::fill(f.final_state.begin(), f.final_state.end(), 0.f);
+    FKDA_REQUIRE(plan.fwd(old));
+    CHECK(f.out == full_out);
+    CHECK(f.final_state == full_state);
+
+    // A size between the two: fields up to it are read, the rest ignored.
+    fkda_fwd_args partial = f.by_slot();
+    partial.checkpoint_offsets = tensor(nullptr, FKDA_DTYPE_F32, {5});
+    partial.struct_size = offsetof(fkda_fwd_args, checkpoint_offsets);
+    FKDA_REQUIRE(plan.fwd(partial));
+
+    old.struct_size = sizeof(fkda_fwd_args) + 1;
+    expect_invalid(plan.fwd(old), "args: struct_size is " + std::to_string(sizeof(fkda_fwd_args) + 1) + ", expected " +
+                                     std::to_string(kArgs01) + " to " + std::to_string(sizeof(fkda_fwd_args)));
+    old.struct_size = kArgs01 - 8;
+    expect_invalid(plan.fwd(old), "args: struct_size is " + std::to_string(kArgs01 - 8));
+  }
+
+  SECTION("fkda_device_info") {
+    fkda_device_info info = FKDA_DEVICE_INFO_INIT;
+    info.struct_size -= 8;
+    expect_invalid(fkda_query_device(-1, &info), "info: struct_size is 288, expected 296 (initialise with FKDA_DEVICE_INFO_INIT)");
+    info.struct_size += 16;
+    expect_invalid(fkda_query_device(-1, &info), "info: struct_size is 304, expected 296");
+  }
+}
+
+TEST_CASE("debug checks report two sequences sharing a slot", "[validation][serving][debug]") {
+  struct Shared {
+    const char* what;
+    std::function<void(PrefillFixture&, DecodeFixture&)> share;
+    bool decode;
+    bool speculative;
+    const char* message_start;
+  };
+  // Prefill calls this small run on one CPU worker, so the unchecked call
+  // below has no race; decode calls spread over workers and would.
+  const std::vector<Shared> cases = {
+      {"two prefills writing one slot", [](PrefillFixture& p, DecodeFixture&) { p.slots[1] = 1; }, false, false,
+       "state_indices[1]: slot 1 is also written by sequence 0; two sequences writing one slot in a call is undefined"},
+      {"a checkpoint into another sequence's slot", [](PrefillFixture& p, DecodeFixture&) { p.checkpoint_slots[0] = 4; }, false, false,
+       "state_indices[1]: slot 4 is also written by sequence 0"},
+      {"two decodes writing one slot", [](PrefillFixture&, DecodeFixture& d) { d.slots[3] = 0; }, true, false,
+       "state_indices[3]: slot 0 is also written by sequence 1"},
+      {"a speculative start slot another sequence writes", [](PrefillFixture&, DecodeFixture& d) { d.accepted[0] = 2; d.table[1] = 5; }, true, true,
+       "state_indices[0][1]: sequence 0 starts from slot 5, which sequence 2 writes in the same call"},
+  };
+  for (const Shared& c : cases) {
+    SECTION(c.what) {
+      PrefillFixture prefill;
+      DecodeFixture decode;
+      c.share(prefill, decode);
+      auto run = [&](const CpuPlan& plan) {
+        return c.decode ? plan.decode(c.speculative ? decode.speculative() : decode.packed()) : plan.fwd(prefill.by_slot());
+      };
+      if (!c.decode) {
+        SECTION("undefined but not checked without them") {
+          CpuPlan plan(1);
+          FKDA_REQUIRE(run(plan));
+        }
+      }
+      SECTION("desc.debug_checks = 1") {
+        CpuPlan plan(1, {FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK, FKDA_NULL_SLOT_NEGATIVE, 1});
+        expect_invalid(run(plan), c.message_start);
+      }
+      SECTION("FKDA_DEBUG_CHECKS=1 in the environment") {
+        setenv("FKDA_DEBUG_CHECKS", "1", 1);
+        CpuPlan plan(1);
+        unsetenv("FKDA_DEBUG_CHECKS");
+        expect_invalid(run(plan), c.message_start);
+      }
+    }
+  }
+}
