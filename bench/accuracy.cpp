@@ -106,6 +106,8 @@ AccuracyResult run_one(const AccuracyCase& c, fkda_dtype state_dtype, bool on_cp
   result.out_rel_l2 = fkda_ref::rel_l2(out, reference.out);
   result.state_rel_l2 = fkda_ref::rel_l2(final_state, reference.final_state);
   result.target = accuracy_target(c, state_dtype);
+  result.flashkda_figures = c.flashkda_figures;
+  result.fla_figures = c.fla_figures;
   return result;
 }
 

@@ -92,6 +92,12 @@ const std::vector<ServingCase>& serving_cases();
 const ServingCase* find_serving_case(const std::string& id);
 const char* serving_kind_name(ServingKind kind);
 
+// Relative L2 errors of out and the final state: targets and peers' figures.
+struct AccuracyTarget {
+  double out;
+  double final_state;
+};
+
 // The accuracy cases: A1 (T=1024 H=4) and A2 (varlen [300, 77, 700] H=4) on
 // the default inputs, and the long-memory cases LM1 ... LM3 on slow decays
 // with an initial state ~ N(0, 1), whose lost or blurred state shows.
@@ -107,6 +113,9 @@ struct AccuracyCase {
   float gate_mean = 0.f;
   float gate_std = 1.f;
   float initial_state_std = 0.1f;
+  // The peers' figures on this case (FLA with f32 state).
+  AccuracyTarget flashkda_figures{};
+  AccuracyTarget fla_figures{};
   std::string shape() const;
 };
 // A1, A2, LM1, LM2, LM3.
@@ -114,15 +123,8 @@ const std::vector<AccuracyCase>& accuracy_cases();
 // Case-insensitive lookup; nullptr when unknown.
 const AccuracyCase* find_accuracy_case(const std::string& id);
 
-// Relative L2 targets and the peers' figures, by state dtype (the
-// long-memory cases have none: NaN).
-struct AccuracyTarget {
-  double out;
-  double final_state;
-};
+// The target of a case for a state dtype.
 AccuracyTarget accuracy_target(const AccuracyCase& c, fkda_dtype state_dtype);
-extern const AccuracyTarget kFlashKdaAccuracy;  // bf16 or f32 state
-extern const AccuracyTarget kFlaAccuracy;       // f32 state
 
 const char* state_dtype_name(fkda_dtype dtype);
 size_t state_dtype_bytes(fkda_dtype dtype);

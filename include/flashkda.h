@@ -96,7 +96,21 @@ typedef enum fkda_dtype {
 
 /* A strided view of memory. The layout of this struct is frozen.
  * `dtype` holds an fkda_dtype; strides count elements, not bytes.
- * An optional tensor is absent when data == NULL and rank == 0. */
+ * An optional tensor is absent when data == NULL and rank == 0.
+ * Every call accepts a present tensor only when:
+ *  - its extents are >= 0. A tensor with a zero extent is empty: nothing of
+ *    it is read or written, and its data (NULL too), strides and alignment
+ *    are not checked;
+ *  - its strides are >= 0 (negative strides are rejected). The stride of an
+ *    axis of extent 1 is never used and not checked;
+ *  - data is aligned to the element size (2 bytes for bf16, 4 for f32 and
+ *    i32, 8 for i64);
+ *  - its byte span, element size * (1 + sum of (extent - 1) * stride over
+ *    the axes), fits in int64_t and data + span does not pass the end of the
+ *    address space;
+ *  - the axes its argument's description calls contiguous are: "last axis
+ *    contiguous" means stride 1 there, "packed" means row-major strides.
+ * A tensor a call writes must not map two elements to one address. */
 typedef struct fkda_tensor {
   void* data;
   int32_t dtype;
@@ -146,11 +160,13 @@ typedef struct fkda_plan_desc {
   float lower_bound;    /* gate floor in [-5, 0] */
   /* Appended in 0.2 (a desc of the 0.1 size takes the _INIT values): */
   int32_t null_slot_rule; /* fkda_null_slot_rule for state_indices and slot tables */
-  int32_t debug_checks;   /* 1: GPU calls copy device-side indices, offsets and
-                             slot tables to the host and check them before the
-                             launch (synchronises; not for graph capture). The
-                             environment variable FKDA_DEBUG_CHECKS=1 turns it
-                             on for every plan. */
+  int32_t debug_checks;   /* 0 or 1. 1: GPU calls copy device-side indices,
+                             offsets and slot tables to the host and check them
+                             before the launch (synchronises; not for graph
+                             capture); every plan then also reports two
+                             sequences sharing a slot. The environment variable
+                             FKDA_DEBUG_CHECKS=1 turns it on for every plan
+                             created while it is set. */
 } fkda_plan_desc;
 
 #define FKDA_PLAN_DESC_INIT                                                 \
@@ -176,7 +192,10 @@ FKDA_API fkda_status fkda_set_lower_bound(fkda_plan_t plan, float lower_bound);
 FKDA_API fkda_status fkda_get_lower_bound(fkda_plan_t plan, float* lower_bound);
 
 /* Bytes of workspace fkda_fwd needs for `total_tokens` tokens in `num_seqs`
- * sequences (B*T and B without cu_seqlens; T and N with them). */
+ * sequences (B*T and B without cu_seqlens; T and N with them). Any sizes
+ * >= 0 are answered, except GPU workspaces larger than int64_t can count
+ * (FKDA_ERROR_UNSUPPORTED). The workspace passed to fkda_fwd must be 16-byte
+ * aligned (malloc and cudaMalloc memory is). */
 FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
                                               int64_t total_tokens,
                                               int64_t num_seqs,
@@ -186,18 +205,21 @@ FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
 /* Forward (prefill)                                                        */
 /* ------------------------------------------------------------------------ */
 
-/* Shapes (K = V = 128; N = B, or cu_seqlens' length - 1 with B == 1):
- *   q, k, g      bf16 [B, T, H, K]    last stride 1, other strides free
- *   v, out       bf16 [B, T, H, V]    last stride 1, other strides free
- *   beta         bf16 [B, T, H]       strides free
- *   A_log        f32  [H]             contiguous
- *   dt_bias      f32  [H, K]          contiguous
+/* Shapes (K = V = 128; N = B, or cu_seqlens' length - 1 with B == 1), under
+ * the rules of fkda_tensor above:
+ *   q, k, g      bf16 [B, T, H, K]    last axis contiguous
+ *   v, out       bf16 [B, T, H, V]    last axis contiguous
+ *   beta         bf16 [B, T, H]       any strides
+ *   A_log        f32  [H]             packed
+ *   dt_bias      f32  [H, K]          packed
  *   initial_state, final_state        optional, plan's state dtype,
- *                                     [N, H, V, K] (or [N, H, K, V]), contiguous;
+ *                                     [N, H, V, K] (or [N, H, K, V]), packed;
  *                                     they may be the same buffer (updated in place)
- *   cu_seqlens   optional i64 or i32 [N + 1], non-decreasing, from 0 to T
- * q, k, v, g, beta, out, the states and cu_seqlens may be strided views;
- * GPU plans need device-accessible memory and 16-byte aligned rows.
+ *   cu_seqlens   optional i64 or i32 [N + 1], stride > 0, non-decreasing,
+ *                from 0 to T
+ * GPU plans need device memory, and for q, k, v, g, out, dt_bias and the
+ * states data 16-byte aligned and strides (but the last) that are multiples
+ * of 8 elements.
  *
  * States in a pool (instead of initial_state / final_state):
  *   state_pool         plan's state dtype, [slots, H, V, K] (or [slots, H, K, V]):
@@ -224,7 +246,11 @@ FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
  * by the host: an index outside the pool is treated as a null index, a bad
  * checkpoint offset is skipped; nothing is ever read or written outside the
  * tensors. Two sequences writing the same slot in one call is undefined
- * (debug_checks reports it). */
+ * (debug_checks reports it).
+ * state_indices excludes initial_state and final_state; a padding sequence
+ * writes no checkpoint either. out, final_state and checkpoints must not
+ * overlap each other or any input (initial_state and final_state may be the
+ * same buffer; the pool is read and written on purpose). */
 typedef struct fkda_fwd_args {
   size_t struct_size; /* sizeof(fkda_fwd_args) */
   fkda_tensor q;
@@ -290,7 +316,7 @@ FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args,
  *   num_accepted_tokens optional i32 or i64 [N], in [1, W], with [N, W]
  *                      indices only; absent means 1 (column 0)
  *   cu_seqlens         optional i32 or i64 [N + 1]
- * A sequence whose starting index is null (plan's null_slot_rule) is
+ * out must not overlap an input or the pool. A sequence whose starting index is null (plan's null_slot_rule) is
  * padding: output rows zero, no state read or written. On CPU plans bad
  * indices, counts and offsets are errors naming the sequence; on GPU plans
  * they are not read by the host and a bad one makes its sequence padding.

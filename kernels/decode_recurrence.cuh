@@ -249,13 +249,23 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     }
   }
   {
-    const float decay_rate = expf(__ldg(p.A_log + head));
-    const float* dt_bias = p.dt_bias + int64_t(head) * FKDA_HEAD_DIM + 4 * lane;
-    const float dt[4] = {__ldg(dt_bias), __ldg(dt_bias + 1), __ldg(dt_bias + 2), __ldg(dt_bias + 3)};
     auto token_row = [&](const FkdaActivation& a, int t) {
       return static_cast<const uint16_t*>(a.data) + batch_row * a.stride_b + int64_t(head) * a.stride_h +
              (begin + t) * a.stride_t;
     };
+    // The block's rows of v: at most kValuesPerThread a thread (tokens x rows
+    // over 32 x warps threads, rows = 8 x warps), loaded before the work on
+    // q, k and g so that the two latencies overlap.
+    constexpr int kValuesPerThread = FKDA_DECODE_MAX_TOKENS * FKDA_DECODE_ROWS_PER_WARP / 32;
+    float v_rows[kValuesPerThread];
+#pragma unroll
+    for (int j = 0; j < kValuesPerThread; ++j) {
+      const int i = tid + j * int(blockDim.x);
+      v_rows[j] = i < tokens * rows ? bf16_bits(__ldg(token_row(p.v, i / rows) + block_row + i % rows)) : 0.f;
+    }
+    const float decay_rate = expf(__ldg(p.A_log + head));
+    const float* dt_bias = p.dt_bias + int64_t(head) * FKDA_HEAD_DIM + 4 * lane;
+    const float dt[4] = {__ldg(dt_bias), __ldg(dt_bias + 1), __ldg(dt_bias + 2), __ldg(dt_bias + 3)};
     for (int t = warp; t < tokens; t += warps) {
       const float4 q = load_bf16x4(token_row(p.q, t) + 4 * lane);
       const float4 k = load_bf16x4(token_row(p.k, t) + 4 * lane);
@@ -273,9 +283,10 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       reinterpret_cast<float4*>(decay + t * FKDA_HEAD_DIM)[lane] = make_float4(d[0], d[1], d[2], d[3]);
       if (lane == 0) beta[t] = sigmoid_accurate(bf16_bits(*token_row(p.beta, t)));
     }
-    for (int i = tid; i < tokens * rows; i += blockDim.x) {
-      const int t = i / rows, r = i % rows;
-      value[i] = bf16_bits(__ldg(token_row(p.v, t) + block_row + r));
+#pragma unroll
+    for (int j = 0; j < kValuesPerThread; ++j) {
+      const int i = tid + j * int(blockDim.x);
+      if (i < tokens * rows) value[i] = v_rows[j];
     }
   }
   __syncthreads();

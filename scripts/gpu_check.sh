@@ -90,13 +90,19 @@ for s in $steps; do
       ;;
     serving)
       # The serving paths (decode, prefill by pool slot with checkpoints),
-      # then compute-sanitizer memcheck and racecheck on their small cases.
+      # compute-sanitizer memcheck and racecheck on their small cases, and
+      # the timings of fkda-bench's serving cases (D1-D8, S1-S3, R1, R2).
       step serving 300 "$out/serving.log" "$tests" "[decode],[pool]" --durations yes
       for tool in memcheck racecheck; do
         step "serving_$tool" 300 "$out/serving_sanitizer.log" compute-sanitizer --tool "$tool" \
           --error-exitcode 3 "$tests" "[decode][sanitize],[pool][sanitize]"
       done
       grep -hE " out [0-9]| state [0-9]|mutation|differing|warps a block|unwritten|FAIL" "$out/serving.log" | tail -n 80
+      if [ -x "$build/bench/fkda-bench" ]; then
+        step serving_bench 300 "$out/serving_bench.log" "$build/bench/fkda-bench" serving --warmup 5 --iters 30 \
+          --json "$out/serving_bench.json"
+        tail -n 20 "$out/serving_bench.log" >>"$summary"
+      fi
       ;;
     timing)
       step timing 120 "$out/timing.log" "$tests" "[timing]"

@@ -3,8 +3,10 @@
 # Debian's packages. Does nothing when everything is already there.
 set -euo pipefail
 
+# clang and libclang-rt-dev (libFuzzer and the sanitizer runtimes) build tests/fuzz.
 packages=(cmake g++ make catch2 nlohmann-json3-dev python3 python3-numpy python3-pytest
-          python3-venv python3-pip python3-setuptools python3-wheel binutils pkgconf)
+          python3-venv python3-pip python3-setuptools python3-wheel binutils pkgconf
+          clang libclang-rt-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "abi_struct.h"
+#include "checked_arith.h"
 #include "gpu/cuda_driver.h"
 #include "dtype_name.h"
 #include "error.h"
@@ -17,6 +20,17 @@
 namespace fkda {
 namespace checks {
 
+int64_t element_bytes(int32_t dtype) {
+  switch (dtype) {
+    case FKDA_DTYPE_BF16:
+    case FKDA_DTYPE_F16: return 2;
+    case FKDA_DTYPE_F32:
+    case FKDA_DTYPE_I32: return 4;
+    case FKDA_DTYPE_I64: return 8;
+    default: return 1;
+  }
+}
+
 std::string join(const int64_t* values, int32_t count) {
   std::string out = "[";
   for (int32_t i = 0; i < count; ++i) out += (i ? ", " : "") + std::to_string(values[i]);
@@ -25,13 +39,49 @@ std::string join(const int64_t* values, int32_t count) {
 
 bool present(const fkda_tensor& t) { return !(t.data == nullptr && t.rank == 0); }
 
-int64_t element_count(const fkda_tensor& t) {
-  int64_t n = 1;
-  for (int32_t i = 0; i < t.rank; ++i) n *= t.shape[i];
-  return n;
+bool is_empty(const fkda_tensor& t) {
+  for (int32_t i = 0; i < t.rank; ++i)
+    if (t.shape[i] == 0) return true;
+  return false;
 }
 
-// Dtype, rank, extents and strides of one tensor.
+namespace {
+
+std::string hex_address(const void* data) {
+  char text[2 + 2 * sizeof(uintptr_t) + 1];
+  std::snprintf(text, sizeof text, "0x%llx", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(data)));
+  return text;
+}
+
+// The memory a non-empty tensor covers must be able to exist: its byte span
+// (first element to the end of the last one) fits in int64, and data + span
+// does not run past the end of the address space. Anything else would only
+// be addressable through wrapped-around offsets.
+void check_span(const fkda_tensor& t, const std::string& n) {
+  auto impossible = [&](const std::string& why) {
+    invalid(n + ": shape " + join(t.shape, t.rank) + " with strides " + join(t.strides, t.rank) + " " + why);
+  };
+  int64_t last = 0;  // element offset of the last element
+  for (int32_t i = 0; i < t.rank; ++i) {
+    if (t.shape[i] <= 1) continue;
+    int64_t step = 0;
+    if (mul_overflows(t.shape[i] - 1, t.strides[i], &step) || add_overflows(last, step, &last)) {
+      impossible("spans more than 2^63 elements");
+    }
+  }
+  int64_t bytes = 0;
+  if (add_overflows(last, 1, &last) || mul_overflows(last, element_bytes(t.dtype), &bytes)) {
+    impossible("spans more than 2^63 bytes");
+  }
+  if (reinterpret_cast<uintptr_t>(t.data) > std::numeric_limits<uintptr_t>::max() - uint64_t(bytes)) {
+    impossible("runs past the end of the address space from data " + hex_address(t.data));
+  }
+}
+
+}  // namespace
+
+// The stride of an axis of extent 1 is never used, so it is not checked;
+// nor is anything of an empty tensor but its rank, dtype and extents.
 void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<int32_t> dtypes,
                   std::initializer_list<int64_t> shape, Strides strides) {
   const std::string n = name;
@@ -61,10 +111,19 @@ void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<
     }
     ++axis;
   }
+  if (is_empty(t)) return;
+  if (t.data == nullptr) invalid(n + ": data is NULL");
   for (int32_t i = 0; i < rank; ++i) {
-    if (t.strides[i] < 0) invalid(n + ": negative strides are not supported, got " + join(t.strides, rank));
+    if (t.shape[i] > 1 && t.strides[i] < 0) {
+      invalid(n + ": negative strides are not supported, got " + join(t.strides, rank));
+    }
   }
-  if (strides != Strides::kFree && rank > 0 && t.shape[rank - 1] > 1 && t.strides[rank - 1] != 1) {
+  check_span(t, n);
+  if (reinterpret_cast<uintptr_t>(t.data) % element_bytes(t.dtype) != 0) {
+    invalid(n + ": data " + hex_address(t.data) + " is not aligned to its " +
+            std::to_string(element_bytes(t.dtype)) + "-byte elements");
+  }
+  if (strides != Strides::kFree && t.shape[rank - 1] > 1 && t.strides[rank - 1] != 1) {
     invalid(n + ": the last axis must be contiguous (stride 1), got strides " + join(t.strides, rank));
   }
   if (strides == Strides::kPacked) {
@@ -73,18 +132,20 @@ void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<
       if (t.shape[i] > 1 && t.strides[i] != expected) {
         std::vector<int64_t> packed(rank);
         int64_t s = 1;
-        for (int32_t j = rank - 1; j >= 0; --j) { packed[j] = s; s *= t.shape[j]; }
+        for (int32_t j = rank - 1; j >= 0; --j) { packed[j] = s; s = saturating_mul(s, t.shape[j]); }
         invalid(n + ": expected contiguous strides " + join(packed.data(), rank) + ", got " +
                 join(t.strides, rank));
       }
-      expected *= t.shape[i];
+      expected = saturating_mul(expected, t.shape[i]);
     }
   }
-  if (t.data == nullptr && element_count(t) > 0) invalid(n + ": data is NULL");
 }
 
-// A tensor the call writes must not map two elements to one address.
+// Sufficient test: sorted by stride, each axis steps past everything the
+// smaller axes reach. Runs after check_tensor, so the reaches are bounded
+// by the tensor's span; saturation keeps the last one from wrapping.
 void check_no_overlap(const fkda_tensor& t, const char* name) {
+  if (is_empty(t)) return;
   std::vector<int32_t> axes;
   for (int32_t i = 0; i < t.rank; ++i)
     if (t.shape[i] > 1) axes.push_back(i);
@@ -95,16 +156,20 @@ void check_no_overlap(const fkda_tensor& t, const char* name) {
       invalid(std::string(name) + ": strides " + join(t.strides, t.rank) +
               " make elements overlap; an output needs distinct addresses");
     }
-    reach = t.strides[axis] * t.shape[axis];
+    reach = saturating_mul(t.strides[axis], t.shape[axis]);
   }
+}
+
+int64_t used_stride(const fkda_tensor& t, int32_t axis) {
+  return is_empty(t) || t.shape[axis] <= 1 ? 0 : t.strides[axis];
 }
 
 ActView act_view(const fkda_tensor& t) {
   ActView view;
   view.data = t.data;
-  view.stride_b = t.strides[0];
-  view.stride_t = t.strides[1];
-  view.stride_h = t.strides[2];
+  view.stride_b = used_stride(t, 0);
+  view.stride_t = used_stride(t, 1);
+  view.stride_h = used_stride(t, 2);
   return view;
 }
 
@@ -226,6 +291,12 @@ ActivationExtents check_activations(const Plan& plan, const Activations& a) {
   check_tensor(a.dt_bias, "dt_bias", {FKDA_DTYPE_F32}, {H, K}, Strides::kPacked);
   check_tensor(a.out, "out", {FKDA_DTYPE_BF16}, {B, T, H, V}, Strides::kRows);
   check_no_overlap(a.out, "out");
+  // out holds B * T * H * V distinct elements inside a span that fits in
+  // int64, so the callers' B * T cannot overflow; checked all the same.
+  int64_t total_tokens = 0;
+  if (mul_overflows(B, T, &total_tokens)) {
+    invalid("q: batch " + std::to_string(B) + " times " + std::to_string(T) + " tokens overflows");
+  }
   return {B, T};
 }
 
@@ -254,7 +325,8 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   if (args == nullptr) invalid("args: NULL");
   // 0.1 ended the struct after `scale`.
   const fkda_fwd_args a = read_versioned(*args, fkda_fwd_args FKDA_FWD_ARGS_INIT,
-                                         offsetof(fkda_fwd_args, state_pool), "args", "FKDA_FWD_ARGS_INIT");
+                                         offsetof(fkda_fwd_args, scale) + sizeof(float), "args",
+                                         "FKDA_FWD_ARGS_INIT");
   const int64_t H = plan.num_heads, K = plan.head_dim_k, V = plan.head_dim_v;
   const Activations activations{a.q, a.k, a.v, a.g, a.beta, a.A_log, a.dt_bias, a.out};
   const auto [B, T] = check_activations(plan, activations);
@@ -293,7 +365,7 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
         {&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.g, "g"}, {&a.out, "out"}, {&a.dt_bias, "dt_bias"},
         {&a.initial_state, "initial_state"}, {&a.final_state, "final_state"}};
     for (const auto& [tensor, name] : rows) {
-      if (present(*tensor)) check_gpu_alignment(*tensor, name);
+      if (present(*tensor) && !is_empty(*tensor)) check_gpu_alignment(*tensor, name);
     }
   } else if (present(a.cu_seqlens)) {
     check_cu_seqlens_contents(a.cu_seqlens, T);

@@ -17,6 +17,7 @@
 
 namespace fkda::checks {
 
+int64_t element_bytes(int32_t dtype);
 std::string join(const int64_t* values, int32_t count);
 
 // Expected extents; kAny accepts any non-negative extent (the first tensor
@@ -25,16 +26,27 @@ constexpr int64_t kAny = -1;
 
 bool present(const fkda_tensor& t);
 
+// A tensor with a zero extent holds no element: nothing of it is read or
+// written, so its data pointer, strides and alignment are never looked at.
+// Call after the rank and extents are checked.
+bool is_empty(const fkda_tensor& t);
+
 // What a tensor's strides must be: fully packed (row-major), packed along
 // the last axis only (rows of a strided view), or anything non-negative.
 enum class Strides { kPacked, kRows, kFree };
 
-// Dtype, rank, extents and strides of one tensor.
+// Dtype, rank, extents, strides, span and alignment of one tensor, by the
+// rules of flashkda.h's fkda_tensor.
 void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<int32_t> dtypes,
                   std::initializer_list<int64_t> shape, Strides strides);
 
-// A tensor the call writes must not map two elements to one address.
+// A tensor the call writes must not map two elements to one address
+// (empty tensors pass).
 void check_no_overlap(const fkda_tensor& t, const char* name);
+
+// The stride the backends address an axis with: its own, or 0 where it
+// cannot matter and is not checked (an axis of extent 1, an empty tensor).
+int64_t used_stride(const fkda_tensor& t, int32_t axis);
 
 ActView act_view(const fkda_tensor& t);
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "abi_struct.h"
+#include "checked_arith.h"
 #include "error.h"
 #include "validate_checks.h"
 
@@ -20,27 +21,17 @@ namespace {
 
 std::string str(int64_t x) { return std::to_string(x); }
 
-size_t dtype_bytes(int32_t dtype) {
-  switch (dtype) {
-    case FKDA_DTYPE_BOOL: return 1;
-    case FKDA_DTYPE_BF16:
-    case FKDA_DTYPE_F16: return 2;
-    case FKDA_DTYPE_F32:
-    case FKDA_DTYPE_I32: return 4;
-    default: return 8;
-  }
-}
-
 // The axes from `first_packed` on must be packed (the [H, V, K] of a state),
 // the axes before it are free but must not make elements overlap.
 void check_packed_from(const fkda_tensor& t, const char* name, int32_t first_packed) {
+  if (is_empty(t)) return;
   std::vector<int64_t> packed(size_t(t.rank), 0);
   int64_t expected = 1;
   bool ok = true;
   for (int32_t i = t.rank - 1; i >= first_packed; --i) {
     packed[size_t(i)] = expected;
     if (t.shape[i] > 1 && t.strides[i] != expected) ok = false;
-    expected *= t.shape[i];
+    expected = saturating_mul(expected, t.shape[i]);
   }
   if (!ok) {
     std::string want = "[";
@@ -83,7 +74,7 @@ PoolView check_pool(const Plan& plan, const fkda_tensor& t) {
   check_tensor(t, "state_pool", {plan.state_dtype}, {kAny, kAny, kAny, kAny}, Strides::kRows);
   check_shape(t, "state_pool", state_shape(plan, {kAny}));
   check_packed_from(t, "state_pool", 1);
-  return PoolView{t.data, t.shape[0], t.strides[0]};
+  return PoolView{t.data, t.shape[0], used_stride(t, 0)};
 }
 
 IndexView index_view(const fkda_tensor& t) {
@@ -93,8 +84,8 @@ IndexView index_view(const fkda_tensor& t) {
   view.dtype = t.dtype;
   view.rows = t.shape[0];
   view.cols = t.rank == 2 ? t.shape[1] : 1;
-  view.stride_row = t.strides[0];
-  view.stride_col = t.rank == 2 ? t.strides[1] : 0;
+  view.stride_row = used_stride(t, 0);
+  view.stride_col = t.rank == 2 ? used_stride(t, 1) : 0;
   return view;
 }
 
@@ -110,15 +101,14 @@ IndexView check_indices(const fkda_tensor& t, const char* name, int64_t rows, in
   return index_view(t);
 }
 
-// [first, last) byte addresses a tensor can touch; empty when it has no elements.
+// [first, last) byte addresses a checked tensor can touch; empty when it has
+// no elements. check_tensor has bounded the span, so nothing here overflows.
 std::pair<uintptr_t, uintptr_t> byte_range(const fkda_tensor& t) {
+  if (is_empty(t)) return {0, 0};
   int64_t last = 0;
-  for (int32_t i = 0; i < t.rank; ++i) {
-    if (t.shape[i] == 0) return {0, 0};
-    last += (t.shape[i] - 1) * t.strides[i];
-  }
+  for (int32_t i = 0; i < t.rank; ++i) last += (t.shape[i] - 1) * used_stride(t, i);
   const uintptr_t first = reinterpret_cast<uintptr_t>(t.data);
-  return {first, first + uintptr_t(last + 1) * dtype_bytes(t.dtype)};
+  return {first, first + uintptr_t(last + 1) * uintptr_t(element_bytes(t.dtype))};
 }
 
 struct Named {
@@ -144,7 +134,7 @@ void check_disjoint(const Named& written, const std::vector<Named>& others) {
 void check_gpu_rows(const Plan& plan, const std::vector<Named>& tensors) {
   if (plan.backend != FKDA_BACKEND_GPU) return;
   for (const Named& t : tensors)
-    if (present(*t.tensor)) check_gpu_alignment(*t.tensor, t.name);
+    if (present(*t.tensor) && !is_empty(*t.tensor)) check_gpu_alignment(*t.tensor, t.name);
 }
 
 std::string slot_name(const char* tensor, const IndexView& view, int64_t row, int64_t col) {
@@ -235,8 +225,8 @@ void validate_fwd_serving(const Plan& plan, const fkda_fwd_args& a, PrefillProbl
     check_packed_from(a.checkpoints, "checkpoints", 2);
     p.checkpoints = a.checkpoints.data;
     p.checkpoint_dtype = a.checkpoints.dtype;
-    p.checkpoint_stride_n = a.checkpoints.strides[0];
-    p.checkpoint_stride_c = a.checkpoints.strides[1];
+    p.checkpoint_stride_n = used_stride(a.checkpoints, 0);
+    p.checkpoint_stride_c = used_stride(a.checkpoints, 1);
   }
   if (present(a.checkpoint_slots)) {
     if (!present(a.state_pool)) invalid("checkpoint_slots: given without state_pool");
@@ -246,7 +236,8 @@ void validate_fwd_serving(const Plan& plan, const fkda_fwd_args& a, PrefillProbl
     invalid("state_pool: given without state_indices or checkpoint_slots");
   }
 
-  const std::vector<Named> inputs = {
+  // Everything the call touches; outputs are checked against all of it.
+  const std::vector<Named> touched = {
       {&a.q, "q"},         {&a.k, "k"},           {&a.v, "v"},
       {&a.g, "g"},         {&a.beta, "beta"},     {&a.A_log, "A_log"},
       {&a.dt_bias, "dt_bias"}, {&a.initial_state, "initial_state"}, {&a.cu_seqlens, "cu_seqlens"},
@@ -254,9 +245,10 @@ void validate_fwd_serving(const Plan& plan, const fkda_fwd_args& a, PrefillProbl
       {&a.has_initial_state, "has_initial_state"}, {&a.checkpoint_offsets, "checkpoint_offsets"},
       {&a.checkpoint_slots, "checkpoint_slots"}, {&a.out, "out"}, {&a.final_state, "final_state"},
       {&a.checkpoints, "checkpoints"}};
-  check_disjoint({&a.out, "out"}, inputs);
-  check_disjoint({&a.checkpoints, "checkpoints"}, inputs);
-  std::vector<Named> final_others(inputs);
+  check_disjoint({&a.out, "out"}, touched);
+  check_disjoint({&a.checkpoints, "checkpoints"}, touched);
+  check_disjoint({&a.state_pool, "state_pool"}, touched);
+  std::vector<Named> final_others(touched);
   final_others.erase(std::remove_if(final_others.begin(), final_others.end(),
                                     [](const Named& n) { return std::string(n.name) == "initial_state"; }),
                      final_others.end());

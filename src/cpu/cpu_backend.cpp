@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "checked_arith.h"
 #include "cpu/cpu_rounding.h"
 #include "flashkda.h"
 #include "prefill_params.h"
@@ -613,13 +614,19 @@ void decode_head(const DecodeProblem& p, const HeadTask& task, DecodeScratch& s)
 
 size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, int32_t head_dim_k,
                       int32_t head_dim_v) {
-  // Each sequence adds at most one partial chunk to total_tokens / 16 full ones.
-  const int64_t chunk_bound = total_tokens / kChunk + num_seqs;
-  const int64_t workers = worker_count(num_seqs * num_heads, chunk_bound);
+  // Each sequence adds at most one partial chunk to total_tokens / 16 full
+  // ones. Any size is answered: past int64 both bounds only need to be large.
+  const int64_t chunk_bound = saturating_add(total_tokens / kChunk, num_seqs);
+  const int64_t workers = worker_count(saturating_mul(num_seqs, num_heads), chunk_bound);
   return size_t(workers) * ChunkScratch::floats_needed(head_dim_k, head_dim_v) * sizeof(float);
 }
 
 void fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes) {
+  // Without tokens a call only carries states over; with no state to write
+  // it has no effect at all, however many sequences q's empty batch claims.
+  if (problem.batch * problem.seq_len == 0 && problem.final_state == nullptr && problem.pool.data == nullptr) {
+    return;
+  }
   const std::vector<HeadTask> tasks = head_tasks(problem);
   if (tasks.empty()) return;
 

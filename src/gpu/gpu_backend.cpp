@@ -10,6 +10,7 @@
 #include <limits>
 #include <string>
 
+#include "checked_arith.h"
 #include "error.h"
 #include "gpu/kernel_library.h"
 #include "prefill_params.h"
@@ -72,13 +73,12 @@ Windows windows_for(int64_t total_tokens, int64_t num_seqs, int32_t num_heads) {
   w.total_slots = fkda_num_chunk_slots(total_tokens, num_seqs);
   int64_t slots = forced_window_slots();
   if (slots == 0) {
-    const int64_t most = std::max(kWindowSlotsPerSequence * std::max<int64_t>(num_seqs, 1),
+    const int64_t most = std::max(saturating_mul(kWindowSlotsPerSequence, std::max<int64_t>(num_seqs, 1)),
                                   kWindowBudgetBytes / (int64_t(num_heads) * FKDA_WS_RECORD_BYTES));
-    const int64_t count = (w.total_slots + most - 1) / most;
-    slots = (w.total_slots + count - 1) / count;
+    slots = ceil_div(w.total_slots, ceil_div(w.total_slots, most));
   }
   w.slots = std::min(slots, w.total_slots);
-  w.count = (w.total_slots + w.slots - 1) / w.slots;
+  w.count = ceil_div(w.total_slots, w.slots);
   return w;
 }
 

@@ -23,6 +23,34 @@ constexpr int64_t kSlotGap = 64;
 
 inline size_t dtype_bytes(fkda_dtype dtype) { return dtype == FKDA_DTYPE_BF16 ? 2 : 4; }
 
+// Element i of bf16 or f32 state bytes, as f32 (bf16 rounded to nearest even on the way in).
+inline void store_state_element(std::vector<unsigned char>& bytes, fkda_dtype dtype, size_t i, float value) {
+  if (dtype == FKDA_DTYPE_BF16) {
+    const uint16_t bits = to_bf16(value);
+    std::memcpy(bytes.data() + i * 2, &bits, 2);
+  } else {
+    std::memcpy(bytes.data() + i * 4, &value, 4);
+  }
+}
+inline float load_state_element(const std::vector<unsigned char>& bytes, fkda_dtype dtype, size_t i) {
+  if (dtype == FKDA_DTYPE_BF16) {
+    uint16_t bits;
+    std::memcpy(&bits, bytes.data() + i * 2, 2);
+    return from_bf16(bits);
+  }
+  float value;
+  std::memcpy(&value, bytes.data() + i * 4, 4);
+  return value;
+}
+
+// f32 values as a dtype would hold them (bf16: rounded to nearest even).
+inline std::vector<float> rounded_to(const std::vector<float>& values, fkda_dtype dtype) {
+  if (dtype != FKDA_DTYPE_BF16) return values;
+  std::vector<float> r(values.size());
+  for (size_t i = 0; i < values.size(); ++i) r[i] = from_bf16(to_bf16(values[i]));
+  return r;
+}
+
 // A state pool [slots, H, V, K] (or [slots, H, K, V]) with a slot stride of
 // H V K + kSlotGap elements, on the host. Every byte starts random (finite
 // values N(0, 1) in the pool's dtype, the gaps included), so a write where
@@ -49,24 +77,8 @@ struct HostPool {
     const int64_t inner = layout == FKDA_STATE_LAYOUT_VK ? e * 128 + k : k * 128 + e;
     return size_t(slot * slot_stride() + h * kMatrixElements + inner);
   }
-  void store_element(size_t i, float value) {
-    if (dtype == FKDA_DTYPE_BF16) {
-      const uint16_t bits = to_bf16(value);
-      std::memcpy(bytes.data() + i * 2, &bits, 2);
-    } else {
-      std::memcpy(bytes.data() + i * 4, &value, 4);
-    }
-  }
-  float load_element(size_t i) const {
-    if (dtype == FKDA_DTYPE_BF16) {
-      uint16_t bits;
-      std::memcpy(&bits, bytes.data() + i * 2, 2);
-      return from_bf16(bits);
-    }
-    float value;
-    std::memcpy(&value, bytes.data() + i * 4, 4);
-    return value;
-  }
+  void store_element(size_t i, float value) { store_state_element(bytes, dtype, i, value); }
+  float load_element(size_t i) const { return load_state_element(bytes, dtype, i); }
 
   // A slot's H matrices as f32 [H, V, K] (V-first), exactly as stored.
   std::vector<float> get(int64_t slot) const {
@@ -119,18 +131,29 @@ inline std::vector<int64_t> scattered_slots(int64_t count, int64_t first, int64_
   return all;
 }
 
-// i32 or i64 values as the bytes of a device tensor.
+// i64, i32 or bool values as the bytes of a device tensor.
 inline std::vector<unsigned char> integer_bytes(const std::vector<int64_t>& values, fkda_dtype dtype) {
-  std::vector<unsigned char> bytes(values.size() * (dtype == FKDA_DTYPE_I64 ? 8 : 4));
+  const size_t width = dtype == FKDA_DTYPE_I64 ? 8 : dtype == FKDA_DTYPE_I32 ? 4 : 1;
+  std::vector<unsigned char> bytes(values.size() * width);
   for (size_t i = 0; i < values.size(); ++i) {
-    if (dtype == FKDA_DTYPE_I64) {
+    if (width == 8) {
       std::memcpy(bytes.data() + i * 8, &values[i], 8);
-    } else {
+    } else if (width == 4) {
       const int32_t narrow = int32_t(values[i]);
       std::memcpy(bytes.data() + i * 4, &narrow, 4);
+    } else {
+      bytes[i] = values[i] != 0 ? 1 : 0;
     }
   }
   return bytes;
+}
+
+// The smallest real slot under a null-slot rule, and a null index of it,
+// varied by sequence (-1, -2, -3, and 0 where it is null).
+inline int64_t first_real_slot(fkda_null_slot_rule rule) { return rule == FKDA_NULL_SLOT_NONPOSITIVE ? 1 : 0; }
+inline int64_t null_index(fkda_null_slot_rule rule, int64_t n) {
+  if (rule == FKDA_NULL_SLOT_NONPOSITIVE && n % 2 == 0) return 0;
+  return -1 - n % 3;
 }
 
 // Tokens [begin, begin + length) of sequence n of p.
@@ -167,6 +190,38 @@ inline Reference sequence_reference(const Problem& p, const SequenceTokens& s, i
   one.g = slice(p.g, row);
   one.beta = slice(p.beta, beta_row);
   return reference_recurrence(one);
+}
+
+inline std::vector<double> widen(const std::vector<float>& values) {
+  return std::vector<double>(values.begin(), values.end());
+}
+
+// A slow-decay problem whose states come from a pool (none of its own):
+// B rows of T tokens, or packed sequences of the given lengths.
+inline Problem pool_problem(int64_t B, int64_t T, int64_t H, const std::vector<int64_t>& lengths, uint64_t seed) {
+  ProblemShape shape;
+  shape.H = H;
+  if (lengths.empty()) {
+    shape.B = B;
+    shape.T = T;
+  } else {
+    shape.lengths = lengths;
+  }
+  shape = slow_decay(shape);
+  shape.with_initial_state = false;
+  return random_problem(shape, seed);
+}
+
+// A case of packed sequences of these lengths, for any case type with a
+// name, lengths, H and seed.
+template <typename Case>
+Case packed_case(std::string name, std::vector<int64_t> lengths, int64_t H, uint64_t seed) {
+  Case c;
+  c.name = std::move(name);
+  c.lengths = std::move(lengths);
+  c.H = H;
+  c.seed = seed;
+  return c;
 }
 
 // A relative L2 error and its tolerance, for the report and the check.

@@ -449,6 +449,9 @@ TEST_CASE("CPU padding: null slots and zero-length sequences touch nothing", "[c
       CHECK(rows.nonzero_padding == 0);
       CHECK(rows.poisoned == 0);
       CHECK(bytes_changed_outside(before, pool, {4}) == 0);
+      // The same checks with one real row or slot taken for padding do bite.
+      CHECK(inspect_rows(out, p.H, {0, 1, 2, 3}).nonzero_padding > 0);
+      CHECK(bytes_changed_outside(before, pool, {}) > 0);
 
       Pool alone = before;
       std::vector<int32_t> slot = {4};
@@ -477,6 +480,9 @@ TEST_CASE("CPU padding: null slots and zero-length sequences touch nothing", "[c
       const OutputRows rows = inspect_rows(out, p.H, padded_tokens);
       CHECK(rows.nonzero_padding == 0);
       CHECK(rows.poisoned == 0);
+      padded_tokens.insert(20);
+      CHECK(inspect_rows(out, p.H, padded_tokens).nonzero_padding > 0);
+      CHECK(bytes_changed_outside(before, pool, {3, 5}) > 0);  // misses the checkpoint in slot 7
       // Slot 5 belongs to the empty sequence: read and written back unchanged.
       CHECK(bytes_changed_outside(before, pool, {3, 5, 7}) == 0);
       CHECK(same_bits(pool.state(5), before.state(5)));

@@ -168,6 +168,7 @@ std::vector<BadPrefill> bad_prefill_calls() {
       {"checkpoints overlapping across C", kContiguous, [](A& a, F&) { a.checkpoints.strides[1] = 0; }, "checkpoints: strides"},
       {"checkpoints rows strided", kContiguous, [](A& a, F&) { a.checkpoints.strides[3] = 256; }, "checkpoints: each state must be contiguous"},
       {"checkpoints over final_state", kContiguous, [](A& a, F&) { a.checkpoints.data = a.final_state.data; }, "checkpoints: overlaps final_state"},
+      {"state_pool over initial_state", kContiguous, [](A& a, F& f) { a.checkpoints = FKDA_TENSOR_NONE; a.checkpoint_slots = f.by_slot().checkpoint_slots; a.state_pool = tensor(a.initial_state.data, FKDA_DTYPE_F32, {1, 1, kD, kD}); }, "state_pool: overlaps initial_state"},
       {"out over q", kBySlot, [](A& a, F&) { a.out.data = a.q.data; }, "out: overlaps q"},
       {"out over the pool", kBySlot, [](A& a, F&) { a.out.data = a.state_pool.data; }, "out: overlaps state_pool"},
       {"final_state over the checkpoints", kContiguous, [](A& a, F&) { a.final_state.data = a.checkpoints.data; }, "checkpoints: overlaps final_state"},
@@ -276,8 +277,11 @@ TEST_CASE("fkda_decode needs no workspace", "[validation][serving]") {
 }
 
 TEST_CASE("structs of the 0.1 sizes keep working; larger ones are rejected", "[validation][abi]") {
+  // Where the 0.1 fields end; 0.1's sizeof rounds that up to 8 bytes, and
+  // 0.2's null_slot_rule sits in fkda_plan_desc's padding of then.
   constexpr size_t kDesc01 = offsetof(fkda_plan_desc, lower_bound) + sizeof(float);
-  constexpr size_t kArgs01 = offsetof(fkda_fwd_args, state_pool);
+  constexpr size_t kArgs01 = offsetof(fkda_fwd_args, scale) + sizeof(float);
+  STATIC_REQUIRE(offsetof(fkda_plan_desc, null_slot_rule) == kDesc01);
 
   SECTION("fkda_plan_desc") {
     fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
@@ -286,6 +290,9 @@ TEST_CASE("structs of the 0.1 sizes keep working; larger ones are rejected", "[v
     desc.null_slot_rule = 7;  // past a 0.1 struct: never read
     desc.debug_checks = 9;
     fkda_plan_t plan = nullptr;
+    desc.struct_size = kDesc01 + 4;  // sizeof(fkda_plan_desc) in 0.1
+    FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
+    fkda_plan_destroy(plan);
     desc.struct_size = kDesc01;
     FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
     // The 0.1 plan has the default null rule: slot 0 is a real slot and is written.
@@ -323,12 +330,14 @@ TEST_CASE("structs of the 0.1 sizes keep working; larger ones are rejected", "[v
     fkda_fwd_args old = full;
     old.state_indices = tensor(nullptr, FKDA_DTYPE_F32, {99});
     old.checkpoints = tensor(f.p.q.data(), FKDA_DTYPE_I32, {1});
-    old.struct_size = kArgs01;
+    old.struct_size = offsetof(fkda_fwd_args, state_pool);  // sizeof(fkda_fwd_args) in 0.1
     std::fill(f.out.begin(), f.out.end(), kPoisonBf16);
     std::fill(f.final_state.begin(), f.final_state.end(), 0.f);
     FKDA_REQUIRE(plan.fwd(old));
     CHECK(f.out == full_out);
     CHECK(f.final_state == full_state);
+    old.struct_size = kArgs01;
+    FKDA_REQUIRE(plan.fwd(old));
 
     // A size between the two: fields up to it are read, the rest ignored.
     fkda_fwd_args partial = f.by_slot();

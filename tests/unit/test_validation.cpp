@@ -95,6 +95,15 @@ void set_strides(fkda_tensor& t, std::initializer_list<int64_t> strides) {
   for (int64_t s : strides) t.strides[i++] = s;
 }
 
+constexpr int64_t kHuge = int64_t(1) << 62;
+constexpr int64_t kMaxStride = std::numeric_limits<int64_t>::max();
+
+void* off_by_one_byte(void* data) { return static_cast<char*>(data) + 1; }
+
+// An aligned address 1 KiB below the end of the address space: any tensor
+// longer than that would wrap around.
+void* near_top_of_address_space() { return reinterpret_cast<void*>(~uintptr_t(0) - 1023); }
+
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
 const float kInf = std::numeric_limits<float>::infinity();
 
@@ -152,6 +161,31 @@ std::vector<BadCall> bad_fwd_calls() {
       {"cu_seqlens short of T", [](fkda_fwd_args&, Fixture& f) { f.cu_seqlens = {0, 10, 25, 39}; }, BAD, "cu_seqlens: must end at T = 40", true},
       {"cu_seqlens data NULL", [](fkda_fwd_args& a, Fixture&) { a.cu_seqlens.data = nullptr; }, BAD, "cu_seqlens: data is NULL", true},
       {"varlen state N mismatch", [](fkda_fwd_args& a, Fixture&) { a.final_state.shape[0] = 2; }, BAD, "final_state: expected shape [3, 2, 128, 128]", true},
+      // Descriptors whose memory cannot exist: their offsets would wrap.
+      {"q token stride 2^62", [](fkda_fwd_args& a, Fixture&) { a.q.strides[1] = kHuge; }, BAD, "q: shape [2, 20, 2, 128] with strides [5120, 4611686018427387904, 128, 1] spans more than 2^63"},
+      {"k batch stride 2^62", [](fkda_fwd_args& a, Fixture&) { a.k.strides[0] = kHuge; }, BAD, "k: shape"},
+      {"v head stride 2^62", [](fkda_fwd_args& a, Fixture&) { a.v.strides[2] = kHuge; }, BAD, "v: shape"},
+      {"g token stride 2^62", [](fkda_fwd_args& a, Fixture&) { a.g.strides[1] = kHuge; }, BAD, "g: shape"},
+      {"beta token stride 2^62", [](fkda_fwd_args& a, Fixture&) { a.beta.strides[1] = kHuge; }, BAD, "beta: shape"},
+      {"out token stride 2^62", [](fkda_fwd_args& a, Fixture&) { a.out.strides[1] = kHuge; }, BAD, "out: shape"},
+      {"out batch stride INT64_MAX", [](fkda_fwd_args& a, Fixture&) { a.out.strides[0] = kMaxStride; }, BAD, "out: shape"},
+      {"cu_seqlens stride 2^62", [](fkda_fwd_args& a, Fixture&) { a.cu_seqlens.strides[0] = kHuge; }, BAD, "cu_seqlens: shape [4] with strides [4611686018427387904] spans more than 2^63", true},
+      {"cu_seqlens of 2^63 - 1 offsets", [](fkda_fwd_args& a, Fixture&) { a.cu_seqlens.shape[0] = kMaxStride; }, BAD, "cu_seqlens: shape [9223372036854775807] with strides [1] spans more than 2^63 bytes", true},
+      {"q ends past the address space", [](fkda_fwd_args& a, Fixture&) { a.q.data = near_top_of_address_space(); }, BAD, "q: shape [2, 20, 2, 128] with strides [5120, 256, 128, 1] runs past the end of the address space"},
+      {"final_state ends past the address space", [](fkda_fwd_args& a, Fixture&) { a.final_state.data = near_top_of_address_space(); }, BAD, "final_state: shape"},
+      // Every tensor's data must be aligned to its elements.
+      {"q misaligned", [](fkda_fwd_args& a, Fixture&) { a.q.data = off_by_one_byte(a.q.data); }, BAD, "q: data 0x"},
+      {"k misaligned", [](fkda_fwd_args& a, Fixture&) { a.k.data = off_by_one_byte(a.k.data); }, BAD, "k: data 0x"},
+      {"v misaligned", [](fkda_fwd_args& a, Fixture&) { a.v.data = off_by_one_byte(a.v.data); }, BAD, "v: data 0x"},
+      {"g misaligned", [](fkda_fwd_args& a, Fixture&) { a.g.data = off_by_one_byte(a.g.data); }, BAD, "g: data 0x"},
+      {"beta misaligned", [](fkda_fwd_args& a, Fixture&) { a.beta.data = off_by_one_byte(a.beta.data); }, BAD, "beta: data 0x"},
+      {"A_log misaligned", [](fkda_fwd_args& a, Fixture&) { a.A_log.data = off_by_one_byte(a.A_log.data); }, BAD, "A_log: data 0x"},
+      {"dt_bias misaligned", [](fkda_fwd_args& a, Fixture&) { a.dt_bias.data = off_by_one_byte(a.dt_bias.data); }, BAD, "dt_bias: data 0x"},
+      {"out misaligned", [](fkda_fwd_args& a, Fixture&) { a.out.data = off_by_one_byte(a.out.data); }, BAD, "out: data 0x"},
+      {"initial_state misaligned", [](fkda_fwd_args& a, Fixture&) { a.initial_state.data = off_by_one_byte(a.initial_state.data); }, BAD, "initial_state: data 0x"},
+      {"final_state misaligned", [](fkda_fwd_args& a, Fixture&) { a.final_state.data = off_by_one_byte(a.final_state.data); }, BAD, "final_state: data 0x"},
+      {"cu_seqlens misaligned", [](fkda_fwd_args& a, Fixture&) { a.cu_seqlens.data = off_by_one_byte(a.cu_seqlens.data); }, BAD, "cu_seqlens: data 0x", true},
+      {"cu_seqlens i32 on 4 + 2 bytes", [](fkda_fwd_args& a, Fixture&) { a.cu_seqlens.dtype = FKDA_DTYPE_I32; a.cu_seqlens.data = static_cast<char*>(a.cu_seqlens.data) + 2; }, BAD, "cu_seqlens: data 0x", true},
   };
 }
 
@@ -229,8 +263,64 @@ TEST_CASE("bad plan handles and arguments", "[validation]") {
     check_failure(fkda_fwd(f.plan, &args, f.workspace.data(), needed - 1, nullptr),
                   FKDA_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes: " + std::to_string(needed - 1) + " bytes given");
     check_failure(fkda_fwd(f.plan, &args, nullptr, needed, nullptr), FKDA_ERROR_INVALID_ARGUMENT, "workspace: NULL");
+    check_failure(fkda_fwd(f.plan, &args, f.workspace.data() + 8, needed, nullptr), FKDA_ERROR_INVALID_ARGUMENT,
+                  "workspace: must be 16-byte aligned");
     CHECK(fkda_fwd(f.plan, &args, f.workspace.data(), needed, nullptr) == FKDA_SUCCESS);
   }
+}
+
+TEST_CASE("workspace sizes of any magnitude are answered without overflow", "[validation]") {
+  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+  desc.num_heads = 3;
+  desc.backend = FKDA_BACKEND_CPU;
+  fkda_plan_t plan = nullptr;
+  REQUIRE(fkda_plan_create(&desc, &plan) == FKDA_SUCCESS);
+  // Far more work than there are cores: one scratch region per core.
+  size_t most = 0;
+  REQUIRE(fkda_plan_workspace_size(plan, int64_t(1) << 40, int64_t(1) << 30, &most) == FKDA_SUCCESS);
+  const int64_t sizes[] = {0, 1, 16, int64_t(1) << 31, kHuge, kMaxStride - 1, kMaxStride};
+  for (int64_t tokens : sizes) {
+    for (int64_t seqs : sizes) {
+      INFO("total_tokens " << tokens << ", num_seqs " << seqs);
+      size_t bytes = 0;
+      REQUIRE(fkda_plan_workspace_size(plan, tokens, seqs, &bytes) == FKDA_SUCCESS);
+      CHECK(bytes > 0);
+      if (seqs >= int64_t(1) << 31) CHECK(bytes == most);
+      else CHECK(bytes <= most);
+    }
+  }
+  fkda_plan_destroy(plan);
+}
+
+TEST_CASE("empty tensors: their data, strides and alignment are not looked at", "[validation]") {
+  Fixture f;
+  fkda_fwd_args a = f.batched();
+  for (fkda_tensor* t : {&a.q, &a.k, &a.v, &a.g, &a.out}) *t = fkda_ref::tensor(t->data, FKDA_DTYPE_BF16, {kB, 0, kH, kD});
+  a.beta = fkda_ref::tensor(f.beta.data(), FKDA_DTYPE_BF16, {kB, 0, kH});
+  REQUIRE(a.out.strides[0] == 0);  // what row-major strides of an empty array look like
+  a.out.strides[2] = 0;            // and a broadcast axis of extent 2
+  a.q.strides[3] = 0;              // a last axis that is not contiguous
+  a.k.data = nullptr;
+  a.v.data = off_by_one_byte(a.v.data);
+  set_strides(a.g, {-1, -1, -1, -1});
+  REQUIRE(f.run(a) == FKDA_SUCCESS);
+  CHECK(std::string(fkda_last_error()).empty());
+  // Sequences without tokens carry their initial state over.
+  CHECK(std::equal(f.initial_state.begin(), f.initial_state.begin() + kB * kH * kD * kD, f.final_state.begin()));
+  CHECK(std::all_of(f.out.begin(), f.out.end(), [](uint16_t o) { return o == 0xFFFF; }));
+}
+
+TEST_CASE("strides of axes of extent 1 are not looked at", "[validation]") {
+  Fixture f;
+  fkda_fwd_args a = f.varlen();  // batch axis of extent 1
+  REQUIRE(f.run(a) == FKDA_SUCCESS);
+  const std::vector<uint16_t> expected = f.out;
+  std::fill(f.out.begin(), f.out.end(), uint16_t(0xFFFF));
+  a.q.strides[0] = -7;
+  a.out.strides[0] = kHuge;
+  a.beta.strides[0] = kMaxStride;
+  REQUIRE(f.run(a) == FKDA_SUCCESS);
+  CHECK(f.out == expected);
 }
 
 TEST_CASE("bad plan descriptions", "[validation]") {

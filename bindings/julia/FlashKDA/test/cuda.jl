@@ -52,6 +52,25 @@ else
             close(plan)
         end
 
+        @testset "decode on a device pool" begin
+            # Slots 3 and 1 (0-based) hold the two sequences' initial states.
+            p = make_problem(rng; batch=2, seq_len=3, heads=2)
+            pool = randn(rng, Float32, DIM, DIM, 2, 4)
+            pool[:, :, :, 4] = p.initial_state[:, :, :, 1]
+            pool[:, :, :, 2] = p.initial_state[:, :, :, 2]
+            device_pool = CuArray(pool)
+            out = CUDA.fill(BF16_NAN, size(p.v))
+            decode!(CuArray(p.q), CuArray(p.k), CuArray(p.v), CuArray(p.g), CuArray(p.beta), p.scale,
+                    out, CuArray(p.A_log), CuArray(p.dt_bias), p.lower_bound, device_pool,
+                    CuArray(Int32[3, 1]))
+            expected_out, expected_state = reference(p)
+            @test rel_l2(from_bf16(Array(out)), expected_out) <= 6e-3
+            updated = Array(device_pool)
+            @test rel_l2(updated[:, :, :, 4], expected_state[:, :, :, 1]) <= 1e-4
+            @test rel_l2(updated[:, :, :, 2], expected_state[:, :, :, 2]) <= 1e-4
+            @test updated[:, :, :, 1] == pool[:, :, :, 1] && updated[:, :, :, 3] == pool[:, :, :, 3]
+        end
+
         @testset "device mistakes name the argument" begin
             p = make_problem(rng; seq_len=20, heads=2)
             out = CUDA.zeros(UInt16, size(p.v))

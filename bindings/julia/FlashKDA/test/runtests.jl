@@ -321,6 +321,64 @@ end
         end
     end
 
+    @testset "states in a pool" begin
+        # One sequence per batch row; the pool (K, V, H, slots) holds their
+        # initial states at scattered slots (0-based, as the library reads
+        # them) and random states elsewhere.
+        p = make_problem(rng; batch=3, seq_len=2, heads=2)
+        slot_count = 6
+        slots = Int32[4, 1, 5]
+        before = randn(rng, Float32, DIM, DIM, 2, slot_count)
+        for n in 1:3
+            before[:, :, :, slots[n]+1] = p.initial_state[:, :, :, n]
+        end
+        expected_out, expected_state = reference(p)
+        # Slots a call wrote hold the reference's state of their sequence;
+        # every other slot is bit for bit as it was.
+        function check_pool(pool, written, tolerance)
+            for slot in 0:slot_count-1
+                n = findfirst(==(slot), written)
+                if n === nothing
+                    @test pool[:, :, :, slot+1] == before[:, :, :, slot+1]
+                else
+                    @test rel_l2(pool[:, :, :, slot+1], expected_state[:, :, :, n]) <= tolerance
+                end
+            end
+        end
+
+        pool = copy(before)
+        out = fill(BF16_NAN, size(p.v))
+        decode!(p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias, p.lower_bound,
+                pool, slots)
+        @test !any(isnan, from_bf16(out))
+        @test rel_l2(from_bf16(out), expected_out) <= 6e-3
+        check_pool(pool, slots, 1e-4)
+
+        # A prefill on the pool, the second sequence padding (index -1).
+        padded = Int32[4, -1, 5]
+        pool = copy(before)
+        out = fill(BF16_NAN, size(p.v))
+        plan = Plan(2; backend=:cpu)
+        fwd!(plan, p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias;
+             state_pool=pool, state_indices=padded)
+        @test all(==(0x0000), out[:, :, :, 2])
+        for n in (1, 3)
+            @test rel_l2(from_bf16(out[:, :, :, n]), expected_out[:, :, :, n]) <= 6e-3
+        end
+        check_pool(pool, padded, 5e-3)
+
+        outside = try
+            decode!(plan, p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias, pool,
+                    Int32[4, slot_count, 5])
+            nothing
+        catch e
+            e
+        end
+        @test outside isa FlashKDAError && startswith(outside.message, "state_indices")
+        @test decode_workspace_size(plan, 6, 3) >= 0
+        close(plan)
+    end
+
     @testset "finding the library" begin
         missing_path = joinpath(mktempdir(), "libflashkda.so.0")
         not_found = try

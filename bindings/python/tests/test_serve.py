@@ -1,5 +1,13 @@
-"""States in a pool on the CPU backend: decode, speculative verify, prefill
-by slot, padding and checkpoints, against the fp64 recurrence."""
+"""States in a pool: decode, speculative verify, prefill by slot, padding and
+checkpoints, against the fp64 recurrence. Each test taking `backend` runs on
+the CPU backend with numpy arrays and, where torch sees a CUDA device, on the
+GPU backend with the same values as torch CUDA tensors. The error tests run
+on the CPU backend, which checks indices on the host.
+
+On a GPU machine:
+    PYTHONPATH=bindings/python FLASHKDA_LIBRARY=build/libflashkda.so.0 \
+        python3 -m pytest -q -p no:cacheprovider bindings/python/tests/test_serve.py
+"""
 
 import numpy as np
 import pytest
@@ -12,6 +20,63 @@ from kda_testing import (
     make_problem,
     rel_l2,
 )
+
+def torch_cuda():
+    """torch when it sees a CUDA device, else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+class Backend:
+    """Calls flashkda.fwd and flashkda.decode with numpy arguments, as they
+    are (CPU backend) or moved to torch CUDA tensors (GPU backend), the
+    written tensors copied back into the numpy arrays afterwards."""
+
+    WRITTEN = ("out", "final_state", "state_pool", "checkpoints")
+
+    def __init__(self, name):
+        self.name = name
+        self.torch = torch_cuda() if name == "cuda" else None
+
+    def fwd(self, **arguments):
+        self._call(flashkda.fwd, arguments)
+
+    def decode(self, **arguments):
+        self._call(flashkda.decode, arguments)
+
+    def _call(self, function, arguments):
+        if self.torch is None:
+            function(**arguments)
+            return
+        moved = {name: self._to_device(value) if isinstance(value, np.ndarray) else value
+                 for name, value in arguments.items()}
+        function(**moved)
+        for name in self.WRITTEN:
+            if arguments.get(name) is not None:
+                arguments[name][...] = self._to_host(moved[name])
+
+    def _to_device(self, array):
+        torch = self.torch
+        if array.dtype == np.uint16:  # bf16 bit patterns
+            return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).cuda().view(
+                torch.bfloat16)
+        return torch.from_numpy(np.ascontiguousarray(array)).cuda()
+
+    def _to_host(self, tensor):
+        torch = self.torch
+        if tensor.dtype == torch.bfloat16:
+            return tensor.view(torch.int16).cpu().numpy().view(np.uint16)
+        return tensor.cpu().numpy()
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    torch_cuda() is None, reason="torch sees no CUDA device"))])
+def backend(request):
+    return Backend(request.param)
+
 
 SLOTS = 10
 HEADS = 2
@@ -69,12 +134,12 @@ def assert_pool_call_matches(problem, pool, pool_before, expected_out, expected_
 
 @pytest.mark.parametrize("pool_dtype", [np.float32, np.uint16], ids=["f32_pool", "bf16_pool"])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
-def test_decode_one_token_on_scattered_slots(rng, pool_dtype, index_dtype):
+def test_decode_one_token_on_scattered_slots(backend, rng, pool_dtype, index_dtype):
     problem = decode_problem(rng, batch=4, seq_len=1)
     pool = random_pool(rng, dtype=pool_dtype)
     pool_before = pool.copy()
     indices = np.array([7, -1, 2, 5], dtype=index_dtype)
-    flashkda.decode(lower_bound=problem.lower_bound, state_pool=pool, state_indices=indices,
+    backend.decode(lower_bound=problem.lower_bound, state_pool=pool, state_indices=indices,
                     **activations(problem))
     expected_out, expected_pool = decode_reference_fp64(
         problem.q, problem.k, problem.v, problem.g, problem.beta, problem.A_log, problem.dt_bias,
@@ -83,12 +148,12 @@ def test_decode_one_token_on_scattered_slots(rng, pool_dtype, index_dtype):
                              padding_rows=[1])
 
 
-def test_decode_several_tokens_with_slot_zero_reserved(rng):
+def test_decode_several_tokens_with_slot_zero_reserved(backend, rng):
     problem = decode_problem(rng, batch=3, seq_len=5)
     pool = random_pool(rng)
     pool_before = pool.copy()
     indices = np.array([3, 0, 9], dtype=np.int32)
-    flashkda.decode(lower_bound=problem.lower_bound, state_pool=pool, state_indices=indices,
+    backend.decode(lower_bound=problem.lower_bound, state_pool=pool, state_indices=indices,
                     null_slot_rule="nonpositive", **activations(problem))
     expected_out, expected_pool = decode_reference_fp64(
         problem.q, problem.k, problem.v, problem.g, problem.beta, problem.A_log, problem.dt_bias,
@@ -97,7 +162,7 @@ def test_decode_several_tokens_with_slot_zero_reserved(rng):
                              padding_rows=[1])
 
 
-def test_decode_packed_sequences_with_int32_offsets(rng):
+def test_decode_packed_sequences_with_int32_offsets(backend, rng):
     lengths = [3, 0, 16, 1, 2]
     problem = make_problem(rng, seq_lens=lengths, heads=HEADS, with_initial_state=False,
                            with_final_state=False, cu_seqlens_dtype=np.int32,
@@ -107,7 +172,7 @@ def test_decode_packed_sequences_with_int32_offsets(rng):
     pool_before = pool.copy()
     # The zero-length sequence and the padded one (-1) touch nothing.
     indices = np.array([8, 4, 1, -1, 6], dtype=np.int32)
-    flashkda.decode(lower_bound=problem.lower_bound, state_pool=pool, state_indices=indices,
+    backend.decode(lower_bound=problem.lower_bound, state_pool=pool, state_indices=indices,
                     cu_seqlens=problem.cu_seqlens, **activations(problem))
     expected_out, expected_pool = decode_reference_fp64(
         problem.q, problem.k, problem.v, problem.g, problem.beta, problem.A_log, problem.dt_bias,
@@ -117,7 +182,7 @@ def test_decode_packed_sequences_with_int32_offsets(rng):
                              padding_rows=[(0, padded_token)])
 
 
-def test_speculative_verify_starts_at_the_accepted_column(rng):
+def test_speculative_verify_starts_at_the_accepted_column(backend, rng):
     draft_tokens = 4
     problem = decode_problem(rng, batch=3, seq_len=draft_tokens)
     pool = random_pool(rng)
@@ -125,7 +190,7 @@ def test_speculative_verify_starts_at_the_accepted_column(rng):
     # Row n holds the slots of draft positions 0..3; -1 columns are not written.
     table = np.array([[1, 2, 3, 4], [5, 6, -1, 7], [8, 9, 0, -1]], dtype=np.int32)
     num_accepted = np.array([3, 1, 2], dtype=np.int32)
-    flashkda.decode(lower_bound=problem.lower_bound, state_pool=pool, state_indices=table,
+    backend.decode(lower_bound=problem.lower_bound, state_pool=pool, state_indices=table,
                     num_accepted_tokens=num_accepted, **activations(problem))
     expected_out, expected_pool = decode_reference_fp64(
         problem.q, problem.k, problem.v, problem.g, problem.beta, problem.A_log, problem.dt_bias,
@@ -190,18 +255,18 @@ def prefill_reference(problem, initial_states, cu_seqlens=None):
         cu_seqlens=problem.cu_seqlens if cu_seqlens is None else cu_seqlens, **widened_inputs)
 
 
-def test_prefill_on_a_pool_equals_contiguous_states(rng):
+def test_prefill_on_a_pool_equals_contiguous_states(backend, rng):
     problem = prefill_problem(rng, [20, 33, 5])
     pool = random_pool(rng)
     pool_before = pool.copy()
     indices = np.array([6, 1, 3], dtype=np.int32)
-    flashkda.fwd(lower_bound=problem.lower_bound, state_pool=pool, state_indices=indices,
+    backend.fwd(lower_bound=problem.lower_bound, state_pool=pool, state_indices=indices,
                  cu_seqlens=problem.cu_seqlens, **activations(problem))
     pool_out = problem.out.copy()
 
     final_state = np.full((3, HEADS, 128, 128), np.nan, dtype=np.float32)
     problem.poison_outputs()
-    flashkda.fwd(lower_bound=problem.lower_bound, initial_state=pool_before[indices],
+    backend.fwd(lower_bound=problem.lower_bound, initial_state=pool_before[indices],
                  final_state=final_state, cu_seqlens=problem.cu_seqlens, **activations(problem))
     assert rel_l2(flashkda.from_bf16(pool_out), flashkda.from_bf16(problem.out)) <= 1e-6
     assert rel_l2(pool[indices], final_state) <= 1e-6
@@ -213,14 +278,14 @@ def test_prefill_on_a_pool_equals_contiguous_states(rng):
                              state_tolerance=PREFILL_STATE_TOLERANCE)
 
 
-def test_prefill_padding_and_sequences_without_initial_state(rng):
+def test_prefill_padding_and_sequences_without_initial_state(backend, rng):
     lengths = [18, 7, 30]
     problem = prefill_problem(rng, lengths)
     pool = random_pool(rng)
     pool_before = pool.copy()
     indices = np.array([4, -1, 2], dtype=np.int64)
     has_initial_state = np.array([True, True, False])
-    flashkda.fwd(lower_bound=problem.lower_bound, state_pool=pool, state_indices=indices,
+    backend.fwd(lower_bound=problem.lower_bound, state_pool=pool, state_indices=indices,
                  has_initial_state=has_initial_state, cu_seqlens=problem.cu_seqlens,
                  **activations(problem))
 
@@ -251,7 +316,7 @@ def states_after(problem, initial_states, offsets):
 
 
 @pytest.mark.parametrize("checkpoint_dtype", [np.float32, np.uint16], ids=["f32", "bf16"])
-def test_checkpoints_into_a_tensor(rng, checkpoint_dtype):
+def test_checkpoints_into_a_tensor(backend, rng, checkpoint_dtype):
     problem = prefill_problem(rng, [40, 64])
     pool = random_pool(rng)
     pool_before = pool.copy()
@@ -259,7 +324,7 @@ def test_checkpoints_into_a_tensor(rng, checkpoint_dtype):
     offsets = np.array([[16, 32, -1], [16, 48, 64]], dtype=np.int32)
     checkpoints = np.empty((2, 3, HEADS, 128, 128), dtype=checkpoint_dtype)
     checkpoints[...] = BF16_NAN if checkpoint_dtype == np.uint16 else np.nan
-    flashkda.fwd(lower_bound=problem.lower_bound, state_pool=pool, state_indices=indices,
+    backend.fwd(lower_bound=problem.lower_bound, state_pool=pool, state_indices=indices,
                  checkpoint_offsets=offsets, checkpoints=checkpoints,
                  cu_seqlens=problem.cu_seqlens, **activations(problem))
 
@@ -280,14 +345,14 @@ def test_checkpoints_into_a_tensor(rng, checkpoint_dtype):
                              state_tolerance=PREFILL_STATE_TOLERANCE)
 
 
-def test_checkpoints_into_pool_slots(rng):
+def test_checkpoints_into_pool_slots(backend, rng):
     problem = prefill_problem(rng, [40, 64])
     pool = random_pool(rng)
     pool_before = pool.copy()
     indices = np.array([1, 2], dtype=np.int32)
     offsets = np.array([[16, 32, -1], [16, 48, 64]], dtype=np.int64)
     slots = np.array([[3, 4, 9], [5, -1, 7]], dtype=np.int64)
-    flashkda.fwd(lower_bound=problem.lower_bound, state_pool=pool, state_indices=indices,
+    backend.fwd(lower_bound=problem.lower_bound, state_pool=pool, state_indices=indices,
                  checkpoint_offsets=offsets, checkpoint_slots=slots,
                  cu_seqlens=problem.cu_seqlens, **activations(problem))
 
@@ -311,3 +376,15 @@ def test_pool_arguments_reach_the_library_by_name(rng):
                      state_indices=np.array([1.5], dtype=np.float32),
                      cu_seqlens=problem.cu_seqlens, **activations(problem))
     assert "state_indices" in caught.value.message
+
+
+def test_null_slot_rule_and_debug_checks_reach_the_plan():
+    with flashkda.Plan(HEADS, backend="cpu", null_slot_rule=flashkda.NullSlotRule.NONPOSITIVE,
+                       debug_checks=True) as plan:
+        assert plan.backend == flashkda.Backend.CPU
+    with pytest.raises(flashkda.FlashKDAError) as caught:
+        flashkda.Plan(HEADS, backend="cpu", null_slot_rule="zero")
+    assert caught.value.message.startswith("null_slot_rule:")
+    with pytest.raises(flashkda.FlashKDAError) as caught:
+        flashkda.Plan(HEADS, backend="cpu", null_slot_rule=7)
+    assert "null_slot_rule" in caught.value.message

@@ -1,0 +1,679 @@
+// libFuzzer target over the argument checks of the C ABI, on CPU plans.
+//
+// Each fkda_fwd or fkda_decode input builds a valid call (with states,
+// pools, slot tables, checkpoints as its flags say), then applies faults to it: an
+// extent, a stride, a dtype, a data pointer moved or replaced, a workspace,
+// a scale. Whatever the faults:
+//  - the library touches no memory outside the buffers the call describes
+//    (ASan) and computes no size that overflows (UBSan);
+//  - a call the header forbids (a span that cannot exist, a misaligned or
+//    NULL pointer, a negative stride, a wrong rank or dtype) is rejected;
+//  - a call without faults succeeds;
+//  - a rejected call's message starts with the name of an argument, and no
+//    output, in-place state or workspace byte has changed.
+// Calls whose descriptors are possible but reach past the buffers the
+// harness allocated are not made: no library can tell those from valid ones.
+// The other inputs drive fkda_plan_workspace_size (and the GPU sizing
+// behind it), fkda_plan_decode_workspace_size and fkda_plan_create with
+// arbitrary values.
+//
+// Input layout (tests/fuzz/make_seeds.py writes inputs in it): read front to
+// back, every read past the end is 0; "pick n" is one byte modulo n.
+//   pick 4: 0 fkda_fwd, 1 workspace sizes, 2 fkda_plan_create, 3 fkda_decode
+//   fkda_fwd: flags byte (kFlag*), serving byte (kServing*), leniency byte
+//     (kLenient*), sizes, then faults to the end
+//   fkda_decode: flags byte (kFlag*, with kDecode* in the bits of the
+//     initial and final state flags), leniency byte, sizes (tokens up to
+//     kMaxDecodeTokens), then faults to the end
+//   sizes: pick kMaxHeads (heads - 1), then batched: pick kMaxBatch + 1 (B),
+//     pick kMaxTokens + 1 (T); varlen: pick kMaxSeqs (N - 1) and N lengths
+//     (pick kMaxTokens + 1 each)
+//   a fault: pick (the call's tensor arguments + 1): a tensor argument, in
+//     the order the call adds them, then pick kTensorFields and a value; or
+//     the scalars, then pick kScalarFields and a value (a cu_seqlens entry:
+//     pick its index first)
+//   workspace sizes: pick kMaxSizingHeads (heads - 1), value (total_tokens),
+//     value (num_seqs), 4 bytes (raw num_heads of the GPU sizing)
+//   fkda_plan_create: value for each field of fkda_plan_desc in order,
+//     then 4 bytes (the float passed to fkda_set_lower_bound)
+//   value: pick 4: 0 pick kEdges, 1 eight bytes little-endian, 2 current
+//     plus a signed byte, 3 current shifted left by pick 64
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "error.h"
+#include "flashkda.h"
+#include "gpu/gpu_backend.h"
+
+namespace {
+
+class Input {
+ public:
+  Input(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  bool done() const { return at_ >= size_; }
+  uint8_t byte() { return at_ < size_ ? data_[at_++] : 0; }
+  uint64_t bytes(int count) {
+    uint64_t value = 0;
+    for (int i = 0; i < count; ++i) value |= uint64_t(byte()) << (8 * i);
+    return value;
+  }
+  size_t pick(size_t n) { return byte() % n; }
+
+ private:
+  const uint8_t* data_;
+  size_t size_;
+  size_t at_ = 0;
+};
+
+constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
+
+// Values on the edges of the checks: element and row sizes, 32-bit limits,
+// powers near 2^63, and an address 1 KiB below the end of the address space.
+constexpr int64_t kEdges[] = {
+    0, 1, -1, 2, 3, 7, 8, 15, 16, 17, 127, 128, 129, 255, 256, 1024, int64_t(1) << 16,
+    (int64_t(1) << 31) - 1, int64_t(1) << 31, int64_t(1) << 32, int64_t(1) << 40, int64_t(1) << 61,
+    int64_t(1) << 62, (int64_t(1) << 62) + 1, kMax / 3, kMax - 1, kMax, kMin, kMin + 1, -1024,
+    -(int64_t(1) << 62)};
+
+int64_t value(Input& in, int64_t current) {
+  switch (in.pick(4)) {
+    case 0: return kEdges[in.pick(sizeof kEdges / sizeof kEdges[0])];
+    case 1: return int64_t(in.bytes(8));
+    case 2: return int64_t(uint64_t(current) + uint64_t(int64_t(int8_t(in.byte()))));
+    default: return int64_t(uint64_t(current) << in.pick(64));
+  }
+}
+
+[[noreturn]] void finding(const std::string& what) {
+  std::fprintf(stderr, "fuzz_validation: %s\n", what.c_str());
+  std::abort();
+}
+
+// One allocation of exactly the bytes a valid descriptor spans, so that ASan
+// reports any access past it.
+struct Buffer {
+  std::unique_ptr<unsigned char[]> bytes;
+  size_t size = 0;
+  explicit Buffer(size_t n, unsigned char fill = 0) : bytes(new unsigned char[n > 0 ? n : 1]), size(n) {
+    std::memset(bytes.get(), fill, size);
+  }
+  uintptr_t begin() const { return reinterpret_cast<uintptr_t>(bytes.get()); }
+};
+
+// Bytes of each fkda_dtype, in the enum's order (INVALID as 1).
+constexpr int64_t kElementBytes[] = {1, 2, 2, 4, 4, 8, 1};
+
+int64_t element_bytes(int32_t dtype) {
+  return dtype >= 0 && dtype < int32_t(sizeof kElementBytes / sizeof kElementBytes[0]) ? kElementBytes[dtype] : 1;
+}
+
+bool present(const fkda_tensor& t) { return !(t.data == nullptr && t.rank == 0); }
+
+// A tensor argument: what the header demands of it, and the buffer behind it.
+struct Slot {
+  const char* name;
+  fkda_tensor* tensor;
+  const Buffer* buffer;  // nullptr: absent in the valid call
+  bool required;
+  int32_t rank;
+  std::vector<int32_t> dtypes;
+};
+
+// How a tensor's descriptor relates to its buffer.
+enum class Reach {
+  kInside,     // everything it can address lies in the buffer (or nothing: empty or absent)
+  kForbidden,  // the header rejects it: the call must fail
+  kOutside,    // possible, but past the buffer: the call is not made
+};
+
+Reach reach(const Slot& s) {
+  const fkda_tensor& t = *s.tensor;
+  if (!present(t)) return s.required ? Reach::kForbidden : Reach::kInside;
+  if (t.rank != s.rank) return Reach::kForbidden;
+  if (std::find(s.dtypes.begin(), s.dtypes.end(), t.dtype) == s.dtypes.end()) return Reach::kForbidden;
+  bool empty = false;
+  for (int32_t i = 0; i < t.rank; ++i) {
+    if (t.shape[i] < 0) return Reach::kForbidden;
+    empty = empty || t.shape[i] == 0;
+  }
+  if (empty) return Reach::kInside;
+  if (t.data == nullptr) return Reach::kForbidden;
+  __int128 last = 0;
+  for (int32_t i = 0; i < t.rank; ++i) {
+    if (t.shape[i] == 1) continue;
+    if (t.strides[i] < 0) return Reach::kForbidden;
+    const __int128 step = __int128(t.shape[i] - 1) * t.strides[i];
+    if (step > kMax) return Reach::kForbidden;  // and keeps the sum within __int128
+    last += step;
+  }
+  const int64_t size = element_bytes(t.dtype);
+  const __int128 span = (last + 1) * size;
+  const uintptr_t data = reinterpret_cast<uintptr_t>(t.data);
+  if (span > kMax || __int128(data) + span > (__int128(1) << 64)) return Reach::kForbidden;
+  if (data % uintptr_t(size) != 0) return Reach::kForbidden;
+  if (s.buffer == nullptr || data < s.buffer->begin() ||
+      __int128(data) + span > __int128(s.buffer->begin()) + __int128(s.buffer->size)) {
+    return Reach::kOutside;
+  }
+  return Reach::kInside;
+}
+
+// "q: ...", or an element of one: "state_indices[2]: ...".
+bool names_an_argument(const std::string& message, const std::vector<std::string>& names) {
+  for (const std::string& n : names) {
+    if (message.compare(0, n.size(), n) == 0 && message.size() > n.size() &&
+        (message[n.size()] == ':' || message[n.size()] == '[')) {
+      return true;
+    }
+  }
+  return false;
+}
+
+bool untouched(const Buffer& b, unsigned char canary) {
+  return std::all_of(b.bytes.get(), b.bytes.get() + b.size, [&](unsigned char c) { return c == canary; });
+}
+
+// The valid call's options.
+constexpr uint8_t kFlagVarlen = 1, kFlagBf16State = 2, kFlagKvLayout = 4, kFlagInitialState = 8,
+                  kFlagFinalState = 16, kFlagInPlace = 32, kFlagI32Offsets = 64, kFlagPadded = 128;
+// fkda_fwd's states in a pool, has_initial_state, checkpoints (to a tensor,
+// or to pool slots).
+constexpr uint8_t kServingPool = 1, kServingHasInitial = 2, kServingCheckpoints = 4, kServingCheckpointSlots = 8;
+// fkda_decode: indices as an [N, W] slot table, with num_accepted_tokens.
+constexpr uint8_t kDecodeTable = 8, kDecodeAccepted = 16;
+// Descriptors the header allows although they look odd: junk strides on
+// empty tensors, and on axes of extent 1.
+constexpr uint8_t kLenientEmptyStrides = 1, kLenientUnitAxisStrides = 2;
+
+// Valid calls stay small: what passes validation runs the CPU backend under
+// the sanitizers, a few milliseconds a chunk. Two of each make every axis
+// one that strides matter on; 17 tokens make two chunks, and a checkpoint.
+constexpr size_t kMaxHeads = 2, kMaxBatch = 2, kMaxSeqs = 3, kMaxTokens = 17, kMaxDecodeTokens = 16;
+// Sizing runs nothing: more heads, so that sequences times heads can overflow.
+constexpr size_t kMaxSizingHeads = 4;
+
+constexpr int kTensorFields = 17;
+constexpr int kScalarFields = 5;
+constexpr unsigned char kCanary = 0xA5;
+constexpr int64_t kD = 128;
+
+size_t span_bytes(const std::vector<int64_t>& shape, const std::vector<int64_t>& strides, int64_t size) {
+  int64_t last = 0;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == 0) return 0;
+    last += (shape[i] - 1) * strides[i];
+  }
+  return size_t((last + 1) * size);
+}
+
+std::vector<int64_t> packed_strides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> strides(shape.size());
+  int64_t s = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = s;
+    s *= shape[i];
+  }
+  return strides;
+}
+
+// The buffers and tensor arguments of one call, and what the header
+// demands of each argument.
+struct Call {
+  std::deque<Buffer> buffers;
+  std::vector<Slot> slots;
+  std::vector<const Buffer*> written;  // must be unchanged after a rejection
+  const Buffer* offsets = nullptr;     // cu_seqlens' buffer, when varlen
+  int64_t offset_count = 0, offset_stride = 1;
+  bool i32_offsets = false;
+
+  // An argument over a new buffer of exactly its span; `written` ones start
+  // as the canary. Returns the buffer so that the caller can fill it.
+  Buffer& add(Slot slot, int32_t dtype, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+              bool written_by_call, unsigned char fill = 0) {
+    Buffer& b = buffers.emplace_back(span_bytes(shape, strides, element_bytes(dtype)),
+                                     written_by_call ? kCanary : fill);
+    over(slot, b, dtype, shape, strides);
+    if (written_by_call) written.push_back(&b);
+    return b;
+  }
+  // An argument over an existing buffer (a state updated in place).
+  void over(Slot slot, const Buffer& b, int32_t dtype, const std::vector<int64_t>& shape,
+            const std::vector<int64_t>& strides) {
+    fkda_tensor& t = *slot.tensor;
+    t = FKDA_TENSOR_NONE;
+    t.data = b.bytes.get();
+    t.dtype = dtype;
+    t.rank = int32_t(shape.size());
+    for (size_t i = 0; i < shape.size(); ++i) {
+      t.shape[i] = shape[i];
+      t.strides[i] = strides[i];
+    }
+    slot.buffer = &b;
+    slots.push_back(slot);
+  }
+  // An argument the valid call leaves absent; faults may still make it up.
+  void absent(Slot slot) { slots.push_back(slot); }
+};
+
+template <typename Integer>
+void store_integers(Buffer& b, const std::vector<int64_t>& values, int64_t stride) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    const Integer v = Integer(values[i]);
+    std::memcpy(b.bytes.get() + i * size_t(stride) * sizeof(Integer), &v, sizeof(Integer));
+  }
+}
+
+void store_offset(const Call& call, size_t index, int64_t value) {
+  unsigned char* at = call.offsets->bytes.get() + index * size_t(call.offset_stride) * (call.i32_offsets ? 4 : 8);
+  if (call.i32_offsets) {
+    const int32_t narrow = int32_t(value);
+    std::memcpy(at, &narrow, 4);
+  } else {
+    std::memcpy(at, &value, 8);
+  }
+}
+
+// Batch, tokens and sequences of a valid call.
+struct Sizes {
+  int64_t H = 1, B = 1, T = 0, N = 1;
+  std::vector<int64_t> offsets = {0};  // varlen only
+  std::vector<int64_t> lengths;        // of each sequence
+  bool varlen = false;
+};
+
+Sizes read_sizes(Input& in, bool varlen, size_t max_tokens) {
+  Sizes s;
+  s.H = 1 + int64_t(in.pick(kMaxHeads));
+  s.varlen = varlen;
+  if (varlen) {
+    const size_t N = 1 + in.pick(kMaxSeqs);
+    for (size_t n = 0; n < N; ++n) {
+      s.lengths.push_back(int64_t(in.pick(max_tokens + 1)));
+      s.offsets.push_back(s.offsets.back() + s.lengths.back());
+    }
+    s.T = s.offsets.back();
+    s.N = int64_t(N);
+  } else {
+    s.B = int64_t(in.pick(kMaxBatch + 1));
+    s.T = int64_t(in.pick(max_tokens + 1));
+    s.N = s.B;
+    s.lengths.assign(size_t(s.B), s.T);
+  }
+  return s;
+}
+
+int32_t state_dtype_of(uint8_t flags) { return flags & kFlagBf16State ? FKDA_DTYPE_BF16 : FKDA_DTYPE_F32; }
+
+fkda_plan_t cpu_plan(int64_t heads, uint8_t flags) {
+  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+  desc.num_heads = int32_t(heads);
+  desc.backend = FKDA_BACKEND_CPU;
+  desc.state_dtype = state_dtype_of(flags);
+  desc.state_layout = flags & kFlagKvLayout ? FKDA_STATE_LAYOUT_KV : FKDA_STATE_LAYOUT_VK;
+  fkda_plan_t plan = nullptr;
+  if (fkda_plan_create(&desc, &plan) != FKDA_SUCCESS) finding("a valid CPU plan was refused");
+  return plan;
+}
+
+const std::vector<int32_t> kBf16 = {FKDA_DTYPE_BF16}, kF32 = {FKDA_DTYPE_F32},
+                           kIntegers = {FKDA_DTYPE_I32, FKDA_DTYPE_I64},
+                           kFlags = {FKDA_DTYPE_BOOL, FKDA_DTYPE_I32, FKDA_DTYPE_I64},
+                           kStates = {FKDA_DTYPE_BF16, FKDA_DTYPE_F32};
+
+// The arguments fkda_fwd and fkda_decode share, with a gap after each
+// head's row when padded.
+template <typename Args>
+void add_shared(Call& call, const Sizes& s, uint8_t flags, Args& a) {
+  const int64_t pad = flags & kFlagPadded ? 8 : 0, B = s.B, T = s.T, H = s.H;
+  const std::vector<int64_t> act = {B, T, H, kD}, act_strides = {T * H * (kD + pad), H * (kD + pad), kD + pad, 1};
+  const std::vector<int64_t> beta = {B, T, H}, beta_strides = {T * (H + pad), H + pad, 1};
+  call.add({"q", &a.q, nullptr, true, 4, kBf16}, FKDA_DTYPE_BF16, act, act_strides, false, 0x3e);
+  call.add({"k", &a.k, nullptr, true, 4, kBf16}, FKDA_DTYPE_BF16, act, act_strides, false, 0xbe);
+  call.add({"v", &a.v, nullptr, true, 4, kBf16}, FKDA_DTYPE_BF16, act, act_strides, false, 0x3f);
+  call.add({"g", &a.g, nullptr, true, 4, kBf16}, FKDA_DTYPE_BF16, act, act_strides, false, 0x3d);
+  call.add({"beta", &a.beta, nullptr, true, 3, kBf16}, FKDA_DTYPE_BF16, beta, beta_strides, false, 0x3e);
+  call.add({"A_log", &a.A_log, nullptr, true, 1, kF32}, FKDA_DTYPE_F32, {H}, {1}, false);
+  call.add({"dt_bias", &a.dt_bias, nullptr, true, 2, kF32}, FKDA_DTYPE_F32, {H, kD}, {kD, 1}, false);
+  call.add({"out", &a.out, nullptr, true, 4, kBf16}, FKDA_DTYPE_BF16, act, act_strides, true);
+  const Slot cu = {"cu_seqlens", &a.cu_seqlens, nullptr, false, 1, kIntegers};
+  if (!s.varlen) {
+    call.absent(cu);
+    return;
+  }
+  call.i32_offsets = flags & kFlagI32Offsets;
+  call.offset_stride = pad ? 2 : 1;
+  call.offset_count = int64_t(s.offsets.size());
+  Buffer& offsets = call.add(cu, call.i32_offsets ? FKDA_DTYPE_I32 : FKDA_DTYPE_I64, {call.offset_count},
+                             {call.offset_stride}, false);
+  call.offsets = &offsets;
+  for (size_t i = 0; i < s.offsets.size(); ++i) store_offset(call, i, s.offsets[i]);
+}
+
+// Integers [rows] or [rows, cols], packed, i32 or i64.
+void add_integers(Call& call, Slot slot, bool i32, const std::vector<int64_t>& shape,
+                  const std::vector<int64_t>& values) {
+  Buffer& b = call.add(slot, i32 ? FKDA_DTYPE_I32 : FKDA_DTYPE_I64, shape, packed_strides(shape), false);
+  if (i32) store_integers<int32_t>(b, values, 1);
+  else store_integers<int64_t>(b, values, 1);
+}
+
+// Strides the header says are never looked at: all of an empty tensor's,
+// and those of axes of extent 1.
+void junk_strides(fkda_tensor& t, uint8_t lenient) {
+  bool empty = false;
+  for (int32_t i = 0; i < t.rank; ++i) empty = empty || t.shape[i] == 0;
+  for (int32_t i = 0; i < t.rank; ++i) {
+    if (empty && (lenient & kLenientEmptyStrides)) t.strides[i] = i % 2 ? 0 : -(int64_t(1) << 62);
+    else if (t.shape[i] == 1 && (lenient & kLenientUnitAxisStrides)) t.strides[i] = -3;
+  }
+}
+
+void apply_tensor_fault(Input& in, fkda_tensor& t) {
+  const size_t field = in.pick(kTensorFields);
+  switch (field) {
+    case 0: t.data = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(t.data) + uint64_t(value(in, 0))); break;
+    case 1: t.data = reinterpret_cast<void*>(uintptr_t(value(in, 0))); break;
+    case 2: t.dtype = int32_t(value(in, t.dtype)); break;
+    case 3: t.rank = int32_t(value(in, t.rank)); break;
+    case 16: t = FKDA_TENSOR_NONE; break;
+    default:
+      if (field < 10) t.shape[field - 4] = value(in, t.shape[field - 4]);
+      else t.strides[field - 10] = value(in, t.strides[field - 10]);
+  }
+}
+
+// The scalars of a call that faults may change.
+struct Scalars {
+  size_t* struct_size;
+  size_t expected_struct_size;
+  float* scale;
+  void** workspace;       // nullptr: the entry point takes no workspace
+  size_t* workspace_bytes;
+  const Buffer* workspace_buffer;
+};
+
+// Applies the input's faults to a valid call, makes the call when it is
+// safe to, and checks the outcome against the header's rules.
+template <typename Invoke>
+void check_call(Input& in, Call& call, const Scalars& scalars, uint8_t lenient, Invoke invoke) {
+  for (const Slot& s : call.slots)
+    if (present(*s.tensor)) junk_strides(*s.tensor, lenient);
+
+  bool faulted = false;
+  for (int count = 0; count < 12 && !in.done(); ++count) {
+    faulted = true;
+    const size_t target = in.pick(call.slots.size() + 1);
+    if (target < call.slots.size()) {
+      apply_tensor_fault(in, *call.slots[target].tensor);
+      continue;
+    }
+    switch (in.pick(kScalarFields)) {
+      case 0:
+        if (scalars.workspace != nullptr) {
+          *scalars.workspace =
+              reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(*scalars.workspace) + uint64_t(value(in, 0)));
+        }
+        break;
+      case 1:
+        if (scalars.workspace != nullptr) *scalars.workspace_bytes = size_t(value(in, int64_t(*scalars.workspace_bytes)));
+        break;
+      case 2: {
+        const uint32_t bits = uint32_t(value(in, 0));
+        std::memcpy(scalars.scale, &bits, 4);
+        break;
+      }
+      case 3: *scalars.struct_size = size_t(value(in, int64_t(*scalars.struct_size))); break;
+      default:
+        if (call.offsets != nullptr) {
+          const size_t i = in.pick(size_t(call.offset_count));
+          store_offset(call, i, value(in, 0));
+        }
+    }
+  }
+
+  bool forbidden = *scalars.struct_size != scalars.expected_struct_size || !std::isfinite(*scalars.scale);
+  bool outside = false;
+  if (scalars.workspace != nullptr) {
+    const uintptr_t w = reinterpret_cast<uintptr_t>(*scalars.workspace);
+    forbidden = forbidden || w == 0 || w % 16 != 0;
+    outside = w < scalars.workspace_buffer->begin() ||
+              __int128(w) + *scalars.workspace_bytes >
+                  __int128(scalars.workspace_buffer->begin()) + scalars.workspace_buffer->size;
+  }
+  for (const Slot& s : call.slots) {
+    const Reach r = reach(s);
+    forbidden = forbidden || r == Reach::kForbidden;
+    outside = outside || r == Reach::kOutside;
+  }
+  // Nothing is read when a forbidden descriptor is rejected, so the call is
+  // safe to make even when another one reaches past its buffer.
+  if (outside && !forbidden) return;
+
+  const fkda_status status = invoke();
+  const std::string message = fkda_last_error();
+  if (status == FKDA_SUCCESS) {
+    if (forbidden) finding("a call the header forbids was accepted");
+    if (!message.empty()) finding("a successful call left a message: " + message);
+    return;
+  }
+  if (!faulted) finding("a valid call was rejected: " + message);
+  std::vector<std::string> names = {"args", "plan", "scale", "workspace", "workspace_bytes"};
+  for (const Slot& s : call.slots) names.push_back(s.name);
+  if (!names_an_argument(message, names)) finding("a rejection names no argument: '" + message + "'");
+  for (const Buffer* written : call.written) {
+    if (!untouched(*written, kCanary)) finding("a rejected call wrote to an output (" + message + ")");
+  }
+}
+
+void fuzz_fwd(Input& in) {
+  const uint8_t flags = in.byte(), serving = in.byte(), lenient = in.byte();
+  const Sizes s = read_sizes(in, flags & kFlagVarlen, kMaxTokens);
+  fkda_fwd_args a = FKDA_FWD_ARGS_INIT;
+  Call call;
+  add_shared(call, s, flags, a);
+  const int64_t H = s.H, N = s.N;
+  const int32_t state_dtype = state_dtype_of(flags);
+  const bool i32 = flags & kFlagI32Offsets;
+  const std::vector<int64_t> states = {N, H, kD, kD};
+  const Slot initial = {"initial_state", &a.initial_state, nullptr, false, 4, {state_dtype}};
+  const Slot final = {"final_state", &a.final_state, nullptr, false, 4, {state_dtype}};
+  const Slot pool = {"state_pool", &a.state_pool, nullptr, false, 4, {state_dtype}};
+  const Slot indices = {"state_indices", &a.state_indices, nullptr, false, 1, kIntegers};
+  const bool pooled = serving & kServingPool;
+  const bool slot_checkpoints = pooled && (serving & kServingCheckpointSlots);
+  const bool checkpoints = serving & kServingCheckpoints;
+  if (pooled) {
+    // Slots [0, N) for the states, [N, 2N) for checkpoints.
+    const int64_t pad = flags & kFlagPadded ? 64 : 0;
+    const std::vector<int64_t> shape = {slot_checkpoints ? 2 * N : N, H, kD, kD};
+    call.add(pool, state_dtype, shape, {H * kD * kD + pad, kD * kD, kD, 1}, true);
+    std::vector<int64_t> slots(static_cast<size_t>(N));
+    for (int64_t n = 0; n < N; ++n) slots[size_t(n)] = n;
+    add_integers(call, indices, i32, {N}, slots);
+    call.absent(initial);
+    call.absent(final);
+  } else {
+    call.absent(pool);
+    call.absent(indices);
+    const bool in_place = flags & kFlagInPlace;
+    if (flags & kFlagInitialState) {
+      call.add(initial, state_dtype, states, packed_strides(states), in_place);
+      if (flags & kFlagFinalState && in_place) call.over(final, *call.written.back(), state_dtype, states, packed_strides(states));
+    } else {
+      call.absent(initial);
+    }
+    if (flags & kFlagFinalState && !(in_place && flags & kFlagInitialState)) {
+      call.add(final, state_dtype, states, packed_strides(states), true);
+    } else if (!(flags & kFlagFinalState)) {
+      call.absent(final);
+    }
+  }
+  const Slot has_initial = {"has_initial_state", &a.has_initial_state, nullptr, false, 1, kFlags};
+  if ((serving & kServingHasInitial) && (pooled || present(a.initial_state))) {
+    Buffer& b = call.add(has_initial, FKDA_DTYPE_BOOL, {N}, {1}, false);
+    for (int64_t n = 0; n < N; ++n) b.bytes[size_t(n)] = uint8_t(n % 2);
+  } else {
+    call.absent(has_initial);
+  }
+  // Two checkpoint columns: after 16 tokens where there are as many, and none.
+  const Slot offsets = {"checkpoint_offsets", &a.checkpoint_offsets, nullptr, false, 2, kIntegers};
+  const Slot to_tensor = {"checkpoints", &a.checkpoints, nullptr, false, 5, kStates};
+  const Slot to_slots = {"checkpoint_slots", &a.checkpoint_slots, nullptr, false, 2, kIntegers};
+  if (checkpoints) {
+    std::vector<int64_t> at, slots;
+    for (int64_t n = 0; n < N; ++n) {
+      at.insert(at.end(), {s.lengths[size_t(n)] >= 16 ? 16 : -1, -1});
+      slots.insert(slots.end(), {N + n, -1});
+    }
+    add_integers(call, offsets, i32, {N, 2}, at);
+    if (slot_checkpoints) {
+      call.absent(to_tensor);
+      add_integers(call, to_slots, i32, {N, 2}, slots);
+    } else {
+      const std::vector<int64_t> shape = {N, 2, H, kD, kD};
+      call.add(to_tensor, state_dtype, shape, packed_strides(shape), true);
+      call.absent(to_slots);
+    }
+  } else {
+    call.absent(offsets);
+    call.absent(to_tensor);
+    call.absent(to_slots);
+  }
+  a.scale = 0.088f;
+
+  const fkda_plan_t plan = cpu_plan(H, flags);
+  size_t workspace_bytes = 0;
+  if (fkda_plan_workspace_size(plan, s.B * s.T, N, &workspace_bytes) != FKDA_SUCCESS) {
+    finding("workspace size of a valid call refused: " + std::string(fkda_last_error()));
+  }
+  Buffer& workspace = call.buffers.emplace_back(workspace_bytes, kCanary);
+  call.written.push_back(&workspace);
+  void* workspace_data = workspace.bytes.get();
+  const Scalars scalars = {&a.struct_size, sizeof(fkda_fwd_args), &a.scale, &workspace_data, &workspace_bytes,
+                           &workspace};
+  check_call(in, call, scalars, lenient,
+             [&] { return fkda_fwd(plan, &a, workspace_data, workspace_bytes, nullptr); });
+  fkda_plan_destroy(plan);
+}
+
+void fuzz_decode(Input& in) {
+  const uint8_t flags = in.byte(), lenient = in.byte();
+  const Sizes s = read_sizes(in, flags & kFlagVarlen, kMaxDecodeTokens);
+  fkda_decode_args a = FKDA_DECODE_ARGS_INIT;
+  Call call;
+  add_shared(call, s, flags, a);
+  // One slot per sequence, or per sequence and token of a slot table.
+  const int64_t H = s.H, N = s.N;
+  const bool table = flags & kDecodeTable, i32 = flags & kFlagI32Offsets;
+  const int32_t state_dtype = state_dtype_of(flags);
+  // Batched, every row has T tokens, with or without rows.
+  int64_t W = s.varlen ? 1 : std::max<int64_t>(1, s.T);
+  for (int64_t length : s.lengths) W = std::max(W, length);
+  if (!table) W = 1;
+  const Slot pool = {"state_pool", &a.state_pool, nullptr, true, 4, {state_dtype}};
+  const std::vector<int64_t> pool_shape = {N * W, H, kD, kD};
+  call.add(pool, state_dtype, pool_shape, packed_strides(pool_shape), true);
+  std::vector<int64_t> slots(size_t(N * W));
+  for (int64_t i = 0; i < N * W; ++i) slots[size_t(i)] = i;
+  const Slot indices = {"state_indices", &a.state_indices, nullptr, true, table ? 2 : 1, kIntegers};
+  if (table) add_integers(call, indices, i32, {N, W}, slots);
+  else add_integers(call, indices, i32, {N}, slots);
+  const Slot accepted = {"num_accepted_tokens", &a.num_accepted_tokens, nullptr, false, 1, kIntegers};
+  if (table && (flags & kDecodeAccepted)) add_integers(call, accepted, i32, {N}, std::vector<int64_t>(size_t(N), 1));
+  else call.absent(accepted);
+  a.scale = 0.088f;
+
+  const fkda_plan_t plan = cpu_plan(H, flags);
+  // fkda_decode needs no workspace and takes any.
+  const Scalars scalars = {&a.struct_size, sizeof(fkda_decode_args), &a.scale, nullptr, nullptr, nullptr};
+  check_call(in, call, scalars, lenient, [&] { return fkda_decode(plan, &a, nullptr, 0, nullptr); });
+  fkda_plan_destroy(plan);
+}
+
+void fuzz_workspace_sizes(Input& in) {
+  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+  desc.num_heads = int32_t(1 + in.pick(kMaxSizingHeads));
+  desc.backend = FKDA_BACKEND_CPU;
+  fkda_plan_t plan = nullptr;
+  if (fkda_plan_create(&desc, &plan) != FKDA_SUCCESS) finding("a valid CPU plan was refused");
+  const int64_t total_tokens = value(in, 0), num_seqs = value(in, 0);
+  const bool valid = total_tokens >= 0 && num_seqs >= 0;
+  for (bool decode : {false, true}) {
+    size_t bytes = 0;
+    const fkda_status status = decode ? fkda_plan_decode_workspace_size(plan, total_tokens, num_seqs, &bytes)
+                                      : fkda_plan_workspace_size(plan, total_tokens, num_seqs, &bytes);
+    const std::string message = fkda_last_error();
+    if (valid && status != FKDA_SUCCESS) finding("CPU workspace size refused: " + message);
+    if (valid && !decode && bytes == 0) finding("no CPU workspace for fkda_fwd");
+    if (!valid && (status != FKDA_ERROR_INVALID_ARGUMENT ||
+                   !names_an_argument(message, {"total_tokens", "num_seqs"}))) {
+      finding("negative sizes not rejected by name: " + message);
+    }
+  }
+  fkda_plan_destroy(plan);
+  // The GPU sizing cannot be reached through a plan on a machine without a
+  // GPU; it is called directly. It may refuse (UNSUPPORTED), never overflow.
+  const int32_t gpu_heads = int32_t(uint32_t(in.bytes(4)));
+  try {
+    fkda::gpu::workspace_size(total_tokens, num_seqs, gpu_heads);
+  } catch (const fkda::Error& e) {
+    if (e.status != FKDA_ERROR_UNSUPPORTED) finding("GPU workspace sizing failed with " + e.message);
+  }
+}
+
+void fuzz_plan_create(Input& in) {
+  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+  desc.struct_size = size_t(value(in, int64_t(desc.struct_size)));
+  desc.num_heads = int32_t(value(in, desc.num_heads));
+  desc.head_dim_k = int32_t(value(in, desc.head_dim_k));
+  desc.head_dim_v = int32_t(value(in, desc.head_dim_v));
+  desc.state_dtype = int32_t(value(in, desc.state_dtype));
+  desc.state_layout = int32_t(value(in, desc.state_layout));
+  desc.backend = int32_t(value(in, desc.backend));
+  const uint32_t floor_bits = uint32_t(value(in, 0));
+  std::memcpy(&desc.lower_bound, &floor_bits, 4);
+  desc.null_slot_rule = int32_t(value(in, desc.null_slot_rule));
+  desc.debug_checks = int32_t(value(in, desc.debug_checks));
+  fkda_plan_t plan = nullptr;
+  const fkda_status status = fkda_plan_create(&desc, &plan);
+  if (status != FKDA_SUCCESS) {
+    if (plan != nullptr) finding("a refused plan was returned");
+    if (!names_an_argument(fkda_last_error(), {"desc", "desc.num_heads", "desc.head_dim_k", "desc.head_dim_v",
+                                               "desc.state_dtype", "desc.state_layout", "desc.backend",
+                                               "desc.lower_bound", "desc.null_slot_rule", "desc.debug_checks"})) {
+      finding(std::string("a refused plan names no field: ") + fkda_last_error());
+    }
+    return;
+  }
+  const uint32_t bits = uint32_t(in.bytes(4));
+  float lower_bound = 0;
+  std::memcpy(&lower_bound, &bits, 4);
+  const bool in_range = lower_bound >= -5.f && lower_bound <= 0.f;
+  if ((fkda_set_lower_bound(plan, lower_bound) == FKDA_SUCCESS) != in_range) {
+    finding("fkda_set_lower_bound disagrees with [-5, 0] for " + std::to_string(lower_bound));
+  }
+  fkda_plan_destroy(plan);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  Input in(data, size);
+  switch (in.pick(4)) {
+    case 0: fuzz_fwd(in); break;
+    case 1: fuzz_workspace_sizes(in); break;
+    case 2: fuzz_plan_create(in); break;
+    default: fuzz_decode(in);
+  }
+  return 0;
+}

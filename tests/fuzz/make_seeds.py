@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Writes the seed corpus of the fuzz target (tests/fuzz/corpus/), one file
+per case, in the input layout described at the top of fuzz_validation.cpp.
+The finding_* seeds are calls that once got past validation or overflowed;
+the valid_* seeds start the fuzzer from calls that succeed."""
+import pathlib
+import struct
+
+FWD, WORKSPACE_SIZES, PLAN_CREATE, DECODE = 0, 1, 2, 3
+VARLEN, BF16_STATE, KV_LAYOUT, INITIAL, FINAL, IN_PLACE, I32_OFFSETS, PADDED = (1 << i for i in range(8))
+POOL, HAS_INITIAL, CHECKPOINTS, CHECKPOINT_SLOTS = 1, 2, 4, 8
+TABLE, ACCEPTED = 8, 16
+LENIENT_EMPTY, LENIENT_UNIT_AXES = 1, 2
+# The tensor arguments in the order each call adds them; the scalars follow.
+SHARED = ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "out", "cu_seqlens"]
+FWD_SLOTS = SHARED + ["state_pool", "state_indices", "initial_state", "final_state", "has_initial_state",
+                      "checkpoint_offsets", "checkpoints", "checkpoint_slots"]
+DECODE_SLOTS = SHARED + ["state_pool", "state_indices", "num_accepted_tokens"]
+DATA_PLUS, DATA_AT, DTYPE, RANK, SHAPE0, STRIDE0, ABSENT = 0, 1, 2, 3, 4, 10, 16
+WORKSPACE_PLUS, WORKSPACE_BYTES, SCALE, STRUCT_SIZE, OFFSET_VALUE = range(5)
+# The ranges of fuzz_validation.cpp's valid calls (kMax*).
+MAX_HEADS, MAX_BATCH, MAX_SEQS, MAX_TOKENS, MAX_DECODE_TOKENS, MAX_SIZING_HEADS = 2, 2, 3, 17, 16, 4
+
+
+def raw(value):
+    """A value given in full: eight bytes, little-endian."""
+    return bytes([1]) + struct.pack("<q", value)
+
+
+def plus(delta):
+    """The current value plus a signed byte."""
+    return bytes([2]) + struct.pack("<b", delta)
+
+
+def sizes(heads, batch=None, tokens=None, lengths=None, max_tokens=MAX_TOKENS):
+    assert 1 <= heads <= MAX_HEADS
+    if lengths is None:
+        assert batch <= MAX_BATCH and tokens <= max_tokens
+        return bytes([heads - 1, batch, tokens])
+    assert 1 <= len(lengths) <= MAX_SEQS and max(lengths) <= max_tokens
+    return bytes([heads - 1, len(lengths) - 1, *lengths])
+
+
+def fwd(heads, flags=0, serving=0, lenient=0, batch=None, tokens=None, lengths=None):
+    varlen = VARLEN if lengths is not None else 0
+    return bytes([FWD, flags | varlen, serving, lenient]) + sizes(heads, batch, tokens, lengths)
+
+
+def decode(heads, flags=0, lenient=0, batch=None, tokens=None, lengths=None):
+    varlen = VARLEN if lengths is not None else 0
+    return bytes([DECODE, flags | varlen, lenient]) + sizes(heads, batch, tokens, lengths, MAX_DECODE_TOKENS)
+
+
+def workspace_sizes(heads, total_tokens, num_seqs, gpu_heads):
+    assert 1 <= heads <= MAX_SIZING_HEADS
+    return bytes([WORKSPACE_SIZES, heads - 1]) + raw(total_tokens) + raw(num_seqs) + struct.pack("<i", gpu_heads)
+
+
+def fault(slots, name, field, value):
+    return bytes([slots.index(name), field]) + value
+
+
+def fwd_fault(name, field, value):
+    return fault(FWD_SLOTS, name, field, value)
+
+
+SEEDS = {
+    "valid_batched_states": fwd(2, INITIAL | FINAL, batch=2, tokens=17),
+    "valid_varlen_everything": fwd(2, 0xFF & ~VARLEN, lenient=LENIENT_UNIT_AXES, lengths=[0, 17, 7]),
+    "valid_varlen_i64_offsets": fwd(1, FINAL, lengths=[5, 0, 3]),
+    "valid_pool_checkpoint_slots": fwd(2, I32_OFFSETS | PADDED, POOL | HAS_INITIAL | CHECKPOINTS | CHECKPOINT_SLOTS,
+                                       lengths=[16, 3]),
+    "valid_checkpoints_tensor": fwd(1, BF16_STATE | INITIAL, HAS_INITIAL | CHECKPOINTS, batch=2, tokens=17),
+    "valid_decode_batched": decode(2, KV_LAYOUT, batch=2, tokens=1),
+    "valid_decode_table_no_rows": decode(2, TABLE, batch=0, tokens=11),
+    "valid_decode_table": decode(1, TABLE | ACCEPTED | I32_OFFSETS, lenient=LENIENT_UNIT_AXES, lengths=[3, 0, 4]),
+    # A stride of 2^62 on an axis longer than 1 was accepted; the offsets
+    # wrapped and the CPU backend read (q, k, v, g, beta) or wrote (out) out
+    # of bounds. For cu_seqlens only the wrapped offset kept it out.
+    "finding_q_token_stride_2p62": fwd(1, batch=1, tokens=2) + fwd_fault("q", STRIDE0 + 1, raw(1 << 62)),
+    "finding_beta_token_stride_2p62": fwd(1, batch=1, tokens=2) + fwd_fault("beta", STRIDE0 + 1, raw(1 << 62)),
+    "finding_out_token_stride_2p62": fwd(1, batch=1, tokens=2) + fwd_fault("out", STRIDE0 + 1, raw(1 << 62)),
+    "finding_cu_seqlens_stride_2p62": fwd(1, lengths=[1, 2]) + fwd_fault("cu_seqlens", STRIDE0, raw(1 << 62)),
+    "finding_decode_q_token_stride_2p62": decode(1, batch=1, tokens=2)
+    + fault(DECODE_SLOTS, "q", STRIDE0 + 1, raw(1 << 62)),
+    # Workspace sizing overflowed for huge sequence counts, also from
+    # fkda_fwd through cu_seqlens' length.
+    "finding_workspace_size_h3_2p62_seqs": workspace_sizes(3, 0, 1 << 62, gpu_heads=3),
+    "finding_gpu_workspace_size_huge": workspace_sizes(1, (1 << 63) - 1, 1 << 61, gpu_heads=2**31 - 1),
+    "finding_cu_seqlens_2p63_offsets": fwd(1, lengths=[3, 4]) + fwd_fault("cu_seqlens", SHAPE0, raw((1 << 63) - 1)),
+    # Data one byte off was accepted and read or written misaligned.
+    "finding_q_misaligned": fwd(1, batch=1, tokens=3) + fwd_fault("q", DATA_PLUS, plus(1)),
+    "finding_out_misaligned": fwd(1, batch=1, tokens=3) + fwd_fault("out", DATA_PLUS, plus(1)),
+    "finding_final_state_misaligned": fwd(1, FINAL, batch=1, tokens=3) + fwd_fault("final_state", DATA_PLUS, plus(1)),
+    "finding_cu_seqlens_misaligned": fwd(1, lengths=[2, 1]) + fwd_fault("cu_seqlens", DATA_PLUS, plus(2)),
+    "finding_state_pool_misaligned": decode(1, batch=1, tokens=1) + fault(DECODE_SLOTS, "state_pool", DATA_PLUS, plus(1)),
+    # Empty tensors with a broadcast axis, a last stride 0 or negative
+    # strides (numpy makes the first two) were rejected; they hold nothing.
+    "finding_empty_tensors_any_strides": fwd(2, INITIAL | FINAL, lenient=LENIENT_EMPTY, batch=2, tokens=0),
+    "finding_empty_varlen_any_strides": fwd(2, INITIAL | FINAL | IN_PLACE, lenient=LENIENT_EMPTY | LENIENT_UNIT_AXES,
+                                            lengths=[0, 0, 0]),
+    "finding_empty_pool_any_strides": fwd(1, serving=POOL | CHECKPOINTS, lenient=LENIENT_EMPTY, batch=0, tokens=0),
+    "valid_plan_desc": bytes([PLAN_CREATE]) + plus(0) * 9 + struct.pack("<f", -2.5),
+}
+
+if __name__ == "__main__":
+    corpus = pathlib.Path(__file__).resolve().parent / "corpus"
+    corpus.mkdir(exist_ok=True)
+    for stale in corpus.iterdir():
+        stale.unlink()
+    for name, data in SEEDS.items():
+        (corpus / name).write_bytes(data)
