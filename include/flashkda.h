@@ -381,6 +381,41 @@ typedef struct fkda_device_info {
  * driver or GPU (driver_loaded or device_count say so). */
 FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info);
 
+/* ------------------------------------------------------------------------ */
+/* Launch report and tuning (appended in 0.2)                               */
+/* ------------------------------------------------------------------------ */
+
+/* How the GPU prefill of a call was cut into launches. The V rows of each
+ * (sequence, head) state are shared by `vsplit` blocks; the chunk slots
+ * (16-token chunks, plus one per sequence) are processed in `windows`
+ * windows of `slots_per_window` slots (the last may hold fewer), each one
+ * preparation and one recurrence launch, the state crossing a window
+ * boundary in f32. None of it changes a bit of the result.
+ *
+ * Two environment variables, read at every GPU fkda_fwd and
+ * fkda_plan_workspace_size call, override the automatic choice (unset or
+ * empty: automatic). A value not listed is rejected by the call with
+ * FKDA_ERROR_INVALID_ARGUMENT and a message naming the variable:
+ *   FKDA_VSPLIT        1, 2, 4 or 8 (raised to the smallest split whose
+ *                      shared memory the device allows)
+ *   FKDA_WINDOW_SLOTS  a positive integer: slots per window (the workspace
+ *                      size follows it: ask for it under the same setting) */
+typedef struct fkda_launch_report {
+  size_t struct_size;       /* sizeof(fkda_launch_report), set by the caller */
+  int64_t vsplit;           /* 1, 2, 4 or 8 */
+  int64_t windows;          /* launch pairs, >= 1 */
+  int64_t slots_per_window;
+} fkda_launch_report;
+
+#define FKDA_LAUNCH_REPORT_INIT { sizeof(fkda_launch_report), 0, 0, 0 }
+
+/* How the plan's last successful GPU fkda_fwd with at least one sequence
+ * was launched (known once fkda_fwd returns, before the kernels finish).
+ * Every field but struct_size is 0 before such a call and on CPU plans.
+ * With calls on one plan from several threads, it describes one of them. */
+FKDA_API fkda_status fkda_plan_get_launch_report(fkda_plan_t plan,
+                                                 fkda_launch_report* report);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -70,7 +70,7 @@ typedef struct FkdaDecodeParams {
   int64_t num_seqs; /* N */
 
   float scale;
-  float lower_bound;  /* the decay is exp(lower_bound * sigmoid(...)), base e (decode_recurrence.cuh) */
+  float gate_scale;   /* lower_bound * log2(e) */
   int32_t max_tokens; /* sequences longer than this are treated as padding; <= FKDA_DECODE_MAX_TOKENS */
   int32_t warps;      /* per block: 1, 2 or 4 */
 } FkdaDecodeParams;

@@ -4,7 +4,7 @@
 // Per (sequence n, head h), with S the pool's V x K matrix in f32:
 //   for each token t:
 //     k^ = k / sqrt(|k|^2 + 1e-6),  q^ likewise (IEEE sqrt and division)
-//     decay[c] = exp(lower_bound * sigmoid(exp(A_log[h]) * (g[c] + dt_bias[h][c])))
+//     decay[c] = 2^(gate_scale * sigmoid(exp(A_log[h]) * (g[c] + dt_bias[h][c])))
 //     b = sigmoid(beta)
 //     for each V row e:  s_e *= decay;  u = b (v[e] - s_e . k^);  s_e += u k^
 //                        out[e] = bf16(s_e . (scale q^))
@@ -25,11 +25,10 @@
 // shared memory, with the block's rows of v; the state loads are issued
 // first, so they are in flight during that work.
 //
-// The decay is formed in base e from lower_bound rather than through the
-// prefill's rounded base-2 gate_scale, and every exp, division and square
-// root is the accurate one: an f32 pool is compared with the fp64 recurrence
-// at 1e-6 after several chained calls, and the error of a decay factor enters
-// the state in full.
+// Every exp, division and square root is the accurate one, not the hardware
+// approximation of the prefill's gate: an f32 pool is compared with the fp64
+// recurrence at 1e-6 after several chained calls, and the error of a decay
+// factor enters the state in full (docs/NUMERICS.md, decode).
 //
 // Untrusted device values: offsets are clamped into [0, T]; a sequence longer
 // than max_tokens, a count of accepted tokens outside [1, W], or a starting
@@ -279,7 +278,7 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       const float gv[4] = {g.x, g.y, g.z, g.w};
       float d[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) d[i] = expf(p.lower_bound * sigmoid_accurate(decay_rate * (gv[i] + dt[i])));
+      for (int i = 0; i < 4; ++i) d[i] = exp2f(p.gate_scale * sigmoid_accurate(decay_rate * (gv[i] + dt[i])));
       reinterpret_cast<float4*>(decay + t * FKDA_HEAD_DIM)[lane] = make_float4(d[0], d[1], d[2], d[3]);
       if (lane == 0) beta[t] = sigmoid_accurate(bf16_bits(*token_row(p.beta, t)));
     }

@@ -4,6 +4,7 @@
 
 #include "kda_reference.h"
 
+#include <cstddef>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -142,6 +143,12 @@ Problem token_range(const Problem& p, int64_t row, int64_t begin, int64_t end) {
   part.g = slice(p.g, p.H * p.K);
   part.beta = slice(p.beta, p.H);
   return part;
+}
+
+AccuracyTargets accuracy_targets(fkda_dtype state_dtype, bool slow_decay) {
+  const bool bf16 = state_dtype == FKDA_DTYPE_BF16;
+  if (slow_decay) return bf16 ? AccuracyTargets{3.0e-3, 2.0e-3} : AccuracyTargets{3.0e-3, 1.0e-3};
+  return bf16 ? AccuracyTargets{6.0e-3, 5.0e-3} : AccuracyTargets{4.0e-3, 2.9e-3};
 }
 
 // ------------------------------------------------ the fp64 recurrence ---

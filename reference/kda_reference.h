@@ -61,6 +61,15 @@ ProblemShape slow_decay(ProblemShape shape);
 // state, which the caller sets for the sequence it cut from.
 Problem token_range(const Problem& p, int64_t row, int64_t begin, int64_t end);
 
+// docs/BENCHMARKS.md's accuracy targets: the relative L2 error against the
+// fp64 recurrence a backend must stay within, on the default (fast-decay)
+// inputs or on slow_decay() ones, where the state carries most of the output.
+struct AccuracyTargets {
+  double out;
+  double state;
+};
+AccuracyTargets accuracy_targets(fkda_dtype state_dtype, bool slow_decay);
+
 // The fp64 token-by-token recurrence on the bf16 inputs.
 // out: [B, T, H, V]; final_state: [N, H, V, K] (V-first). states_after[c]
 // ([N, H, V, K]) is the state of every sequence after its first

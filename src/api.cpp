@@ -2,6 +2,7 @@
 // it to a status plus the thread-local message, so no C++ exception ever
 // crosses the C ABI.
 #include <cstring>
+#include <mutex>
 #include <new>
 #include <string>
 
@@ -128,7 +129,10 @@ FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args, void*
     if (p.backend == FKDA_BACKEND_GPU) {
       const CUstream cu_stream = reinterpret_cast<CUstream>(stream);
       if (problem.debug_checks) fkda::gpu::debug_check(problem, cu_stream);
-      fkda::gpu::fwd(problem, workspace, workspace_bytes, cu_stream);
+      const fkda::gpu::LaunchShape shape = fkda::gpu::fwd(problem, workspace, workspace_bytes, cu_stream);
+      std::lock_guard<std::mutex> lock(p.launch_mutex);
+      p.last_launch = fkda_launch_report{sizeof(fkda_launch_report), shape.vsplit, shape.windows,
+                                         shape.slots_per_window};
     } else {
       fkda::cpu::fwd(problem, workspace, workspace_bytes);
     }
@@ -202,6 +206,18 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info) {
     fkda::cuda::check(d->cuDeviceGetName(result.name, sizeof(result.name), handle), "cuDeviceGetName");
     result.has_kernels = fkda::gpu::has_kernels_for(result.cc_major, result.cc_minor) ? 1 : 0;
     *info = result;
+  });
+}
+
+FKDA_API fkda_status fkda_plan_get_launch_report(fkda_plan_t plan, fkda_launch_report* report) {
+  return guarded([&] {
+    require_output(report, "report");
+    // Its first published size is its current one.
+    fkda::read_versioned(*report, fkda_launch_report FKDA_LAUNCH_REPORT_INIT, sizeof(fkda_launch_report),
+                         "report", "FKDA_LAUNCH_REPORT_INIT");
+    const fkda::Plan& p = fkda::live_plan(plan);
+    std::lock_guard<std::mutex> lock(p.launch_mutex);
+    *report = p.last_launch;
   });
 }
 

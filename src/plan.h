@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 #include "flashkda.h"
@@ -30,6 +31,9 @@ struct Plan {
   // them before each launch; CPU plans add the duplicate-slot check.
   bool debug_checks = false;
   std::atomic<float> lower_bound{-5.0f};
+  // The launch shape of the last GPU fkda_fwd (fkda_plan_get_launch_report).
+  mutable std::mutex launch_mutex;
+  mutable fkda_launch_report last_launch = FKDA_LAUNCH_REPORT_INIT;
 
   size_t workspace_size(int64_t total_tokens, int64_t num_seqs) const;
 };

@@ -5,6 +5,7 @@
 #include "gpu/gpu_backend.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -18,29 +19,36 @@
 namespace fkda::gpu {
 namespace {
 
-// FKDA_VSPLIT=1|2|4|8 forces the V split of the recurrence. A testing
-// override, read once per process; anything else is ignored.
-int forced_vsplit() {
-  static const int forced = [] {
-    const char* text = std::getenv("FKDA_VSPLIT");
-    if (text == nullptr) return 0;
-    const int value = std::atoi(text);
-    return (value == 1 || value == 2 || value == 4 || value == 8) ? value : 0;
-  }();
-  return forced;
+// The tuning variables (README.md, "Tuning"). They are read at every call,
+// so that one process may change them between calls; a value that is not
+// accepted is an error naming the variable, never silently ignored. Unset or
+// empty means the automatic choice.
+const char* tuning_variable(const char* name) {
+  const char* text = std::getenv(name);
+  return text != nullptr && *text != '\0' ? text : nullptr;
 }
 
-// FKDA_WINDOW_SLOTS=<positive integer> forces the slots per window (so that
-// tests can put window boundaries anywhere). A testing override, read once
-// per process; anything else is ignored.
+// FKDA_VSPLIT=1|2|4|8: the V split of the recurrence; 0 when automatic.
+int forced_vsplit() {
+  const char* text = tuning_variable("FKDA_VSPLIT");
+  if (text == nullptr) return 0;
+  const std::string value(text);
+  if (value == "1" || value == "2" || value == "4" || value == "8") return std::stoi(value);
+  invalid("FKDA_VSPLIT: expected 1, 2, 4 or 8 (or unset for the automatic choice), got \"" + value + "\"");
+}
+
+// FKDA_WINDOW_SLOTS=<positive integer>: chunk slots per window; 0 when automatic.
 int64_t forced_window_slots() {
-  static const int64_t forced = [] {
-    const char* text = std::getenv("FKDA_WINDOW_SLOTS");
-    if (text == nullptr) return int64_t(0);
-    const long long value = std::atoll(text);
-    return value > 0 ? int64_t(value) : int64_t(0);
-  }();
-  return forced;
+  const char* text = tuning_variable("FKDA_WINDOW_SLOTS");
+  if (text == nullptr) return 0;
+  errno = 0;
+  char* end = nullptr;
+  const long long value = std::strtoll(text, &end, 10);
+  if (errno != 0 || end == text || *end != '\0' || value <= 0) {
+    invalid(std::string("FKDA_WINDOW_SLOTS: expected a positive integer (or unset for the automatic choice), "
+                        "got \"") + text + "\"");
+  }
+  return int64_t(value);
 }
 
 // The records of one window take at most kWindowBudgetBytes, unless the
@@ -114,7 +122,8 @@ size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads)
 }
 
 // sm_80 machine code runs on every 8.x device, sm_90a on 9.0, and the
-// compute_90 PTX is compiled by the driver for anything newer.
+// compute_90 PTX is compiled by the driver for anything newer. A build whose
+// fatbin is compute_80 PTX alone (FKDA_CUDA_GENCODE) runs on all of them too.
 bool has_kernels_for(int cc_major, int /*cc_minor*/) { return cc_major >= 8; }
 
 std::string unsupported_arch_message(int cc_major, int cc_minor) {
@@ -122,7 +131,7 @@ std::string unsupported_arch_message(int cc_major, int cc_minor) {
          ": this build has kernels for the sm_80 family and sm_90 (and later, through PTX)";
 }
 
-void fwd(const PrefillProblem& problem, void* workspace, size_t /*workspace_bytes*/, CUstream stream) {
+LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t /*workspace_bytes*/, CUstream stream) {
   const LaunchContext context = launch_context();
 
   const int64_t total_tokens = problem.batch * problem.seq_len;
@@ -141,7 +150,7 @@ void fwd(const PrefillProblem& problem, void* workspace, size_t /*workspace_byte
   params.final_state = problem.final_state;
   params.workspace = static_cast<unsigned char*>(workspace);
   params.num_slots = windows.total_slots;
-  params.gate_scale = problem.lower_bound * FKDA_LOG2E;  // NUMERICS step 1, in f32
+  params.gate_scale = gate_scale(problem.lower_bound);
   params.vsplit = choose_vsplit(problem.num_seqs * problem.num_heads, context.facts);
   params.state_pool = problem.pool.data;
   params.pool_slots = problem.pool.slots;
@@ -178,6 +187,7 @@ void fwd(const PrefillProblem& problem, void* workspace, size_t /*workspace_byte
            unsigned(32 * fkda_recurrence_warps(params.vsplit)),
            unsigned(fkda_recurrence_smem_bytes(params.vsplit)), stream, &params);
   }
+  return LaunchShape{params.vsplit, windows.count, windows.slots};
 }
 
 }  // namespace fkda::gpu

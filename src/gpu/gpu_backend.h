@@ -22,10 +22,19 @@ bool has_kernels_for(int cc_major, int cc_minor);
 // What to tell a caller whose device has none.
 std::string unsupported_arch_message(int cc_major, int cc_minor);
 
-// Enqueues the forward pass. Throws fkda::Error: FKDA_ERROR_NO_DEVICE,
-// FKDA_ERROR_UNSUPPORTED_ARCH, FKDA_ERROR_DRIVER or FKDA_ERROR_LAUNCH_FAILED.
+// How a forward pass was launched (fkda_launch_report).
+struct LaunchShape {
+  int32_t vsplit = 0;            // blocks sharing the V rows of one (sequence, head)
+  int64_t windows = 0;           // preparation + recurrence launch pairs
+  int64_t slots_per_window = 0;  // chunk slots of each window; the last may hold fewer
+};
+
+// Enqueues the forward pass and says how it was launched. Throws
+// fkda::Error: FKDA_ERROR_NO_DEVICE, FKDA_ERROR_UNSUPPORTED_ARCH,
+// FKDA_ERROR_DRIVER, FKDA_ERROR_LAUNCH_FAILED, or FKDA_ERROR_INVALID_ARGUMENT
+// for a bad tuning variable (FKDA_VSPLIT, FKDA_WINDOW_SLOTS).
 // The workspace size has been checked by the caller.
-void fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes, CUstream stream);
+LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes, CUstream stream);
 
 // Enqueues the decode step (no workspace). Same errors as fwd.
 void decode(const DecodeProblem& problem, CUstream stream);

@@ -42,7 +42,7 @@ void decode(const DecodeProblem& problem, CUstream stream) {
   params.state_indices = index_table(problem.state_indices);
   params.indices_are_table = problem.indices_are_table;
   if (problem.indices_are_table) params.num_accepted = index_table(problem.num_accepted_tokens);
-  params.lower_bound = problem.lower_bound;
+  params.gate_scale = gate_scale(problem.lower_bound);
   // The longest sequence the kernel serves: no sequence holds more tokens
   // than a row, and a table has a column for each token's state.
   int64_t max_tokens = std::min<int64_t>(FKDA_DECODE_MAX_TOKENS, problem.seq_len);

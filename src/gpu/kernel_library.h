@@ -77,6 +77,9 @@ inline FkdaIndexTable index_table(const IndexView& view) {
   return FkdaIndexTable{view.data, view.stride_row, view.stride_col, bytes, int32_t(cols)};
 }
 
+// The base-2 gate factor of docs/NUMERICS.md step 1, lower_bound * log2(e) in f32.
+inline float gate_scale(float lower_bound) { return lower_bound * FKDA_LOG2E; }
+
 // The fields that the prefill and decode parameters share, from the
 // validated problem: activations, gate parameters, state dtype and layout,
 // sequence offsets, sizes and scale.

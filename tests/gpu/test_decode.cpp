@@ -323,9 +323,9 @@ void check_outcome(const Setup& s, const Outcome& o) {
   CHECK(o.touched_pool == 0);
 }
 
-// The GPU and the CPU backend compute the same f32 recurrence (the decay
-// formed in different bases), so only a few bf16 outputs may round the
-// other way and the f32 states differ by a few ulps.
+// The GPU and the CPU backend compute the same f32 recurrence
+// (docs/NUMERICS.md, decode) with sums in other orders, so only a few bf16
+// outputs may round the other way and the f32 states differ by a few ulps.
 constexpr double kCpuOutAgreement = 1.0e-3;
 constexpr double kCpuF32StateAgreement = 1.0e-6;
 

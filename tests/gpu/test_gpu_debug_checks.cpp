@@ -148,9 +148,8 @@ TEST_CASE("GPU debug checks: prefill slots and checkpoint offsets are checked", 
     expected = "checkpoint_offsets[0][1]: 24 is not a multiple of 16";
   }
   SECTION("a checkpoint slot shared with another sequence's state") {
-    checkpoint_slots[3] = 2;
-    offsets[3] = 16;
-    expected = "checkpoint_slots[1][1]: slot 2 is also written by sequence 0";
+    checkpoint_slots[2] = 2;  // sequence 1's checkpoint after its 16 tokens
+    expected = "checkpoint_slots[1][0]: slot 2 is also written by sequence 0";
   }
   SECTION("a state slot past the pool") {
     slots[1] = 8;

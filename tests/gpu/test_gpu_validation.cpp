@@ -5,12 +5,14 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "flashkda.h"
 #include "gpu_support.h"
 #include "kda_reference.h"
+#include "prefill_harness.h"
 
 namespace {
 
@@ -97,15 +99,64 @@ TEST_CASE("GPU plans need 16-byte aligned rows and enough workspace", "[gpu][val
 
 }
 
-TEST_CASE("device queries describe the current device", "[gpu]") {
+TEST_CASE("device queries describe the current device as the CUDA runtime sees it", "[gpu]") {
+  // main() already skipped the suite unless the query found a device with
+  // kernels; what is left to check is that it describes the right one.
   fkda_device_info info = FKDA_DEVICE_INFO_INIT;
   REQUIRE(fkda_query_device(-1, &info) == FKDA_SUCCESS);
-  CHECK(info.driver_loaded == 1);
-  CHECK(info.device_count >= 1);
-  CHECK(info.device == 0);
-  CHECK(info.cc_major >= 8);
-  CHECK(info.has_kernels == 1);
-  CHECK(std::string(info.name).size() > 0);
+  int device = -1, count = 0, driver = 0;
+  CUDA_REQUIRE(cudaGetDevice(&device));
+  CUDA_REQUIRE(cudaGetDeviceCount(&count));
+  CUDA_REQUIRE(cudaDriverGetVersion(&driver));
+  cudaDeviceProp properties{};
+  CUDA_REQUIRE(cudaGetDeviceProperties(&properties, device));
+  CHECK(info.device == device);
+  CHECK(info.device_count == count);
+  CHECK(info.driver_version == driver);
+  CHECK(info.cc_major == properties.major);
+  CHECK(info.cc_minor == properties.minor);
+  CHECK(std::string(info.name) == properties.name);
   CHECK(fkda_query_device(info.device_count, &info) == FKDA_ERROR_INVALID_ARGUMENT);
   CHECK(std::string(fkda_last_error()).rfind("device: ordinal", 0) == 0);
+}
+
+TEST_CASE("bad launch tuning variables are errors naming the variable", "[gpu][validation]") {
+  DeviceCall call;
+  const fkda_ref::Plan gpu = make_plan(FKDA_BACKEND_GPU);
+  size_t bytes = 0;
+  {
+    const fkda_test::Tuning automatic(0, 0);
+    REQUIRE(fkda_plan_workspace_size(gpu.get(), kB * kT, kB, &bytes) == FKDA_SUCCESS);
+  }
+  DeviceBuffer workspace(bytes);
+  struct Bad {
+    const char* variable;
+    const char* value;
+  };
+  for (const Bad& bad : {Bad{"FKDA_VSPLIT", "3"}, Bad{"FKDA_VSPLIT", "16"}, Bad{"FKDA_VSPLIT", "two"},
+                         Bad{"FKDA_VSPLIT", "4x"}, Bad{"FKDA_WINDOW_SLOTS", "0"}, Bad{"FKDA_WINDOW_SLOTS", "-3"},
+                         Bad{"FKDA_WINDOW_SLOTS", "7 slots"}, Bad{"FKDA_WINDOW_SLOTS", "99999999999999999999"}}) {
+    CAPTURE(bad.variable, bad.value);
+    const fkda_test::Tuning automatic(0, 0);
+    REQUIRE(setenv(bad.variable, bad.value, 1) == 0);
+    const std::string expected = std::string(bad.variable) + ": ";
+    expect_invalid(fkda_fwd(gpu.get(), &call.args, workspace.get(), bytes, nullptr), expected);
+    if (std::string(bad.variable) == "FKDA_WINDOW_SLOTS") {
+      size_t ignored = 0;
+      expect_invalid(fkda_plan_workspace_size(gpu.get(), kB * kT, kB, &ignored), expected);
+    }
+  }
+  // Good values are taken and reported back.
+  for (int64_t vsplit : {1, 2, 4, 8}) {
+    const fkda_test::Tuning forced(vsplit, 1);
+    size_t forced_bytes = 0;
+    REQUIRE(fkda_plan_workspace_size(gpu.get(), kB * kT, kB, &forced_bytes) == FKDA_SUCCESS);
+    DeviceBuffer forced_workspace(forced_bytes);
+    REQUIRE(fkda_fwd(gpu.get(), &call.args, forced_workspace.get(), forced_bytes, nullptr) == FKDA_SUCCESS);
+    CUDA_REQUIRE(cudaDeviceSynchronize());  // before the workspace is freed
+    const fkda_launch_report launch = fkda_test::launch_report(gpu.get());
+    CHECK(launch.vsplit == vsplit);
+    CHECK(launch.slots_per_window == 1);
+    CHECK(launch.windows >= kT / 16);
+  }
 }

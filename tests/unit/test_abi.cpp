@@ -105,6 +105,9 @@ TEST_CASE("struct layouts are frozen", "[abi]") {
   STATIC_REQUIRE(sizeof(fkda_decode_args) == 8 + 12 * 112 + 8);
   STATIC_REQUIRE(offsetof(fkda_device_info, name) == 36);
   STATIC_REQUIRE(sizeof(fkda_device_info) == 296);
+  STATIC_REQUIRE(offsetof(fkda_launch_report, vsplit) == 8);
+  STATIC_REQUIRE(offsetof(fkda_launch_report, slots_per_window) == 24);
+  STATIC_REQUIRE(sizeof(fkda_launch_report) == 32);
 }
 
 TEST_CASE("run-time version matches the header", "[abi]") {

@@ -4,10 +4,12 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flashkda.h"
@@ -22,13 +24,18 @@ using namespace fkda_ref;
 constexpr uint16_t kPoisonBf16 = 0x7FC1;
 constexpr uint32_t kPoisonF32 = 0x7FC00001u;
 
-struct Tolerance {
-  double out;
-  double state;
-};
-// docs/BENCHMARKS.md, relative L2 error against the fp64 recurrence.
-constexpr Tolerance kBf16StateTargets{6.0e-3, 5.0e-3};
-constexpr Tolerance kF32StateTargets{4.0e-3, 2.9e-3};
+// Every test of state handling runs on both kinds of input: the default fast
+// decays, and slow decays where the initial state and every hand-off matter.
+enum class Decay { fast, slow };
+constexpr Decay kDecays[] = {Decay::fast, Decay::slow};
+
+ProblemShape with_decay(ProblemShape shape, Decay decay) { return decay == Decay::slow ? slow_decay(shape) : shape; }
+
+AccuracyTargets targets_for(fkda_dtype state_dtype, Decay decay = Decay::fast) {
+  return accuracy_targets(state_dtype, decay == Decay::slow);
+}
+
+const char* decay_name(Decay decay) { return decay == Decay::slow ? "slow decay" : "fast decay"; }
 
 enum class Layout { contiguous, padded, head_major };
 
@@ -196,6 +203,17 @@ void round_initial_state_to_bf16(Problem& p) {
   for (float& value : p.initial_state) value = from_bf16(to_bf16(value));
 }
 
+// A varlen problem of these decays, its initial state rounded to bf16 so that
+// it serves both state dtypes.
+Problem varlen_problem(int64_t H, std::vector<int64_t> lengths, Decay decay, uint64_t seed) {
+  ProblemShape shape;
+  shape.H = H;
+  shape.lengths = std::move(lengths);
+  Problem p = random_problem(with_decay(shape, decay), seed);
+  round_initial_state_to_bf16(p);
+  return p;
+}
+
 // Runs `p` on a CPU plan through the public API and checks what every run
 // must satisfy: success, every output element written, nothing outside the
 // output views touched, inputs unchanged.
@@ -310,7 +328,7 @@ struct Errors {
   double state = 0;
 };
 
-Errors check_accuracy(const Problem& p, const RunOptions& o, const RunResult& r, Tolerance tolerance) {
+Errors check_accuracy(const Problem& p, const RunOptions& o, const RunResult& r, AccuracyTargets tolerance) {
   Problem as_run = p;
   if (!o.pass_initial) as_run.initial_state.clear();
   const Reference ref = reference_recurrence(as_run);
@@ -343,6 +361,17 @@ std::vector<ProblemShape> benchmark_accuracy_shapes() {
   return {dense, varlen};
 }
 
+// Tokens [begin, end) of a single-row problem's [1, T, H, V] output.
+std::vector<double> token_range(const Problem& p, const std::vector<double>& out, int64_t begin, int64_t end) {
+  const int64_t per_token = p.H * p.V;
+  return std::vector<double>(out.begin() + std::ptrdiff_t(begin * per_token),
+                             out.begin() + std::ptrdiff_t(end * per_token));
+}
+
+// How far a mutated run must miss its target: a check that a mutation
+// passes, or misses by little, could not tell a lost state from rounding.
+constexpr double kWideMargin = 10.0;
+
 }  // namespace
 
 TEST_CASE("CPU backend meets the f32-state accuracy targets on the benchmark case", "[cpu][accuracy]") {
@@ -350,7 +379,7 @@ TEST_CASE("CPU backend meets the f32-state accuracy targets on the benchmark cas
     const Problem p = random_problem(shape, 20261130);
     RunOptions o;
     o.state_dtype = FKDA_DTYPE_F32;
-    check_accuracy(p, o, run_cpu(p, o), kF32StateTargets);
+    check_accuracy(p, o, run_cpu(p, o), targets_for(FKDA_DTYPE_F32));
   }
 }
 
@@ -360,7 +389,7 @@ TEST_CASE("CPU backend meets the bf16-state accuracy targets on the benchmark ca
     round_initial_state_to_bf16(p);
     RunOptions o;
     o.state_dtype = FKDA_DTYPE_BF16;
-    check_accuracy(p, o, run_cpu(p, o), kBf16StateTargets);
+    check_accuracy(p, o, run_cpu(p, o), targets_for(FKDA_DTYPE_BF16));
   }
 }
 
@@ -377,54 +406,52 @@ TEST_CASE("CPU backend: batched rows of lengths around the chunk size", "[cpu][b
       RunOptions o;
       o.state_dtype = dtype;
       o.state_layout = T % 2 ? FKDA_STATE_LAYOUT_KV : FKDA_STATE_LAYOUT_VK;
-      check_accuracy(p, o, run_cpu(p, o), kBf16StateTargets);
+      check_accuracy(p, o, run_cpu(p, o), targets_for(dtype));
     }
   }
 }
 
-TEST_CASE("CPU backend: varlen with empty, single-token and chunk-edge sequences", "[cpu][varlen]") {
-  ProblemShape shape;
-  shape.H = 8;
-  shape.lengths = {0, 1, 15, 16, 17, 0, 33, 5};
-  Problem p = random_problem(shape, 77);
-  round_initial_state_to_bf16(p);  // serves both state dtypes
-  for (fkda_dtype cu_dtype : {FKDA_DTYPE_I64, FKDA_DTYPE_I32}) {
-    for (fkda_dtype state_dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
-      RunOptions o;
-      o.cu_dtype = cu_dtype;
-      o.state_dtype = state_dtype;
-      const RunResult r = run_cpu(p, o);
-      check_accuracy(p, o, r, kBf16StateTargets);
-      // An empty sequence hands its initial state through unchanged.
-      for (int64_t n : {0, 5})
-        CHECK(bitwise_equal(sequence_state(p, r.final_state, n), sequence_state(p, p.initial_state, n)));
+TEST_CASE("CPU backend: varlen with empty, single-token and chunk-edge sequences", "[cpu][varlen][state]") {
+  for (Decay decay : kDecays) {
+    INFO(decay_name(decay));
+    const Problem p = varlen_problem(8, {0, 1, 15, 16, 17, 0, 33, 5}, decay, 77);
+    for (fkda_dtype cu_dtype : {FKDA_DTYPE_I64, FKDA_DTYPE_I32}) {
+      for (fkda_dtype state_dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+        RunOptions o;
+        o.cu_dtype = cu_dtype;
+        o.state_dtype = state_dtype;
+        const RunResult r = run_cpu(p, o);
+        check_accuracy(p, o, r, targets_for(state_dtype, decay));
+        // An empty sequence hands its initial state through unchanged.
+        for (int64_t n : {0, 5})
+          CHECK(bitwise_equal(sequence_state(p, r.final_state, n), sequence_state(p, p.initial_state, n)));
+      }
     }
   }
 }
 
 TEST_CASE("CPU backend: every presence combination of initial and final state", "[cpu][state]") {
-  ProblemShape shape;
-  shape.H = 2;
-  shape.lengths = {17, 0, 40};
-  Problem p = random_problem(shape, 4242);
-  round_initial_state_to_bf16(p);
-  for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
-    for (fkda_state_layout layout : {FKDA_STATE_LAYOUT_VK, FKDA_STATE_LAYOUT_KV}) {
-      for (bool pass_initial : {true, false}) {
-        for (bool want_final : {true, false}) {
-          RunOptions o;
-          o.state_dtype = dtype;
-          o.state_layout = layout;
-          o.pass_initial = pass_initial;
-          o.want_final = want_final;
-          const RunResult r = run_cpu(p, o);
-          check_accuracy(p, o, r, kBf16StateTargets);
-          if (want_final) {
-            const std::vector<float> empty_sequence = sequence_state(p, r.final_state, 1);
-            if (pass_initial) {
-              CHECK(bitwise_equal(empty_sequence, sequence_state(p, p.initial_state, 1)));
-            } else {
-              CHECK(bitwise_equal(empty_sequence, std::vector<float>(empty_sequence.size(), 0.f)));
+  for (Decay decay : kDecays) {
+    INFO(decay_name(decay));
+    const Problem p = varlen_problem(2, {17, 0, 40}, decay, 4242);
+    for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+      for (fkda_state_layout layout : {FKDA_STATE_LAYOUT_VK, FKDA_STATE_LAYOUT_KV}) {
+        for (bool pass_initial : {true, false}) {
+          for (bool want_final : {true, false}) {
+            RunOptions o;
+            o.state_dtype = dtype;
+            o.state_layout = layout;
+            o.pass_initial = pass_initial;
+            o.want_final = want_final;
+            const RunResult r = run_cpu(p, o);
+            check_accuracy(p, o, r, targets_for(dtype, decay));
+            if (want_final) {
+              const std::vector<float> empty_sequence = sequence_state(p, r.final_state, 1);
+              if (pass_initial) {
+                CHECK(bitwise_equal(empty_sequence, sequence_state(p, p.initial_state, 1)));
+              } else {
+                CHECK(bitwise_equal(empty_sequence, std::vector<float>(empty_sequence.size(), 0.f)));
+              }
             }
           }
         }
@@ -434,36 +461,36 @@ TEST_CASE("CPU backend: every presence combination of initial and final state", 
 }
 
 TEST_CASE("CPU backend: the K-first state layout is the transpose of the V-first one", "[cpu][state]") {
-  ProblemShape shape;
-  shape.H = 3;
-  shape.lengths = {23, 9};
-  Problem p = random_problem(shape, 31337);
-  round_initial_state_to_bf16(p);
-  for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
-    RunOptions v_first, k_first;
-    v_first.state_dtype = k_first.state_dtype = dtype;
-    k_first.state_layout = FKDA_STATE_LAYOUT_KV;
-    // run_cpu writes and reads the K-first buffers transposed; equal results
-    // mean the backend read and wrote them transposed too.
-    const RunResult a = run_cpu(p, v_first), b = run_cpu(p, k_first);
-    CHECK(bitwise_equal(a.out, b.out));
-    CHECK(bitwise_equal(a.final_state, b.final_state));
+  for (Decay decay : kDecays) {
+    INFO(decay_name(decay));
+    const Problem p = varlen_problem(3, {23, 9}, decay, 31337);
+    for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+      RunOptions v_first, k_first;
+      v_first.state_dtype = k_first.state_dtype = dtype;
+      k_first.state_layout = FKDA_STATE_LAYOUT_KV;
+      // run_cpu writes and reads the K-first buffers transposed; equal results
+      // mean the backend read and wrote them transposed too.
+      const RunResult a = run_cpu(p, v_first), b = run_cpu(p, k_first);
+      check_accuracy(p, k_first, b, targets_for(dtype, decay));
+      CHECK(bitwise_equal(a.out, b.out));
+      CHECK(bitwise_equal(a.final_state, b.final_state));
+    }
   }
 }
 
 TEST_CASE("CPU backend: the final state may overwrite the initial state in place", "[cpu][state]") {
-  ProblemShape shape;
-  shape.H = 2;
-  shape.lengths = {30, 0, 18};
-  Problem p = random_problem(shape, 5150);
-  round_initial_state_to_bf16(p);
-  for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
-    RunOptions separate, in_place;
-    separate.state_dtype = in_place.state_dtype = dtype;
-    in_place.in_place_state = true;
-    const RunResult a = run_cpu(p, separate), b = run_cpu(p, in_place);
-    CHECK(bitwise_equal(a.out, b.out));
-    CHECK(bitwise_equal(a.final_state, b.final_state));
+  for (Decay decay : kDecays) {
+    INFO(decay_name(decay));
+    const Problem p = varlen_problem(2, {30, 0, 18}, decay, 5150);
+    for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+      RunOptions separate, in_place;
+      separate.state_dtype = in_place.state_dtype = dtype;
+      in_place.in_place_state = true;
+      const RunResult a = run_cpu(p, separate), b = run_cpu(p, in_place);
+      check_accuracy(p, in_place, b, targets_for(dtype, decay));
+      CHECK(bitwise_equal(a.out, b.out));
+      CHECK(bitwise_equal(a.final_state, b.final_state));
+    }
   }
 }
 
@@ -482,7 +509,7 @@ TEST_CASE("CPU backend: strided q, k, v, g and out views", "[cpu][strides]") {
       RunOptions contiguous, strided;
       strided.layout = layout;
       const RunResult r = run_cpu(p, strided);
-      check_accuracy(p, strided, r, kBf16StateTargets);
+      check_accuracy(p, strided, r, targets_for(FKDA_DTYPE_F32));
       // Strides change where the data lives, not a single bit of the result.
       const RunResult reference_layout = run_cpu(p, contiguous);
       CHECK(bitwise_equal(r.out, reference_layout.out));
@@ -498,7 +525,7 @@ TEST_CASE("CPU backend: strided beta and cu_seqlens views", "[cpu][strides]") {
   shape.lengths = {5, 0, 29, 16};
   const Problem p = random_problem(shape, 9100);
   const RunResult contiguous = run_cpu(p, RunOptions{});
-  check_accuracy(p, RunOptions{}, contiguous, kBf16StateTargets);
+  check_accuracy(p, RunOptions{}, contiguous, targets_for(FKDA_DTYPE_F32));
   // beta with gaps between heads and tokens; beta stored head-major;
   // cu_seqlens with a stride of 3, as i64 and as i32.
   std::vector<RunOptions> variants(4);
@@ -523,7 +550,7 @@ TEST_CASE("CPU backend: gate floors from -5 to 0", "[cpu][lower_bound]") {
       shape.lower_bound = lower_bound;
       const Problem p = random_problem(shape, 600);
       RunOptions o;
-      check_accuracy(p, o, run_cpu(p, o), kBf16StateTargets);
+      check_accuracy(p, o, run_cpu(p, o), targets_for(FKDA_DTYPE_F32));
     }
   }
   SECTION("set on an existing plan") {
@@ -534,7 +561,33 @@ TEST_CASE("CPU backend: gate floors from -5 to 0", "[cpu][lower_bound]") {
     const Problem p = random_problem(shape, 601);
     RunOptions o;
     o.set_lower_bound_after_create = true;  // the plan is created at -5
-    check_accuracy(p, o, run_cpu(p, o), kBf16StateTargets);
+    check_accuracy(p, o, run_cpu(p, o), targets_for(FKDA_DTYPE_F32));
+  }
+}
+
+TEST_CASE("CPU backend: saturated gates scale the keys of a chunk by up to 2^115", "[cpu][saturated]") {
+  // Gate logits far above 0 drive the sigmoid to exactly 1: every token
+  // decays by the full floor, a chunk's cumulative gate reaches 16 * -5 nats
+  // and its key factors 2^±115 (docs/NUMERICS.md step 3), near the end of
+  // bf16's range. Every chunk saturated, and saturated chunks alternating
+  // with slowly decaying ones (the state crosses from one kind to the other).
+  ProblemShape shape = slow_decay(ProblemShape{});
+  shape.H = 2;
+  shape.lengths = {16, 40, 0, 75};
+  for (bool every_chunk : {true, false}) {
+    Problem p = random_problem(shape, 1150 + uint64_t(every_chunk));
+    round_initial_state_to_bf16(p);
+    for (size_t n = 0; n + 1 < p.cu_seqlens.size(); ++n)
+      for (int64_t t = p.cu_seqlens[n]; t < p.cu_seqlens[n + 1]; ++t) {
+        if (!every_chunk && ((t - p.cu_seqlens[n]) / 16) % 2 == 1) continue;
+        for (int64_t i = t * p.H * p.K; i < (t + 1) * p.H * p.K; ++i) p.g[size_t(i)] = to_bf16(from_bf16(p.g[size_t(i)]) + 36.f);
+      }
+    for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+      INFO((every_chunk ? "every chunk saturated" : "every other chunk saturated"));
+      RunOptions o;
+      o.state_dtype = dtype;
+      check_accuracy(p, o, run_cpu(p, o), targets_for(dtype));
+    }
   }
 }
 
@@ -548,43 +601,111 @@ TEST_CASE("CPU backend: any finite scale", "[cpu]") {
     Problem p = random_problem(shape, 700);
     p.scale = scale;
     RunOptions o;
-    check_accuracy(p, o, run_cpu(p, o), kBf16StateTargets);
+    check_accuracy(p, o, run_cpu(p, o), targets_for(FKDA_DTYPE_F32));
   }
 }
 
 TEST_CASE("CPU backend: two halves through final -> initial state equal the whole run", "[cpu][state]") {
-  ProblemShape shape;
-  shape.T = 77;
+  for (Decay decay : kDecays) {
+    INFO(decay_name(decay));
+    ProblemShape shape;
+    shape.T = 77;
+    shape.H = 2;
+    const Problem whole = random_problem(with_decay(shape, decay), 8080);
+    const AccuracyTargets targets = targets_for(FKDA_DTYPE_F32, decay);
+    RunOptions o;
+    o.state_dtype = FKDA_DTYPE_F32;
+    const RunResult whole_run = run_cpu(whole, o);
+    check_accuracy(whole, o, whole_run, targets);
+    const Reference ref = reference_recurrence(whole);
+
+    for (int64_t split : {32, 21}) {
+      CAPTURE(split);
+      Problem first = token_range(whole, 0, 0, split), second = token_range(whole, 0, split, whole.T);
+      first.initial_state = whole.initial_state;
+      const RunResult first_run = run_cpu(first, o);
+      second.initial_state = first_run.final_state;
+      const RunResult second_run = run_cpu(second, o);
+
+      std::vector<float> halves_out = first_run.out;
+      halves_out.insert(halves_out.end(), second_run.out.begin(), second_run.out.end());
+      if (split % 16 == 0) {
+        // Same chunks, f32 state carried exactly: the same arithmetic.
+        CHECK(bitwise_equal(halves_out, whole_run.out));
+        CHECK(bitwise_equal(second_run.final_state, whole_run.final_state));
+      } else {
+        CHECK_FALSE(bitwise_equal(halves_out, whole_run.out));  // the split did change the chunking
+      }
+      // Either way the halves follow the fp64 recurrence of the whole.
+      CHECK(rel_l2(halves_out, ref.out) <= targets.out);
+      CHECK(rel_l2(second_run.final_state, ref.final_state) <= targets.state);
+    }
+  }
+}
+
+TEST_CASE("CPU backend: a lost or damaged state fails the accuracy check by a wide margin", "[cpu][state][mutation]") {
+  // The state tests above would pass a backend that mishandles the state
+  // only if their comparison could not see it. On slow decays it must: the
+  // same comparison fails, by kWideMargin times its target or more, when the
+  // backend starts from a state other than the reference's. The margins are
+  // printed.
+  ProblemShape shape = slow_decay(ProblemShape{});
+  shape.T = 160;
   shape.H = 2;
-  const Problem whole = random_problem(shape, 8080);
+  const Problem p = random_problem(shape, 2718);
+  const Reference ref = reference_recurrence(p);
+  const AccuracyTargets targets = targets_for(FKDA_DTYPE_F32, Decay::slow);
   RunOptions o;
   o.state_dtype = FKDA_DTYPE_F32;
-  const RunResult whole_run = run_cpu(whole, o);
-  check_accuracy(whole, o, whole_run, kBf16StateTargets);
+  auto report = [&](const char* what, double out_error, double state_error) {
+    std::printf("CPU mutation %-34s out %.3e (%6.1fx target)  final state %.3e (%6.1fx target)\n", what, out_error,
+                out_error / targets.out, state_error, state_error / targets.state);
+    std::fflush(stdout);
+  };
 
-  for (int64_t split : {32, 21}) {
-    CAPTURE(split);
-    Problem first = token_range(whole, 0, 0, split), second = token_range(whole, 0, split, whole.T);
-    first.initial_state = whole.initial_state;
+  SECTION("the initial state zeroed for the backend, not for the reference") {
+    const RunResult faithful = run_cpu(p, o);
+    CHECK(rel_l2(faithful.out, ref.out) <= targets.out);
+    CHECK(rel_l2(faithful.final_state, ref.final_state) <= targets.state);
+    RunOptions zeroed = o;
+    zeroed.pass_initial = false;
+    const RunResult r = run_cpu(p, zeroed);
+    const double out_error = rel_l2(r.out, ref.out), state_error = rel_l2(r.final_state, ref.final_state);
+    report("zeroed initial state", out_error, state_error);
+    CHECK(out_error >= kWideMargin * targets.out);
+    CHECK(state_error >= kWideMargin * targets.state);
+  }
+
+  SECTION("the state handed across a chunk boundary perturbed or dropped") {
+    // Two calls split at token 64 (a chunk boundary): the second starts from
+    // the first's final state as it is, scaled by 1.05, or replaced by zeros.
+    constexpr int64_t kSplit = 64;
+    Problem first = token_range(p, 0, 0, kSplit);
+    first.initial_state = p.initial_state;
     const RunResult first_run = run_cpu(first, o);
-    second.initial_state = first_run.final_state;
-    const RunResult second_run = run_cpu(second, o);
-
-    std::vector<float> halves_out = first_run.out;
-    halves_out.insert(halves_out.end(), second_run.out.begin(), second_run.out.end());
-    if (split % 16 == 0) {
-      // Same chunks, f32 state carried exactly: the same arithmetic.
-      CHECK(bitwise_equal(halves_out, whole_run.out));
-      CHECK(bitwise_equal(second_run.final_state, whole_run.final_state));
-    } else {
-      // Other chunk boundaries round at other points; within bf16 tolerance.
-      const std::vector<double> whole_out(whole_run.out.begin(), whole_run.out.end());
-      const std::vector<double> whole_state(whole_run.final_state.begin(), whole_run.final_state.end());
-      CHECK(rel_l2(halves_out, whole_out) <= kBf16StateTargets.out);
-      CHECK(rel_l2(second_run.final_state, whole_state) <= kBf16StateTargets.state);
-      CHECK_FALSE(bitwise_equal(halves_out, whole_run.out));  // the split did change the chunking
+    const std::vector<double> ref_tail = token_range(p, ref.out, kSplit, p.T);
+    struct HandOff {
+      const char* name;
+      float factor;
+      bool damaged;
+    };
+    for (const HandOff& hand_off : {HandOff{"hand-off as is", 1.0f, false}, HandOff{"hand-off scaled by 1.05", 1.05f, true},
+                                    HandOff{"hand-off dropped", 0.0f, true}}) {
+      INFO(hand_off.name);
+      Problem second = token_range(p, 0, kSplit, p.T);
+      second.initial_state = first_run.final_state;
+      for (float& x : second.initial_state) x *= hand_off.factor;
+      const RunResult r = run_cpu(second, o);
+      const double out_error = rel_l2(r.out, ref_tail), state_error = rel_l2(r.final_state, ref.final_state);
+      report(hand_off.name, out_error, state_error);
+      if (hand_off.damaged) {
+        CHECK(out_error >= kWideMargin * targets.out);
+        CHECK(state_error >= kWideMargin * targets.state);
+      } else {
+        CHECK(out_error <= targets.out);
+        CHECK(state_error <= targets.state);
+      }
     }
-    check_accuracy(second, o, second_run, kBf16StateTargets);
   }
 }
 

@@ -269,6 +269,28 @@ TEST_CASE("bad plan handles and arguments", "[validation]") {
   }
 }
 
+TEST_CASE("launch reports: CPU plans report no launch; bad calls are rejected", "[validation]") {
+  Fixture f;
+  fkda_fwd_args args = f.batched();
+  size_t needed = 0;
+  REQUIRE(fkda_plan_workspace_size(f.plan, kB * kT, kB, &needed) == FKDA_SUCCESS);
+  REQUIRE(fkda_fwd(f.plan, &args, f.workspace.data(), needed, nullptr) == FKDA_SUCCESS);
+  fkda_launch_report report = FKDA_LAUNCH_REPORT_INIT;
+  report.vsplit = report.windows = report.slots_per_window = -1;
+  REQUIRE(fkda_plan_get_launch_report(f.plan, &report) == FKDA_SUCCESS);
+  CHECK(report.struct_size == sizeof(fkda_launch_report));
+  CHECK(report.vsplit == 0);
+  CHECK(report.windows == 0);
+  CHECK(report.slots_per_window == 0);
+
+  check_failure(fkda_plan_get_launch_report(f.plan, nullptr), FKDA_ERROR_INVALID_ARGUMENT, "report: NULL");
+  check_failure(fkda_plan_get_launch_report(nullptr, &report), FKDA_ERROR_INVALID_ARGUMENT, "plan: NULL");
+  fkda_launch_report wrong_size = FKDA_LAUNCH_REPORT_INIT;
+  wrong_size.struct_size = sizeof(fkda_launch_report) + 8;
+  check_failure(fkda_plan_get_launch_report(f.plan, &wrong_size), FKDA_ERROR_INVALID_ARGUMENT,
+                "report: struct_size is");
+}
+
 TEST_CASE("workspace sizes of any magnitude are answered without overflow", "[validation]") {
   fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
   desc.num_heads = 3;
@@ -308,6 +330,21 @@ TEST_CASE("empty tensors: their data, strides and alignment are not looked at", 
   // Sequences without tokens carry their initial state over.
   CHECK(std::equal(f.initial_state.begin(), f.initial_state.begin() + kB * kH * kD * kD, f.final_state.begin()));
   CHECK(std::all_of(f.out.begin(), f.out.end(), [](uint16_t o) { return o == 0xFFFF; }));
+}
+
+TEST_CASE("an empty state pool: its strides are not looked at either", "[validation]") {
+  Fixture f;
+  fkda_fwd_args a = f.batched();
+  for (fkda_tensor* t : {&a.q, &a.k, &a.v, &a.g, &a.out}) *t = fkda_ref::tensor(t->data, FKDA_DTYPE_BF16, {0, kT, kH, kD});
+  a.beta = fkda_ref::tensor(f.beta.data(), FKDA_DTYPE_BF16, {0, kT, kH});
+  a.initial_state = a.final_state = FKDA_TENSOR_NONE;
+  a.state_pool = fkda_ref::tensor(f.final_state.data(), FKDA_DTYPE_F32, {0, kH, kD, kD});
+  set_strides(a.state_pool, {-kHuge, 0, -kHuge, 0});
+  int64_t no_index = 0;
+  a.state_indices = fkda_ref::tensor(&no_index, FKDA_DTYPE_I64, {0});
+  const fkda_status status = f.run(a);
+  INFO(fkda_last_error());
+  CHECK(status == FKDA_SUCCESS);
 }
 
 TEST_CASE("strides of axes of extent 1 are not looked at", "[validation]") {

@@ -6,7 +6,12 @@ a pool). Host arrays (numpy, torch CPU tensors) run on the CPU reference
 backend; CUDA tensors (torch, CuPy, __cuda_array_interface__, DLPack) run on
 the GPU backend. numpy has no bf16 dtype: uint16 arrays are taken as bf16 bit patterns (see to_bf16 and
 from_bf16), and ml_dtypes.bfloat16 arrays are accepted as they are.
+With torch installed, importing flashkda registers torch.ops.flashkda.fwd and
+torch.ops.flashkda.decode, the same calls as torch operators (torch.compile,
+CUDA graphs).
 """
+
+import importlib.util
 
 from ._abi import Backend, Dtype, NullSlotRule, StateLayout, Status
 from ._api import (
@@ -23,6 +28,10 @@ from ._decode import decode
 from ._errors import FlashKDAError
 from ._library import LIBRARY_ENV, load_library, library_path
 from .bf16 import from_bf16, to_bf16
+
+# torch stays optional: without it the package works on numpy, CuPy and DLPack.
+if importlib.util.find_spec("torch") is not None:
+    from . import _torch_op  # noqa: F401  (registers torch.ops.flashkda.fwd and .decode)
 
 __version__ = "0.2.0"
 

@@ -160,6 +160,20 @@ class FkdaDeviceInfo(ctypes.Structure):
         return cls(struct_size=ctypes.sizeof(cls), device=-1)
 
 
+class FkdaLaunchReport(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("vsplit", ctypes.c_int64),
+        ("windows", ctypes.c_int64),
+        ("slots_per_window", ctypes.c_int64),
+    ]
+
+    @classmethod
+    def initialized(cls):
+        """The values of FKDA_LAUNCH_REPORT_INIT."""
+        return cls(struct_size=ctypes.sizeof(cls))
+
+
 plan_handle = ctypes.c_void_p
 stream_handle = ctypes.c_void_p
 
@@ -192,6 +206,7 @@ PROTOTYPES = {
          stream_handle],
     ),
     "fkda_query_device": (c_enum, [ctypes.c_int32, ctypes.POINTER(FkdaDeviceInfo)]),
+    "fkda_plan_get_launch_report": (c_enum, [plan_handle, ctypes.POINTER(FkdaLaunchReport)]),
 }
 
 

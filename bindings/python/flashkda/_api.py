@@ -1,12 +1,14 @@
-"""Plans, the forward pass and device queries on top of the C ABI."""
+"""Plans, the forward pass, the decode step and device queries on top of the C ABI."""
 
-import contextlib
 import ctypes
-import sys
+import threading
 from dataclasses import dataclass
 
-from . import _arrays
+from . import _arrays, _launch, _plans
 from ._abi import (
+    DECODE_TENSOR_FIELDS,
+    FWD_POOL_TENSOR_FIELDS,
+    FWD_TENSOR_FIELDS,
     Backend,
     Dtype,
     FkdaDecodeArgs,
@@ -17,15 +19,13 @@ from ._abi import (
     StateLayout,
 )
 from ._errors import FlashKDAError, invalid_argument
-from ._library import library, load_library
+from ._library import library as _current_library
+from ._library import load_library
 
 _STATE_DTYPE_NAMES = {"bf16": Dtype.BF16, "bfloat16": Dtype.BF16, "f32": Dtype.F32, "float32": Dtype.F32}
 _BACKEND_NAMES = {"auto": Backend.AUTO, "cpu": Backend.CPU, "gpu": Backend.GPU, "cuda": Backend.GPU}
 _LAYOUT_NAMES = {"vk": StateLayout.VK, "kv": StateLayout.KV}
 _NULL_SLOT_RULE_NAMES = {"negative": NullSlotRule.NEGATIVE, "nonpositive": NullSlotRule.NONPOSITIVE}
-
-# Argument tensors the library writes (a pool is updated in place).
-_OUTPUTS = ("out", "final_state", "state_pool", "checkpoints")
 
 
 def _enum_value(name, value, names):
@@ -66,128 +66,87 @@ def _float(name, value):
         raise invalid_argument(f"{name}: expected a number, got {type(value).__name__}") from None
 
 
-def _stream_handle(stream):
-    """A raw CUstream from an int, a torch stream or a CuPy stream."""
-    if stream is None:
-        return 0
-    for attribute in ("cuda_stream", "ptr", "handle"):
-        handle = getattr(stream, attribute, None)
-        if isinstance(handle, int):
-            return handle
-    try:
-        return int(stream)
-    except (TypeError, ValueError):
-        raise invalid_argument(
-            f"stream: expected a stream handle, a torch or CuPy stream, got {type(stream).__name__}"
-        ) from None
+def _sized_by(query):
+    """The workspace sizing of an entry point: the plan's `query` (a method
+    name) for the arguments' (total tokens, sequences), or 0 when the shapes
+    are too malformed to size it (the call itself then names the argument)."""
 
-
-class _Call:
-    """The views of one call's arguments.
-
-    Where each array lives is checked by the C library (it asks the driver),
-    so mixing host and device arrays is reported there, naming the argument.
-    The first array given (q, normally) decides the backend of fwd(), the
-    device made current, the launch stream and the workspace's allocator.
-    """
-
-    def __init__(self, arrays):
-        self.views = {}
-        for name, array in arrays.items():
-            if array is not None:
-                self.views[name] = _arrays.view(name, array)
-        self.lead_name = next(iter(self.views), None)
-        self.lead = self.views.get(self.lead_name)
-
-    @property
-    def memory(self):
-        return self.lead.memory if self.lead is not None else None
-
-    def args(self, struct, scale):
-        """An FkdaFwdArgs or FkdaDecodeArgs over the views."""
-        args = struct.initialized()
-        for name, view in self.views.items():
-            setattr(args, name, _arrays.tensor_of(name, view, writable=name in _OUTPUTS))
-        args.scale = _float("scale", scale)
-        return args
-
-    def device_scope(self):
-        """Makes the arrays' device current, as the library uses the current context."""
-        lead = self.lead
-        if lead is None or lead.memory != _arrays.CUDA or lead.device is None:
-            return contextlib.nullcontext()
-        if lead.framework == "torch":
-            return sys.modules["torch"].cuda.device(lead.device)
-        cupy = sys.modules.get("cupy")
-        if cupy is not None:
-            return cupy.cuda.Device(lead.device)
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available():
-            return torch.cuda.device(lead.device)
-        return contextlib.nullcontext()
-
-    def producer_stream(self):
-        """The stream the producer of the lead array currently works on."""
-        lead = self.lead
-        if lead is None or lead.memory != _arrays.CUDA:
+    def workspace(plan, views):
+        q = views["q"]
+        if q is None or len(q.shape) != 4:
             return 0
-        if lead.framework == "torch":
-            torch = sys.modules["torch"]
-            return torch.cuda.current_stream(lead.device).cuda_stream
-        if lead.framework == "cupy":
-            return sys.modules["cupy"].cuda.get_current_stream().ptr
-        if lead.framework == "cuda_array_interface":
-            return _arrays.cuda_array_interface_stream(lead.owner[0])
-        return 0
+        batch, seq_len = q.shape[0], q.shape[1]
+        num_seqs = batch
+        cu_seqlens = views["cu_seqlens"]
+        if cu_seqlens is not None:
+            if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
+                return 0
+            num_seqs = cu_seqlens.shape[0] - 1
+        try:
+            return getattr(plan, query)(batch * seq_len, num_seqs)
+        except FlashKDAError:
+            return 0
 
-    def allocate_workspace(self, size):
-        """A workspace of `size` bytes in the memory of the arrays, from their producer."""
-        lead = self.lead
-        torch = sys.modules.get("torch")
-        if lead.memory == _arrays.HOST:
-            if lead.framework == "torch":
-                return torch.empty(size, dtype=torch.uint8)
-            import numpy
-
-            return numpy.empty(size, dtype=numpy.uint8)
-        if lead.framework == "torch":
-            return torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", lead.device))
-        cupy = sys.modules.get("cupy")
-        if cupy is not None:
-            if lead.device is None:
-                return cupy.empty(size, dtype=cupy.uint8)
-            with cupy.cuda.Device(lead.device):
-                return cupy.empty(size, dtype=cupy.uint8)
-        if torch is not None and torch.cuda.is_available():
-            device = lead.device if lead.device is not None else torch.cuda.current_device()
-            return torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", device))
-        raise invalid_argument(
-            f"workspace: no allocator known for {lead.framework} device arrays; "
-            f"pass a device buffer of at least {size} bytes"
-        )
+    return workspace
 
 
-def _tokens_and_sequences(call):
-    """(total_tokens, num_seqs) as fkda_plan_workspace_size wants them, or None
-    when the shapes are malformed (fkda_fwd then reports what is wrong)."""
-    q = call.views.get("q")
-    if q is None or len(q.shape) != 4:
-        return None
-    batch, seq_len = q.shape[0], q.shape[1]
-    cu_seqlens = call.views.get("cu_seqlens")
-    if cu_seqlens is None:
-        return batch * seq_len, batch
-    if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
-        return None
-    return batch * seq_len, cu_seqlens.shape[0] - 1
+def _shaped_by(states):
+    """The plan a module-level call derives from its arguments: heads from q
+    (else A_log), state dtype from the first of `states` given (f32 without)."""
+
+    def plan_shape(views):
+        num_heads = 1
+        q, A_log = views["q"], views["A_log"]
+        if q is not None and len(q.shape) == 4:
+            num_heads = q.shape[2]
+        elif A_log is not None and len(A_log.shape) == 1:
+            num_heads = A_log.shape[0]
+        given = [views[name] for name in states if views[name] is not None]
+        # Any dtype but bf16 and f32 is the call's to report, by name.
+        state_dtype = Dtype.BF16 if given and given[0].dtype == Dtype.BF16 else Dtype.F32
+        return num_heads, state_dtype
+
+    return plan_shape
+
+
+FWD = _launch.EntryPoint(
+    function="fkda_fwd",
+    struct=FkdaFwdArgs,
+    tensors=FWD_TENSOR_FIELDS + FWD_POOL_TENSOR_FIELDS,
+    outputs=("out", "final_state", "state_pool", "checkpoints"),
+    workspace=_sized_by("workspace_size"),
+    plan_shape=_shaped_by(("initial_state", "final_state", "state_pool")),
+)
+
+DECODE = _launch.EntryPoint(
+    function="fkda_decode",
+    struct=FkdaDecodeArgs,
+    tensors=DECODE_TENSOR_FIELDS,
+    outputs=("out", "state_pool"),
+    workspace=_sized_by("decode_workspace_size"),
+    plan_shape=_shaped_by(("state_pool",)),
+)
+
+
+def _cached_block(blocks, key, build):
+    """The argument block for `key` in this thread's `blocks`, built on a miss."""
+    try:
+        block = blocks.get(key)
+    except TypeError:  # an unhashable scale or lower_bound: build() names it
+        return build()
+    if block is None:
+        block = build()
+        _launch.remember(blocks, key, block)
+    return block
 
 
 class Plan:
     """An fkda_plan_t: configuration, backend, lower_bound and workspace sizing.
 
     Use as a context manager or call close(); a plan that is garbage collected
-    while open is destroyed then. A plan is not to be used by several threads
-    at once.
+    while open is destroyed then. fwd and decode may run on one plan from
+    several threads at once (each thread has its own argument blocks);
+    set_lower_bound and close must not overlap them.
     """
 
     def __init__(
@@ -203,9 +162,17 @@ class Plan:
         null_slot_rule=NullSlotRule.NEGATIVE,
         debug_checks=False,
         library_path=None,
+        library=None,
     ):
+        """library: a loaded _library.Library (used by the shared plans of
+        flashkda.fwd); library_path loads one; neither: the current one."""
         self._handle = None
-        self._library = load_library(library_path) if library_path is not None else library()
+        self._backend = None
+        # Argument blocks of this plan, per thread (see _launch).
+        self._blocks = threading.local()
+        if library is None:
+            library = load_library(library_path) if library_path is not None else _current_library()
+        self._library = library
         desc = FkdaPlanDesc.initialized()
         desc.num_heads = _int32("num_heads", num_heads)
         desc.head_dim_k = _int32("head_dim_k", head_dim_k)
@@ -225,6 +192,8 @@ class Plan:
     def close(self):
         """Destroys the plan; later calls are no-ops."""
         handle, self._handle = self._handle, None
+        # Blocks hold the raw handle: none may outlive it.
+        self._blocks = threading.local()
         if handle is not None:
             self._library.check(self._library.cdll.fkda_plan_destroy(handle))
 
@@ -258,11 +227,17 @@ class Plan:
     @property
     def backend(self):
         """The backend the plan resolved to: Backend.CPU or Backend.GPU."""
-        value = ctypes.c_int()
-        self._library.check(
-            self._library.cdll.fkda_plan_get_backend(self._live_handle(), ctypes.byref(value))
-        )
-        return Backend(value.value)
+        handle = self._live_handle()
+        if self._backend is None:
+            value = ctypes.c_int()
+            self._library.check(
+                self._library.cdll.fkda_plan_get_backend(handle, ctypes.byref(value))
+            )
+            self._backend = Backend(value.value)
+        return self._backend
+
+    def _backend_memory(self):
+        return _arrays.HOST if self.backend == Backend.CPU else _arrays.CUDA
 
     def get_lower_bound(self):
         value = ctypes.c_float()
@@ -301,190 +276,135 @@ class Plan:
         )
         return value.value
 
-    # ------------------------------------------------------------- forward
+    # ------------------------------------------------------- fwd and decode
 
-    def fwd(
-        self,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale,
-        out,
-        A_log,
-        dt_bias,
-        initial_state=None,
-        final_state=None,
-        cu_seqlens=None,
-        workspace=None,
-        stream=None,
-        *,
-        state_pool=None,
-        state_indices=None,
-        has_initial_state=None,
-        checkpoint_offsets=None,
-        checkpoints=None,
-        checkpoint_slots=None,
-    ):
+    def fwd(self, q, k, v, g, beta, scale, out, A_log, dt_bias, initial_state=None,
+            final_state=None, cu_seqlens=None, workspace=None, stream=None, *,
+            state_pool=None, state_indices=None, has_initial_state=None,
+            checkpoint_offsets=None, checkpoints=None, checkpoint_slots=None):
         """Runs fkda_fwd, writing `out` (and `final_state`) in place.
 
         workspace: None allocates one of workspace_size() bytes in the arrays'
-        memory (numpy or torch on the host, torch or CuPy on the device).
+        memory from their producer (numpy or torch on the host, torch's or
+        CuPy's caching allocator on the device).
         stream: None launches on the current stream of the arrays' producer
-        (torch.cuda.current_stream(), CuPy's current stream, the stream of a
+        (torch's current stream, CuPy's current stream, the stream of a
         __cuda_array_interface__; the legacy default stream otherwise).
         state_pool ... checkpoint_slots: states in a pool and checkpoints, as
         for flashkda.fwd; the pool and the checkpoints are written in place.
         """
-        call = _Call(
-            {
-                "q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out,
-                "A_log": A_log, "dt_bias": dt_bias, "initial_state": initial_state,
-                "final_state": final_state, "cu_seqlens": cu_seqlens,
-                "state_pool": state_pool, "state_indices": state_indices,
-                "has_initial_state": has_initial_state,
-                "checkpoint_offsets": checkpoint_offsets, "checkpoints": checkpoints,
-                "checkpoint_slots": checkpoint_slots,
-            }
-        )
-        self._enqueue(call, call.args(FkdaFwdArgs, scale), self._library.cdll.fkda_fwd,
-                      self.workspace_size, workspace, stream)
+        self._run(FWD, (q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state,
+                        cu_seqlens, state_pool, state_indices, has_initial_state,
+                        checkpoint_offsets, checkpoints, checkpoint_slots),
+                  scale, workspace, stream)
 
-    def decode(
-        self,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale,
-        out,
-        A_log,
-        dt_bias,
-        state_pool,
-        state_indices,
-        num_accepted_tokens=None,
-        cu_seqlens=None,
-        workspace=None,
-        stream=None,
-    ):
+    def decode(self, q, k, v, g, beta, scale, out, A_log, dt_bias, state_pool, state_indices,
+               num_accepted_tokens=None, cu_seqlens=None, workspace=None, stream=None):
         """Runs fkda_decode: 1 to 16 tokens per sequence on states in a pool.
 
         Writes `out` and updates `state_pool` in place; workspace and stream
         as for fwd (see flashkda.decode for the arguments).
         """
-        call = _Call(
-            {
-                "q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out,
-                "A_log": A_log, "dt_bias": dt_bias, "state_pool": state_pool,
-                "state_indices": state_indices, "num_accepted_tokens": num_accepted_tokens,
-                "cu_seqlens": cu_seqlens,
-            }
+        self._run(DECODE, (q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_indices,
+                           num_accepted_tokens, cu_seqlens),
+                  scale, workspace, stream)
+
+    def _run(self, entry, arrays, scale, workspace, stream):
+        """Launches `entry` on `arrays` (in entry.tensors' order) through this
+        thread's argument block for their layout."""
+        device, signature, pointers, keep = _launch.describe(
+            _launch.producer_of(arrays[0]), entry.tensors, arrays)
+
+        def build():
+            self._live_handle()
+            views = _launch.views_by_name(entry, arrays)
+            return _launch.ArgumentBlock(entry, self, views, scale, _launch.placement_of(views))
+
+        blocks = _launch.thread_blocks(self._blocks)
+        block = _cached_block(blocks, (entry.function, device, scale, signature), build)
+        block.launch(pointers, workspace, stream)
+        # `keep` holds DLPack capsules (and the like) alive up to here.
+        del keep
+
+    # ----------------------------------------------------- prepared launches
+
+    def prepare(self, q, k, v, g, beta, scale, out, A_log, dt_bias, initial_state=None,
+                final_state=None, cu_seqlens=None, workspace=None, stream=None, *,
+                state_pool=None, state_indices=None, has_initial_state=None,
+                checkpoint_offsets=None, checkpoints=None, checkpoint_slots=None):
+        """Binds fwd's arguments once and returns a callable that launches
+        fkda_fwd on them with no Python work beyond the ctypes call.
+
+        The callable keeps the arrays, the workspace and this plan alive and
+        reads their memory at every call, so refill the arrays in place to run
+        on new data. workspace: None allocates one now (as fwd does). stream:
+        None reads the producer's current stream at each call, which is what
+        CUDA graph capture needs (torch.cuda.graph captures on its own stream).
+        The callable is valid until the plan is closed.
+        """
+        return self._prepare(FWD, (q, k, v, g, beta, A_log, dt_bias, out, initial_state,
+                                   final_state, cu_seqlens, state_pool, state_indices,
+                                   has_initial_state, checkpoint_offsets, checkpoints,
+                                   checkpoint_slots),
+                             scale, workspace, stream)
+
+    def prepare_decode(self, q, k, v, g, beta, scale, out, A_log, dt_bias, state_pool,
+                       state_indices, num_accepted_tokens=None, cu_seqlens=None,
+                       workspace=None, stream=None):
+        """prepare() for decode: a callable launching fkda_decode on bound arrays."""
+        return self._prepare(DECODE, (q, k, v, g, beta, A_log, dt_bias, out, state_pool,
+                                      state_indices, num_accepted_tokens, cu_seqlens),
+                             scale, workspace, stream)
+
+    def _prepare(self, entry, arrays, scale, workspace, stream):
+        self._live_handle()
+        views = _launch.views_by_name(entry, arrays)
+        block = _launch.ArgumentBlock(entry, self, views, scale, _launch.placement_of(views))
+        pointers = [view.ptr for view in views.values() if view is not None]
+        return _launch.Prepared(block, pointers, views, workspace, stream)
+
+
+# The argument blocks of flashkda.fwd and flashkda.decode, per thread; their
+# plans come from _plans.
+_derived_blocks = threading.local()
+
+
+def run_derived(entry, arrays, scale, lower_bound, null_slot_rule):
+    """Launches `entry` on a shared plan derived from the arguments: the backend
+    follows where the arrays live, heads and state dtype entry.plan_shape."""
+    library = _current_library()
+    device, signature, pointers, keep = _launch.describe(
+        _launch.producer_of(arrays[0]), entry.tensors, arrays)
+
+    def build():
+        views = _launch.views_by_name(entry, arrays)
+        placement = _launch.placement_of(views)
+        num_heads, state_dtype = entry.plan_shape(views)
+        descriptor = _plans.Descriptor(
+            library=library,
+            device=placement.device,
+            num_heads=_int32("num_heads", num_heads),
+            head_dim_k=128,
+            head_dim_v=128,
+            state_dtype=int(state_dtype),
+            state_layout=int(StateLayout.VK),
+            backend=int(Backend.GPU if placement.memory == _arrays.CUDA else Backend.CPU),
+            lower_bound=_float("lower_bound", lower_bound),
+            null_slot_rule=_enum_value("null_slot_rule", null_slot_rule, _NULL_SLOT_RULE_NAMES),
         )
-        self._enqueue(call, call.args(FkdaDecodeArgs, scale), self._library.cdll.fkda_decode,
-                      self.decode_workspace_size, workspace, stream)
+        return _launch.ArgumentBlock(entry, _plans.cached_plan(descriptor), views, scale,
+                                     placement)
 
-    def _enqueue(self, call, args, function, workspace_size, workspace, stream):
-        """Calls `function` (fkda_fwd or fkda_decode) with `args`, a workspace
-        sized by `workspace_size` unless one is given, on the right stream."""
-        handle = self._live_handle()
-        backend_memory = _arrays.HOST if self.backend == Backend.CPU else _arrays.CUDA
-        # Arrays in the wrong memory for the plan are fkda_fwd's to report, by
-        # name, before anything about the workspace.
-        arrays_fit_the_plan = call.lead is not None and call.lead.memory == backend_memory
-
-        workspace_owner = workspace
-        allocated_here = False
-        if workspace is None and arrays_fit_the_plan:
-            sizes = _tokens_and_sequences(call)
-            size = 0
-            if sizes is not None:
-                try:
-                    size = workspace_size(*sizes)
-                except FlashKDAError:
-                    size = 0  # the call itself names the malformed argument
-            if size:
-                workspace_owner = call.allocate_workspace(size)
-                allocated_here = True
-        workspace_ptr, workspace_bytes = 0, 0
-        if workspace_owner is not None:
-            workspace_view = _arrays.view("workspace", workspace_owner)
-            # fkda_fwd checks the workspace's size and alignment, not where it lives.
-            if arrays_fit_the_plan and workspace_view.memory != backend_memory:
-                runs = "the CPU backend" if backend_memory == _arrays.HOST else "the GPU backend"
-                raise invalid_argument(
-                    f"workspace: is in {workspace_view.where()} but the plan runs on {runs}"
-                )
-            workspace_ptr, workspace_bytes = _arrays.buffer_of("workspace", workspace_view)
-
-        with call.device_scope():
-            stream_handle = (
-                _stream_handle(stream) if stream is not None else call.producer_stream()
-            )
-            status = function(
-                handle,
-                ctypes.byref(args),
-                workspace_ptr or None,
-                workspace_bytes,
-                stream_handle or None,
-            )
-            launched_elsewhere = (allocated_here and stream is not None and status == 0
-                                  and call.lead.framework == "torch"
-                                  and call.lead.memory == _arrays.CUDA)
-            if launched_elsewhere:
-                # torch hands a freed block out again on the stream it was
-                # allocated on; recording the launch stream keeps it reserved
-                # until the work queued there is done.
-                torch = sys.modules["torch"]
-                workspace_owner.record_stream(
-                    torch.cuda.ExternalStream(stream_handle, device=call.lead.device))
-        # `call` keeps every array (and DLPack capsule) alive up to here.
-        self._library.check(status)
+    key = (entry.function, library, device, scale, lower_bound, null_slot_rule, signature)
+    block = _cached_block(_launch.thread_blocks(_derived_blocks), key, build)
+    block.launch(pointers)
+    del keep
 
 
-def temporary_plan(call, states, lower_bound, null_slot_rule):
-    """A plan for one call of the module-level functions: the backend follows
-    where the arrays live, the head count q (or A_log), the state dtype the
-    first of `states` ({name: array or None}) given (f32 when none)."""
-    backend = Backend.GPU if call.memory == _arrays.CUDA else Backend.CPU
-    num_heads = 1
-    if call.views.get("q") is not None and len(call.views["q"].shape) == 4:
-        num_heads = call.views["q"].shape[2]
-    elif call.views.get("A_log") is not None and len(call.views["A_log"].shape) == 1:
-        num_heads = call.views["A_log"].shape[0]
-    state_dtype = Dtype.F32
-    given = [name for name, state in states.items() if state is not None]
-    if given and call.views[given[0]].dtype == Dtype.BF16:
-        # Any dtype but bf16 and f32 is the call's to report, by name.
-        state_dtype = Dtype.BF16
-    return Plan(num_heads, state_dtype=state_dtype, backend=backend, lower_bound=lower_bound,
-                null_slot_rule=null_slot_rule)
-
-
-def fwd(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    scale,
-    out,
-    A_log,
-    dt_bias,
-    lower_bound,
-    initial_state=None,
-    final_state=None,
-    cu_seqlens=None,
-    *,
-    state_pool=None,
-    state_indices=None,
-    has_initial_state=None,
-    checkpoint_offsets=None,
-    checkpoints=None,
-    checkpoint_slots=None,
-    null_slot_rule=NullSlotRule.NEGATIVE,
-):
+def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
+        final_state=None, cu_seqlens=None, *, state_pool=None, state_indices=None,
+        has_initial_state=None, checkpoint_offsets=None, checkpoints=None,
+        checkpoint_slots=None, null_slot_rule=NullSlotRule.NEGATIVE):
     """The KDA forward pass with the arguments of FlashKDA's flash_kda.fwd.
 
     Writes `out` (and `final_state` when given) in place. Host arrays run on
@@ -507,18 +427,16 @@ def fwd(
                          ascending, negative = none) whose states are written
                          to checkpoints [N, C, H, 128, 128] (bf16 or f32) or
                          to the pool slots checkpoint_slots [N, C]
+
+    Plans and argument blocks are cached by the arguments' layout (shapes,
+    strides, dtypes, device), scale, lower_bound and null_slot_rule, so a
+    repeated call costs reading the data pointers, a workspace from the
+    producer's allocator and the C call.
     """
-    call = _Call({"q": q, "A_log": A_log, "initial_state": initial_state,
-                  "final_state": final_state, "state_pool": state_pool})
-    states = {"initial_state": initial_state, "final_state": final_state, "state_pool": state_pool}
-    with temporary_plan(call, states, lower_bound, null_slot_rule) as plan:
-        plan.fwd(
-            q, k, v, g, beta, scale, out, A_log, dt_bias,
-            initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens,
-            state_pool=state_pool, state_indices=state_indices,
-            has_initial_state=has_initial_state, checkpoint_offsets=checkpoint_offsets,
-            checkpoints=checkpoints, checkpoint_slots=checkpoint_slots,
-        )
+    run_derived(FWD, (q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state,
+                      cu_seqlens, state_pool, state_indices, has_initial_state,
+                      checkpoint_offsets, checkpoints, checkpoint_slots),
+                scale, lower_bound, null_slot_rule)
 
 
 @dataclass(frozen=True)
@@ -537,7 +455,7 @@ class DeviceInfo:
 
 def query_device(device=-1):
     """fkda_query_device: device `device`, or with -1 the current one (else 0)."""
-    lib = library()
+    lib = _current_library()
     info = FkdaDeviceInfo.initialized()
     lib.check(lib.cdll.fkda_query_device(_int32("device", device), ctypes.byref(info)))
     return DeviceInfo(
@@ -553,20 +471,20 @@ def query_device(device=-1):
 
 
 def version():
-    """fkda_version_string() of the loaded library, e.g. "0.2.0"."""
-    return library().cdll.fkda_version_string().decode()
+    """fkda_version_string() of the loaded library, e.g. "0.1.0"."""
+    return _current_library().cdll.fkda_version_string().decode()
 
 
 def version_number():
     """fkda_version(): MAJOR * 10000 + MINOR * 100 + PATCH of the loaded library."""
-    return int(library().cdll.fkda_version())
+    return int(_current_library().cdll.fkda_version())
 
 
 def status_string(status):
     """fkda_status_string(): the library's static text for a status."""
-    return library().cdll.fkda_status_string(int(status)).decode()
+    return _current_library().cdll.fkda_status_string(int(status)).decode()
 
 
 def last_error():
     """fkda_last_error() on this thread (empty after a successful call)."""
-    return library().cdll.fkda_last_error().decode("utf-8", "replace")
+    return _current_library().cdll.fkda_last_error().decode("utf-8", "replace")

@@ -182,13 +182,16 @@ def _view_cuda_array_interface(name, array):
     )
 
 
-def cuda_array_interface_stream(array):
-    """The stream a __cuda_array_interface__ producer says its data is valid on.
+def cuda_array_interface_stream(view_):
+    """The stream a __cuda_array_interface__ view's producer says its data is
+    valid on, or None for other producers.
 
     1 and 2 are CU_STREAM_LEGACY and CU_STREAM_PER_THREAD, valid stream handles
     for the driver; None (no synchronisation needed) becomes the legacy default.
     """
-    stream = array.__cuda_array_interface__.get("stream")
+    if view_.framework != "cuda_array_interface":
+        return None
+    stream = view_.owner[1].get("stream")
     return int(stream) if stream else 0
 
 

@@ -2,7 +2,7 @@
 states in a pool updated in place."""
 
 from ._abi import NullSlotRule
-from ._api import _Call, temporary_plan
+from ._api import DECODE, run_derived
 
 
 def decode(
@@ -23,7 +23,8 @@ def decode(
     *,
     null_slot_rule=NullSlotRule.NEGATIVE,
 ):
-    """fkda_decode through a temporary plan (flashkda.Plan.decode reuses one).
+    """fkda_decode on a plan shared by every call of the same descriptor
+    (flashkda.Plan.decode runs on a plan of your own).
 
     Writes `out` and updates `state_pool` in place. Host arrays run on the
     CPU backend, CUDA arrays on the GPU backend, on the current stream of
@@ -45,9 +46,6 @@ def decode(
     A sequence whose starting slot is null is padding: its output rows are
     zero and no state is read or written.
     """
-    call = _Call({"q": q, "A_log": A_log, "state_pool": state_pool})
-    with temporary_plan(call, {"state_pool": state_pool}, lower_bound, null_slot_rule) as plan:
-        plan.decode(
-            q, k, v, g, beta, scale, out, A_log, dt_bias, state_pool, state_indices,
-            num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens,
-        )
+    run_derived(DECODE, (q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_indices,
+                         num_accepted_tokens, cu_seqlens),
+                scale, lower_bound, null_slot_rule)

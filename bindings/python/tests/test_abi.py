@@ -31,6 +31,7 @@ _STRUCTS = {
     "fkda_fwd_args": _abi.FkdaFwdArgs,
     "fkda_decode_args": _abi.FkdaDecodeArgs,
     "fkda_device_info": _abi.FkdaDeviceInfo,
+    "fkda_launch_report": _abi.FkdaLaunchReport,
 }
 
 

@@ -293,3 +293,67 @@ def test_other_producers(rng, wrapper):
 
 def test_poison_value_is_a_nan():
     assert np.isnan(flashkda.from_bf16(np.array([BF16_NAN])))[0]
+
+
+# ------------------------------------------------------------- hot path ---
+
+
+def test_hot_path_across_layouts(rng, block_builds):
+    shapes = [dict(batch=1, seq_len=300, heads=4), dict(batch=1, seq_len=300, heads=4),
+              dict(batch=2, seq_len=129, heads=4), dict(seq_lens=[100, 3, 250], heads=4),
+              dict(batch=1, seq_len=300, heads=4, state_dtype=np.uint16)]
+    for shape in shapes:
+        device_problem = DeviceProblem(make_problem(rng, **shape))
+        run_fwd(device_problem)
+        assert_accurate(device_problem.fetch())
+    assert len(block_builds) == len(shapes) - 1
+
+
+def test_hot_path_never_synchronises_the_host(rng):
+    device_problem = DeviceProblem(make_problem(rng, batch=1, seq_len=512, heads=4))
+    run_fwd(device_problem)
+    torch.cuda.synchronize()
+    device_problem.poison()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            run_fwd(device_problem)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_accurate(device_problem.fetch())
+
+
+def warmed_up_graph(launch):
+    """`launch` run once on a side stream, then captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    return graph
+
+
+def test_fwd_captured_in_a_graph(rng):
+    device_problem = DeviceProblem(make_problem(rng, batch=1, seq_len=256, heads=4))
+    graph = warmed_up_graph(lambda: run_fwd(device_problem))
+    device_problem.poison()
+    graph.replay()
+    assert_accurate(device_problem.fetch())
+
+
+def test_prepared_launch_captured_in_a_graph_reads_refilled_inputs(rng):
+    device_problem = DeviceProblem(make_problem(rng, batch=1, seq_len=256, heads=4))
+    fresh = make_problem(rng, batch=1, seq_len=256, heads=4)
+    with flashkda.Plan(4, backend="gpu") as plan:
+        launch = plan.prepare(**device_problem.arguments())
+        graph = warmed_up_graph(launch)
+        for name in INPUTS:
+            if device_problem.tensors[name] is not None:
+                device_problem.tensors[name].copy_(to_device(getattr(fresh, name)))
+        device_problem.poison()
+        graph.replay()
+    device_problem.problem = fresh
+    assert_accurate(device_problem.fetch())

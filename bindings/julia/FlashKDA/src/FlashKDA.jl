@@ -151,6 +151,13 @@ struct fkda_device_info
     name::NTuple{256,Cchar}
 end
 
+struct fkda_launch_report
+    struct_size::Csize_t
+    vsplit::Int64
+    windows::Int64
+    slots_per_window::Int64
+end
+
 # ------------------------------------------------------------------------
 # Errors
 # ------------------------------------------------------------------------
@@ -190,7 +197,7 @@ const FUNCTION_NAMES = (
     :fkda_status_string, :fkda_last_error, :fkda_version, :fkda_version_string,
     :fkda_plan_create, :fkda_plan_destroy, :fkda_plan_get_backend, :fkda_set_lower_bound,
     :fkda_get_lower_bound, :fkda_plan_workspace_size, :fkda_fwd, :fkda_plan_decode_workspace_size,
-    :fkda_decode, :fkda_query_device,
+    :fkda_decode, :fkda_query_device, :fkda_plan_get_launch_report,
 )
 
 struct LoadedLibrary
@@ -310,6 +317,10 @@ fkda_decode(plan, args, workspace, workspace_bytes, stream) =
 
 fkda_query_device(device, info) =
     @ccall $(c_function(:fkda_query_device))(device::Int32, info::Ref{fkda_device_info})::fkda_status
+
+fkda_plan_get_launch_report(plan, report) =
+    @ccall $(c_function(:fkda_plan_get_launch_report))(plan::fkda_plan_t,
+                                                       report::Ref{fkda_launch_report})::fkda_status
 
 # ------------------------------------------------------------------------
 # Status handling

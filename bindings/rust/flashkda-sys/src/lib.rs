@@ -245,6 +245,25 @@ pub const FKDA_DEVICE_INFO_INIT: fkda_device_info = fkda_device_info {
     name: [0; 256],
 };
 
+// ---------------------------------------------------------- launch report
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct fkda_launch_report {
+    pub struct_size: usize,
+    pub vsplit: i64,
+    pub windows: i64,
+    pub slots_per_window: i64,
+}
+
+/// FKDA_LAUNCH_REPORT_INIT.
+pub const FKDA_LAUNCH_REPORT_INIT: fkda_launch_report = fkda_launch_report {
+    struct_size: size_of::<fkda_launch_report>(),
+    vsplit: 0,
+    windows: 0,
+    slots_per_window: 0,
+};
+
 // --------------------------------------------------------------- functions
 
 extern "C" {
@@ -288,4 +307,6 @@ extern "C" {
     ) -> fkda_status;
 
     pub fn fkda_query_device(device: i32, info: *mut fkda_device_info) -> fkda_status;
+
+    pub fn fkda_plan_get_launch_report(plan: fkda_plan_t, report: *mut fkda_launch_report) -> fkda_status;
 }

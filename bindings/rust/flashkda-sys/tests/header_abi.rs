@@ -611,6 +611,7 @@ mirrors! {
         struct_size, driver_loaded, driver_version, device_count, device, cc_major, cc_minor,
         has_kernels, name,
     }
+    fkda_launch_report = FKDA_LAUNCH_REPORT_INIT { struct_size, vsplit, windows, slots_per_window }
 }
 
 #[test]
