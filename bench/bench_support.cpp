@@ -1,72 +1,29 @@
 #include "bench_support.h"
 
-#include <cstdio>
-#include <utility>
+#include <string>
 
 namespace fkda_bench {
 
+namespace {
+
+// The shared check's message, with where the call was made.
+template <typename Check>
+void rethrow_with_place(Check check, const char* file, int line) {
+  try {
+    check();
+  } catch (const fkda_ref::CallFailed& e) {
+    throw BenchError(std::string(e.what()) + " (" + file + ":" + std::to_string(line) + ")", kExitFailure);
+  }
+}
+
+}  // namespace
+
 void check_cuda(cudaError_t error, const char* call, const char* file, int line) {
-  if (error == cudaSuccess) return;
-  throw BenchError(std::string(call) + " failed: " + cudaGetErrorName(error) + ": " +
-                       cudaGetErrorString(error) + " (" + file + ":" + std::to_string(line) + ")",
-                   kExitFailure);
+  rethrow_with_place([&] { fkda_ref::check_cuda(error, call); }, file, line);
 }
 
 void check_fkda(fkda_status status, const char* call, const char* file, int line) {
-  if (status == FKDA_SUCCESS) return;
-  // Read the thread-local message before any other fkda_* call replaces it.
-  const std::string detail = fkda_last_error();
-  throw BenchError(std::string(call) + " failed: " + fkda_status_string(status) +
-                       (detail.empty() ? std::string() : ": " + detail) + " (" + file + ":" +
-                       std::to_string(line) + ")",
-                   kExitFailure);
-}
-
-DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {
-  if (bytes == 0) return;
-  const cudaError_t error = cudaMalloc(&data_, bytes);
-  if (error != cudaSuccess) {
-    data_ = nullptr;
-    throw BenchError("cudaMalloc of " + std::to_string(bytes) + " bytes failed: " +
-                         cudaGetErrorName(error) + ": " + cudaGetErrorString(error),
-                     kExitFailure);
-  }
-}
-
-DeviceBuffer::~DeviceBuffer() { release(); }
-
-DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
-
-DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
-  if (this != &other) {
-    release();
-    data_ = std::exchange(other.data_, nullptr);
-    bytes_ = std::exchange(other.bytes_, 0);
-  }
-  return *this;
-}
-
-void DeviceBuffer::release() noexcept {
-  if (!data_) return;
-  // A destructor cannot throw; a failing cudaFree means the context is
-  // already broken, which the next checked call reports.
-  const cudaError_t error = cudaFree(data_);
-  if (error != cudaSuccess)
-    std::fprintf(stderr, "fkda-bench: warning: cudaFree failed: %s\n", cudaGetErrorString(error));
-  data_ = nullptr;
-  bytes_ = 0;
-}
-
-Plan::Plan(const fkda_plan_desc& desc) { FKDA_BENCH_FKDA(fkda_plan_create(&desc, &plan_)); }
-
-Stream::Stream() { FKDA_BENCH_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-
-Stream::~Stream() {
-  const cudaError_t error = cudaStreamDestroy(stream_);
-  if (error != cudaSuccess)
-    std::fprintf(stderr, "fkda-bench: warning: cudaStreamDestroy failed: %s\n",
-                 cudaGetErrorString(error));
+  rethrow_with_place([&] { fkda_ref::check_fkda(status, call); }, file, line);
 }
 
 namespace {

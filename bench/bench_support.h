@@ -1,6 +1,7 @@
-// Error handling and RAII owners for fkda-bench: every cudart and fkda_* call
-// goes through a check that turns a failure into an exception carrying the
-// call, the error and fkda_last_error(), caught once in main().
+// Error handling for fkda-bench: every cudart and fkda_* call goes through a
+// check that turns a failure into an exception carrying the call, the error
+// and fkda_last_error(), caught once in main(). The owners of plans, device
+// memory and streams are the shared ones of reference/resource_owners.h.
 #pragma once
 
 #include <cstddef>
@@ -10,6 +11,7 @@
 #include <cuda_runtime_api.h>
 
 #include "flashkda.h"
+#include "resource_owners.h"
 
 namespace fkda_bench {
 
@@ -39,52 +41,9 @@ void check_fkda(fkda_status status, const char* call, const char* file, int line
 #define FKDA_BENCH_CUDA(call) ::fkda_bench::check_cuda((call), #call, __FILE__, __LINE__)
 #define FKDA_BENCH_FKDA(call) ::fkda_bench::check_fkda((call), #call, __FILE__, __LINE__)
 
-// Device memory owned by one object. Zero bytes is a null buffer.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t bytes);
-  ~DeviceBuffer();
-  DeviceBuffer(DeviceBuffer&& other) noexcept;
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-
-  void* get() const { return data_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void release() noexcept;
-  void* data_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-// An fkda plan destroyed with its owner.
-class Plan {
- public:
-  explicit Plan(const fkda_plan_desc& desc);
-  ~Plan() { fkda_plan_destroy(plan_); }
-  Plan(const Plan&) = delete;
-  Plan& operator=(const Plan&) = delete;
-  fkda_plan_t get() const { return plan_; }
-
- private:
-  fkda_plan_t plan_ = nullptr;
-};
-
-// A non-blocking stream, so that nothing on the legacy default stream
-// serialises with the timed calls.
-class Stream {
- public:
-  Stream();
-  ~Stream();
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
+using fkda_ref::DeviceBuffer;
+using fkda_ref::Plan;
+using fkda_ref::Stream;
 
 // The device the benchmark runs on, opened once by open_device().
 struct DeviceContext {

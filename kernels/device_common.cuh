@@ -11,7 +11,7 @@
 
 namespace fkda_dev {
 
-constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLog2e = FKDA_LOG2E;
 
 // 2^x by the hardware's approximation (about 2 ulp), as the contract allows.
 // Flushing subnormals costs nothing here: every exponent the kernels use lies
@@ -141,6 +141,9 @@ __device__ __forceinline__ int small_tile_offset(int row, int col) {
 // Device-side offsets are never trusted: each is clamped into [0, T] and an
 // end below its begin becomes an empty sequence, so a bad cu_seqlens can give
 // wrong numbers but never an access outside the tensors or the workspace.
+// The host reads offsets through sequence_tokens (src/prefill_problem.h),
+// which clamps the same way; this is the device's own copy because the
+// kernels are compiled apart from the host code and read through __ldg.
 struct Sequence {
   int64_t row;        // batch row of its tokens
   int64_t begin;      // first token along the row

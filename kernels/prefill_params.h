@@ -18,6 +18,11 @@
 #define FKDA_CHUNK 16
 #define FKDA_HEAD_DIM 128
 
+/* log2(e) as an f32: the gates are computed in base 2 (docs/ARCHITECTURE.md,
+ * section 4). The CPU backend uses this constant too, so that it rounds
+ * exactly where the kernels do. */
+#define FKDA_LOG2E 1.4426950408889634f
+
 /* The workspace holds one record per (chunk slot, head), written by the
  * preparation kernel and read by the recurrence kernel (byte offsets):
  *   Kd, Qd, Kr   f16 [16][128] each (token-major)

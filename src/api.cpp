@@ -193,11 +193,7 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info) {
     }
     CUdevice handle = 0;
     if (device == -1) {
-      CUcontext context = nullptr;
-      if (d->cuCtxGetCurrent(&context) != CUDA_SUCCESS || context == nullptr ||
-          d->cuCtxGetDevice(&handle) != CUDA_SUCCESS) {
-        fkda::cuda::check(d->cuDeviceGet(&handle, 0), "cuDeviceGet");
-      }
+      fkda::cuda::check(fkda::cuda::current_or_first_device(*d, &handle), "cuDeviceGet");
     } else {
       if (device >= count) {
         fkda::invalid("device: ordinal " + std::to_string(device) + " out of range, " +

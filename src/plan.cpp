@@ -11,9 +11,9 @@
 #include "abi_struct.h"
 #include "cpu/cpu_backend.h"
 #include "gpu/cuda_driver.h"
+#include "dtype_name.h"
 #include "error.h"
 #include "gpu/gpu_backend.h"
-#include "validate_checks.h"
 
 namespace fkda {
 namespace {
@@ -60,17 +60,12 @@ fkda_status gpu_unusable_reason(std::string* reason) {
     return FKDA_ERROR_NO_DEVICE;
   }
   CUdevice device = 0;
-  CUcontext context = nullptr;
-  if (d->cuCtxGetCurrent(&context) != CUDA_SUCCESS || context == nullptr ||
-      d->cuCtxGetDevice(&device) != CUDA_SUCCESS) {
-    d->cuDeviceGet(&device, 0);
-  }
+  cuda::current_or_first_device(*d, &device);
   int major = 0, minor = 0;
   d->cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device);
   d->cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device);
   if (!gpu::has_kernels_for(major, minor)) {
-    *reason = "compute capability " + std::to_string(major) + "." + std::to_string(minor) +
-              ": this build has kernels for the sm_80 family and sm_90 and later";
+    *reason = gpu::unsupported_arch_message(major, minor);
     return FKDA_ERROR_UNSUPPORTED_ARCH;
   }
   reason->clear();
@@ -103,7 +98,7 @@ fkda_plan_t create_plan(const fkda_plan_desc* desc) {
                                      std::to_string(desc->head_dim_v));
   }
   if (desc->state_dtype != FKDA_DTYPE_BF16 && desc->state_dtype != FKDA_DTYPE_F32) {
-    invalid("desc.state_dtype: expected bf16 or f32, got " + checks::dtype_name(desc->state_dtype));
+    invalid("desc.state_dtype: expected bf16 or f32, got " + dtype_name(desc->state_dtype));
   }
   if (desc->state_layout != FKDA_STATE_LAYOUT_VK && desc->state_layout != FKDA_STATE_LAYOUT_KV) {
     invalid("desc.state_layout: expected FKDA_STATE_LAYOUT_VK (0) or FKDA_STATE_LAYOUT_KV (1), got " +

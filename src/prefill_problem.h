@@ -55,7 +55,8 @@ struct SeqOffsets {
   int64_t stride = 1;
 
   bool present() const { return data != nullptr; }
-  // Offset i of a host-readable view.
+  // Offset i of a host-readable view (CPU plans). The kernels read device-side
+  // offsets with their own reader (kernels/device_common.cuh).
   int64_t at(int64_t i) const {
     if (dtype == FKDA_DTYPE_I32) return static_cast<const int32_t*>(data)[i * stride];
     return static_cast<const int64_t*>(data)[i * stride];

@@ -12,24 +12,13 @@
 #include "abi_struct.h"
 #include "checked_arith.h"
 #include "gpu/cuda_driver.h"
+#include "dtype_name.h"
 #include "error.h"
 #include "validate_checks.h"
 #include "validate_serving.h"
 
 namespace fkda {
 namespace checks {
-
-std::string dtype_name(int32_t dtype) {
-  switch (dtype) {
-    case FKDA_DTYPE_BF16: return "bf16";
-    case FKDA_DTYPE_F16: return "f16";
-    case FKDA_DTYPE_F32: return "f32";
-    case FKDA_DTYPE_I32: return "i32";
-    case FKDA_DTYPE_I64: return "i64";
-    case FKDA_DTYPE_BOOL: return "bool";
-    default: return "invalid dtype (" + std::to_string(dtype) + ")";
-  }
-}
 
 int64_t element_bytes(int32_t dtype) {
   switch (dtype) {
@@ -261,30 +250,21 @@ void check_residency(const Plan& plan, const std::vector<Located>& pointers) {
   }
 }
 
-namespace {
-
-int64_t read_offset(const fkda_tensor& cu, int64_t i) {
-  const int64_t at = i * cu.strides[0];
-  if (cu.dtype == FKDA_DTYPE_I64) return static_cast<const int64_t*>(cu.data)[at];
-  return static_cast<const int32_t*>(cu.data)[at];
-}
-
-}  // namespace
-
 void check_cu_seqlens_contents(const fkda_tensor& cu, int64_t total_tokens) {
   const int64_t count = cu.shape[0];
-  if (read_offset(cu, 0) != 0) {
-    invalid("cu_seqlens: must start at 0, got cu_seqlens[0] = " + std::to_string(read_offset(cu, 0)));
+  const SeqOffsets offsets{cu.data, cu.dtype, cu.strides[0]};
+  if (offsets.at(0) != 0) {
+    invalid("cu_seqlens: must start at 0, got cu_seqlens[0] = " + std::to_string(offsets.at(0)));
   }
   for (int64_t i = 1; i < count; ++i) {
-    int64_t previous = read_offset(cu, i - 1), current = read_offset(cu, i);
+    int64_t previous = offsets.at(i - 1), current = offsets.at(i);
     if (current < previous) {
       invalid("cu_seqlens: must be non-decreasing, but cu_seqlens[" + std::to_string(i) + "] = " +
               std::to_string(current) + " < cu_seqlens[" + std::to_string(i - 1) + "] = " +
               std::to_string(previous));
     }
   }
-  int64_t last = read_offset(cu, count - 1);
+  int64_t last = offsets.at(count - 1);
   if (last != total_tokens) {
     invalid("cu_seqlens: must end at T = " + std::to_string(total_tokens) + " (the packed token "
             "count of q), got cu_seqlens[" + std::to_string(count - 1) + "] = " + std::to_string(last));

@@ -10,13 +10,13 @@
 #include <string>
 #include <vector>
 
+#include "dtype_name.h"
 #include "flashkda.h"
 #include "plan.h"
 #include "prefill_problem.h"
 
 namespace fkda::checks {
 
-std::string dtype_name(int32_t dtype);
 int64_t element_bytes(int32_t dtype);
 std::string join(const int64_t* values, int32_t count);
 

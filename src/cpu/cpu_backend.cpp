@@ -16,12 +16,13 @@
 #include "checked_arith.h"
 #include "cpu/cpu_rounding.h"
 #include "flashkda.h"
+#include "prefill_params.h"
 
 namespace fkda::cpu {
 namespace {
 
-constexpr int kChunk = 16;
-constexpr float kLog2e = 1.44269504088896340736f;
+constexpr int kChunk = FKDA_CHUNK;
+constexpr float kLog2e = FKDA_LOG2E;
 
 // One (sequence, head) pair: the unit of work, since the recurrence is a
 // sequential chain over the chunks of one sequence and one head.

@@ -82,7 +82,6 @@ Loaded load() {
             resolve(get_proc, "cuKernelGetFunction", d.cuKernelGetFunction, r) &&
             resolve(get_proc, "cuKernelSetAttribute", d.cuKernelSetAttribute, r) &&
             resolve(get_proc, "cuLaunchKernel", d.cuLaunchKernel, r) &&
-            resolve(get_proc, "cuStreamGetCtx", d.cuStreamGetCtx, r) &&
             resolve(get_proc, "cuStreamSynchronize", d.cuStreamSynchronize, r) &&
             resolve(get_proc, "cuMemcpyDtoH", d.cuMemcpyDtoH, r);
   if (!ok) return loaded;
@@ -143,6 +142,16 @@ std::string describe(CUresult result) {
 
 void check(CUresult result, const char* what) {
   if (result != CUDA_SUCCESS) fail(FKDA_ERROR_DRIVER, std::string(what) + " failed: " + describe(result));
+}
+
+CUresult current_or_first_device(const Driver& d, CUdevice* device) {
+  CUcontext context = nullptr;
+  if (d.cuCtxGetCurrent(&context) == CUDA_SUCCESS && context != nullptr &&
+      d.cuCtxGetDevice(device) == CUDA_SUCCESS) {
+    return CUDA_SUCCESS;
+  }
+  *device = 0;
+  return d.cuDeviceGet(device, 0);
 }
 
 CUdevice current_device() {

@@ -28,7 +28,6 @@ struct Driver {
   CUresult (*cuKernelSetAttribute)(CUfunction_attribute, int, CUkernel, CUdevice) = nullptr;
   CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                              unsigned, CUstream, void**, void**) = nullptr;
-  CUresult (*cuStreamGetCtx)(CUstream, CUcontext*) = nullptr;
   // Debug checks only: they copy device-side indices to the host.
   CUresult (*cuStreamSynchronize)(CUstream) = nullptr;
   CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t) = nullptr;
@@ -56,6 +55,12 @@ std::string describe(CUresult result);
 
 // Throws fkda::Error(FKDA_ERROR_DRIVER) naming `what` unless result is CUDA_SUCCESS.
 void check(CUresult result, const char* what);
+
+// The device meant where the caller names none (fkda_query_device with -1,
+// the backend choice of a plan): that of the calling thread's current
+// context, else device 0. Returns the result of looking up device 0 when it
+// had to (CUDA_SUCCESS otherwise); *device is 0 when that failed.
+CUresult current_or_first_device(const Driver& d, CUdevice* device);
 
 // The device of the calling thread's current context; throws
 // FKDA_ERROR_NO_DEVICE when there is no driver or no current context.

@@ -126,6 +126,11 @@ size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads)
 // fatbin is compute_80 PTX alone (FKDA_FATBIN_ARCHS=compute_80) runs on all of them too.
 bool has_kernels_for(int cc_major, int /*cc_minor*/) { return cc_major >= 8; }
 
+std::string unsupported_arch_message(int cc_major, int cc_minor) {
+  return "compute capability " + std::to_string(cc_major) + "." + std::to_string(cc_minor) +
+         ": this build has kernels for the sm_80 family and sm_90 (and later, through PTX)";
+}
+
 LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t /*workspace_bytes*/, CUstream stream) {
   const LaunchContext context = launch_context();
 

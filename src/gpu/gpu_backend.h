@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include <cuda.h>
 
@@ -18,6 +19,8 @@ size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads)
 
 // Whether the embedded fatbin has an image that runs on compute capability major.minor.
 bool has_kernels_for(int cc_major, int cc_minor);
+// What to tell a caller whose device has none.
+std::string unsupported_arch_message(int cc_major, int cc_minor);
 
 // How a forward pass was launched (fkda_launch_report).
 struct LaunchShape {

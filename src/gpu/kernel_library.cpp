@@ -20,11 +20,6 @@ extern const unsigned char flashkda_embedded_fatbin_end[];
 namespace fkda::gpu {
 namespace {
 
-std::string arch_message(int major, int minor) {
-  return "compute capability " + std::to_string(major) + "." + std::to_string(minor) +
-         ": this build has kernels for the sm_80 family and sm_90 (and later, through PTX)";
-}
-
 // The driver refused the kernels' image: say which driver it is and what the
 // image needs, since a driver error code alone tells users nothing.
 [[noreturn]] void image_refused(const cuda::Driver& d, const std::string& what, CUresult result) {
@@ -82,7 +77,7 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
   facts.cc_major = attribute(d, device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
   facts.cc_minor = attribute(d, device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
   if (!has_kernels_for(facts.cc_major, facts.cc_minor)) {
-    fail(FKDA_ERROR_UNSUPPORTED_ARCH, arch_message(facts.cc_major, facts.cc_minor));
+    fail(FKDA_ERROR_UNSUPPORTED_ARCH, unsupported_arch_message(facts.cc_major, facts.cc_minor));
   }
   facts.sm_count = attribute(d, device, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
   facts.max_dynamic_smem = attribute(d, device, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN);

@@ -78,7 +78,7 @@ inline FkdaIndexTable index_table(const IndexView& view) {
 }
 
 // The base-2 gate factor of docs/NUMERICS.md step 1, lower_bound * log2(e) in f32.
-inline float gate_scale(float lower_bound) { return lower_bound * 1.4426950408889634f; }
+inline float gate_scale(float lower_bound) { return lower_bound * FKDA_LOG2E; }
 
 // The fields that the prefill and decode parameters share, from the
 // validated problem: activations, gate parameters, state dtype and layout,

@@ -1,18 +1,20 @@
 // What the [gpu] tests share: status checks that fail the test with the
-// reason, and device memory that frees itself.
+// reason, device-side problems and plans (the owners of device memory are
+// reference/resource_owners.h's).
 #pragma once
 
 #include <catch2/catch.hpp>
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
 #include "flashkda.h"
 #include "kda_reference.h"
+#include "resource_owners.h"
+#include "status_checks.h"
 
 #define CUDA_REQUIRE(expr)                                                             \
   do {                                                                                 \
@@ -20,43 +22,7 @@
     if (status_ != cudaSuccess) FAIL(#expr << ": " << cudaGetErrorString(status_));   \
   } while (0)
 
-#define FKDA_REQUIRE(expr)                                                             \
-  do {                                                                                 \
-    const fkda_status status_ = (expr);                                                \
-    if (status_ != FKDA_SUCCESS)                                                       \
-      FAIL(#expr << ": " << fkda_status_string(status_) << ": " << fkda_last_error()); \
-  } while (0)
-
 namespace fkda_ref {
-
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    CUDA_REQUIRE(cudaMalloc(&data_, std::max<size_t>(bytes, 256)));
-  }
-  // A device copy of `host`.
-  template <typename T>
-  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
-    upload(host.data());
-  }
-  ~DeviceBuffer() { cudaFree(data_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void* get() const { return data_; }
-  size_t bytes() const { return bytes_; }
-  void upload(const void* host) { CUDA_REQUIRE(cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice)); }
-  void download(void* host) const { CUDA_REQUIRE(cudaMemcpy(host, data_, bytes_, cudaMemcpyDeviceToHost)); }
-  template <typename T>
-  std::vector<T> read() const {
-    std::vector<T> host(bytes_ / sizeof(T));
-    download(host.data());
-    return host;
-  }
-
- private:
-  void* data_ = nullptr;
-  size_t bytes_;
-};
 
 // Approximately N(0, 1) bf16 values from a cheap generator (a sum of four
 // 16-bit uniforms, scaled to unit variance): large problems need hundreds of
@@ -74,25 +40,19 @@ inline std::vector<uint16_t> quick_normals(size_t count, uint64_t seed) {
   return values;
 }
 
-// A plan for p's heads and gate floor with this state dtype, layout,
-// null-slot rule and backend.
-inline fkda_plan_t plan_for(const Problem& p, fkda_dtype state_dtype, fkda_state_layout layout,
-                            fkda_null_slot_rule rule, fkda_backend backend) {
+// A plan description: these heads, gate floor, state dtype and layout,
+// backend and null-slot rule.
+inline fkda_plan_desc plan_desc(int64_t heads, float lower_bound, fkda_dtype state_dtype, fkda_state_layout layout,
+                                fkda_backend backend = FKDA_BACKEND_GPU,
+                                fkda_null_slot_rule rule = FKDA_NULL_SLOT_NEGATIVE) {
   fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
-  desc.num_heads = int32_t(p.H);
+  desc.num_heads = int32_t(heads);
   desc.backend = backend;
   desc.state_dtype = state_dtype;
   desc.state_layout = layout;
-  desc.lower_bound = p.lower_bound;
+  desc.lower_bound = lower_bound;
   desc.null_slot_rule = rule;
-  fkda_plan_t plan = nullptr;
-  FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
-  return plan;
-}
-
-// A GPU plan for p's heads and gate floor with this state dtype and layout.
-inline fkda_plan_t gpu_plan(const Problem& p, fkda_dtype state_dtype, fkda_state_layout layout) {
-  return plan_for(p, state_dtype, layout, FKDA_NULL_SLOT_NEGATIVE, FKDA_BACKEND_GPU);
+  return desc;
 }
 
 // p's inputs on the device and an output poisoned with bf16 NaNs (0xFFFF).

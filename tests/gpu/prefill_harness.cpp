@@ -46,17 +46,6 @@ fkda_launch_report launch_report(fkda_plan_t plan) {
   return report;
 }
 
-Plan::Plan(int64_t heads, fkda_dtype state_dtype, fkda_state_layout layout, fkda_backend backend,
-           float lower_bound) {
-  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
-  desc.num_heads = int32_t(heads);
-  desc.state_dtype = state_dtype;
-  desc.state_layout = layout;
-  desc.backend = backend;
-  desc.lower_bound = lower_bound;
-  FKDA_REQUIRE(fkda_plan_create(&desc, &plan_));
-}
-
 // ------------------------------------------------------------ layouts ---
 
 Placement::Placement(Arrangement arrangement, int64_t b, int64_t t, int64_t h, int64_t d) : B(b), T(t), H(h), D(d) {
@@ -314,7 +303,7 @@ fkda_fwd_args make_case_args(const Problem& p, const Case& c, const Arenas& aren
 }
 
 size_t gpu_workspace_bytes(const Problem& p, const Case& c) {
-  Plan plan(p.H, c.state_dtype, c.state_layout, FKDA_BACKEND_GPU, p.lower_bound);
+  Plan plan(plan_desc(p.H, p.lower_bound, c.state_dtype, c.state_layout));
   size_t bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, p.num_seqs(), &bytes));
   return bytes;
@@ -330,7 +319,7 @@ DeviceCase::DeviceCase(const Problem& problem, const Case& a_case, const Arenas&
       b(arenas.b.size() * 2), A_log(arenas.A_log.size() * 4), dt_bias(arenas.dt_bias.size() * 4),
       out(arenas.out.size() * 2), initial(arenas.initial.size()), final(arenas.final.size()),
       offsets(arenas.offsets.size()), workspace(gpu_workspace_bytes(problem, a_case)),
-      plan(problem.H, a_case.state_dtype, a_case.state_layout, FKDA_BACKEND_GPU, problem.lower_bound) {
+      plan(plan_desc(problem.H, problem.lower_bound, a_case.state_dtype, a_case.state_layout)) {
   q.upload(arenas.q.data());
   k.upload(arenas.k.data());
   v.upload(arenas.v.data());
@@ -371,7 +360,7 @@ Result DeviceCase::fetch() const {
 
 Result run_cpu(const Problem& p, const Case& c, const Arenas& arenas) {
   Arenas copy = arenas;
-  Plan plan(p.H, c.state_dtype, c.state_layout, FKDA_BACKEND_CPU, p.lower_bound);
+  Plan plan(plan_desc(p.H, p.lower_bound, c.state_dtype, c.state_layout, FKDA_BACKEND_CPU));
   const Pointers at{copy.q.data(), copy.k.data(), copy.v.data(), copy.g.data(), copy.b.data(), copy.A_log.data(),
                     copy.dt_bias.data(), copy.out.data(), copy.initial.empty() ? nullptr : copy.initial.data(),
                     copy.final.empty() ? nullptr : copy.final.data(),

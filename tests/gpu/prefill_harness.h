@@ -19,6 +19,9 @@
 namespace fkda_test {
 
 using fkda_ref::DeviceBuffer;
+using fkda_ref::Plan;
+using fkda_ref::plan_desc;
+using fkda_ref::Stream;
 using fkda_ref::Problem;
 using fkda_ref::ProblemShape;
 
@@ -61,30 +64,6 @@ struct Tuning {
 };
 
 fkda_launch_report launch_report(fkda_plan_t plan);
-
-class Stream {
- public:
-  Stream() { CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~Stream() { cudaStreamDestroy(stream_); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
-
-class Plan {
- public:
-  Plan(int64_t heads, fkda_dtype state_dtype, fkda_state_layout layout, fkda_backend backend, float lower_bound);
-  ~Plan() { fkda_plan_destroy(plan_); }
-  Plan(const Plan&) = delete;
-  Plan& operator=(const Plan&) = delete;
-  fkda_plan_t get() const { return plan_; }
-
- private:
-  fkda_plan_t plan_ = nullptr;
-};
 
 // How the activations sit in memory: packed; padded rows (gaps between
 // heads, tokens and batch rows); or head-major ([B, H, T, D] memory viewed

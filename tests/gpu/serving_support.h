@@ -192,21 +192,6 @@ inline Reference sequence_reference(const Problem& p, const SequenceTokens& s, i
   return reference_recurrence(one);
 }
 
-// A plan (plan_for) that destroys itself.
-class OwnedPlan {
- public:
-  OwnedPlan(const Problem& p, fkda_dtype state_dtype, fkda_state_layout layout, fkda_null_slot_rule rule,
-            fkda_backend backend = FKDA_BACKEND_GPU)
-      : plan_(plan_for(p, state_dtype, layout, rule, backend)) {}
-  ~OwnedPlan() { fkda_plan_destroy(plan_); }
-  OwnedPlan(const OwnedPlan&) = delete;
-  OwnedPlan& operator=(const OwnedPlan&) = delete;
-  fkda_plan_t get() const { return plan_; }
-
- private:
-  fkda_plan_t plan_ = nullptr;
-};
-
 inline std::vector<double> widen(const std::vector<float>& values) {
   return std::vector<double>(values.begin(), values.end());
 }

@@ -212,7 +212,7 @@ std::pair<std::vector<uint16_t>, HostPool> run_cpu(const Setup& s) {
                           p.beta.data(), p.A_log.data(),    p.dt_bias.data(), out.data(),
                           pool.bytes.data(), indices.data(), accepted.data(), offsets.data()};
   const fkda_decode_args a = decode_args(s, at);
-  OwnedPlan plan(p, s.c.state_dtype, s.c.layout, s.c.rule, FKDA_BACKEND_CPU);
+  Plan plan(plan_desc(p.H, p.lower_bound, s.c.state_dtype, s.c.layout, FKDA_BACKEND_CPU, s.c.rule));
   FKDA_REQUIRE(fkda_decode(plan.get(), &a, nullptr, 0, nullptr));
   return {out, pool};
 }
@@ -222,7 +222,7 @@ std::pair<std::vector<uint16_t>, HostPool> run_cpu(const Setup& s) {
 struct DeviceDecode {
   const Setup& s;
   DeviceBuffer q, k, v, g, beta, A_log, dt_bias, out, pool, indices, accepted, offsets;
-  OwnedPlan plan;
+  Plan plan;
 
   explicit DeviceDecode(const Setup& setup)
       : s(setup), q(setup.p.q), k(setup.p.k), v(setup.p.v), g(setup.p.g), beta(setup.p.beta),
@@ -230,7 +230,8 @@ struct DeviceDecode {
         pool(setup.pool.bytes), indices(integer_bytes(setup.indices, setup.c.index_dtype)),
         accepted(integer_bytes(setup.accepted, setup.c.index_dtype)),
         offsets(integer_bytes(setup.offsets, setup.c.offsets_dtype)),
-        plan(setup.p, setup.c.state_dtype, setup.c.layout, setup.c.rule) {}
+        plan(plan_desc(setup.p.H, setup.p.lower_bound, setup.c.state_dtype, setup.c.layout, FKDA_BACKEND_GPU,
+                       setup.c.rule)) {}
 
   fkda_decode_args args(int64_t first = 0, int64_t count = -1) const {
     const DecodePointers at{q.get(),    k.get(),    v.get(),    g.get(),     beta.get(),     A_log.get(),
@@ -463,7 +464,7 @@ TEST_CASE("decode: five chained steps keep an f32 pool within 1e-6 and equal one
     buffers.initial_state = initial_device.get();
     buffers.final_state = final_device.get();
     const fkda_fwd_args args = make_args(s.p, buffers, FKDA_DTYPE_F32);
-    OwnedPlan plan(s.p, FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK, c.rule);
+    const Plan plan(plan_desc(s.p.H, s.p.lower_bound, FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK, FKDA_BACKEND_GPU, c.rule));
     size_t bytes = 0;
     FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), s.p.B * s.p.T, N, &bytes));
     DeviceBuffer workspace(bytes);
@@ -636,26 +637,24 @@ TEST_CASE("decode: a captured CUDA graph replays the eager run", "[gpu][decode]"
   const std::vector<unsigned char> eager_pool = device.pool_now().bytes;
 
   device.reset();
-  cudaStream_t stream = nullptr;
-  CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const Stream stream;
   const fkda_decode_args args = device.args();
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  const fkda_status status = fkda_decode(device.plan.get(), &args, nullptr, 0, stream);
-  CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
+  CUDA_REQUIRE(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+  const fkda_status status = fkda_decode(device.plan.get(), &args, nullptr, 0, stream.get());
+  CUDA_REQUIRE(cudaStreamEndCapture(stream.get(), &graph));
   FKDA_REQUIRE(status);
   CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 2; ++replay) {
     device.reset();
-    CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
-    CUDA_REQUIRE(cudaStreamSynchronize(stream));
+    CUDA_REQUIRE(cudaGraphLaunch(exec, stream.get()));
+    CUDA_REQUIRE(cudaStreamSynchronize(stream.get()));
     CHECK(device.out_bits() == eager_out);
     CHECK(device.pool_now().bytes == eager_pool);
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 TEST_CASE("decode: small cases for compute-sanitizer", "[gpu][decode][sanitize]") {

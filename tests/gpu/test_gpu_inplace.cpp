@@ -26,18 +26,17 @@ using fkda_ref::DeviceBuffer;
 // to `final_state`, or back into `state` when final_state is null.
 std::vector<uint16_t> run(const fkda_ref::Problem& p, fkda_dtype dtype, fkda_state_layout layout, DeviceBuffer& state,
                           DeviceBuffer* final_state) {
-  fkda_plan_t plan = fkda_ref::gpu_plan(p, dtype, layout);
+  const fkda_ref::Plan plan(fkda_ref::plan_desc(p.H, p.lower_bound, dtype, layout));
   fkda_ref::DeviceProblem device(p);
   fkda_ref::Buffers buffers = device.buffers();
   buffers.initial_state = state.get();
   buffers.final_state = final_state != nullptr ? final_state->get() : state.get();
   const fkda_fwd_args args = fkda_ref::make_args(p, buffers, dtype);
   size_t bytes = 0;
-  FKDA_REQUIRE(fkda_plan_workspace_size(plan, p.B * p.T, p.num_seqs(), &bytes));
+  FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, p.num_seqs(), &bytes));
   DeviceBuffer workspace(bytes);
-  FKDA_REQUIRE(fkda_fwd(plan, &args, workspace.get(), bytes, nullptr));
+  FKDA_REQUIRE(fkda_fwd(plan.get(), &args, workspace.get(), bytes, nullptr));
   CUDA_REQUIRE(cudaDeviceSynchronize());
-  fkda_plan_destroy(plan);
   return device.out.read<uint16_t>();
 }
 

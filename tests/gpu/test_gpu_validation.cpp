@@ -20,13 +20,8 @@ using fkda_ref::DeviceBuffer;
 
 constexpr int64_t kB = 1, kT = 40, kH = 2, kD = 128;
 
-fkda_plan_t make_plan(fkda_backend backend) {
-  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
-  desc.num_heads = kH;
-  desc.backend = backend;
-  fkda_plan_t plan = nullptr;
-  REQUIRE(fkda_plan_create(&desc, &plan) == FKDA_SUCCESS);
-  return plan;
+fkda_ref::Plan make_plan(fkda_backend backend) {
+  return fkda_ref::Plan(fkda_ref::plan_desc(kH, -5.0f, FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK, backend));
 }
 
 // Valid device-side arguments; each section breaks one thing.
@@ -52,66 +47,56 @@ struct DeviceCall {
   }
 };
 
-void expect_invalid(fkda_status status, const std::string& message_start) {
-  CHECK(status == FKDA_ERROR_INVALID_ARGUMENT);
-  std::string message = fkda_last_error();
-  INFO("message: " << message);
-  CHECK(message.rfind(message_start, 0) == 0);
-}
-
 }  // namespace
 
 TEST_CASE("GPU plans reject host memory, CPU plans reject device memory", "[gpu][validation]") {
   DeviceCall call;
-  fkda_plan_t gpu = make_plan(FKDA_BACKEND_GPU);
-  fkda_plan_t cpu = make_plan(FKDA_BACKEND_CPU);
+  const fkda_ref::Plan gpu = make_plan(FKDA_BACKEND_GPU);
+  const fkda_ref::Plan cpu = make_plan(FKDA_BACKEND_CPU);
   size_t bytes = 0;
-  REQUIRE(fkda_plan_workspace_size(gpu, kB * kT, kB, &bytes) == FKDA_SUCCESS);
+  REQUIRE(fkda_plan_workspace_size(gpu.get(), kB * kT, kB, &bytes) == FKDA_SUCCESS);
   DeviceBuffer workspace(bytes);
 
-  REQUIRE(fkda_fwd(gpu, &call.args, workspace.get(), bytes, nullptr) == FKDA_SUCCESS);
+  REQUIRE(fkda_fwd(gpu.get(), &call.args, workspace.get(), bytes, nullptr) == FKDA_SUCCESS);
   CUDA_REQUIRE(cudaDeviceSynchronize());
 
   std::vector<uint16_t> host_q(size_t(kB * kT * kH * kD), 0x3c00);
   fkda_fwd_args with_host_q = call.args;
   with_host_q.q.data = host_q.data();
-  expect_invalid(fkda_fwd(gpu, &with_host_q, workspace.get(), bytes, nullptr),
+  expect_invalid(fkda_fwd(gpu.get(), &with_host_q, workspace.get(), bytes, nullptr),
                  "q: host memory passed to a GPU plan");
 
-  expect_invalid(fkda_fwd(cpu, &call.args, nullptr, 0, nullptr), "q: device memory passed to a CPU plan");
+  expect_invalid(fkda_fwd(cpu.get(), &call.args, nullptr, 0, nullptr), "q: device memory passed to a CPU plan");
 
-  fkda_plan_destroy(gpu);
-  fkda_plan_destroy(cpu);
 }
 
 TEST_CASE("GPU plans need 16-byte aligned rows and enough workspace", "[gpu][validation]") {
   DeviceCall call;
-  fkda_plan_t gpu = make_plan(FKDA_BACKEND_GPU);
+  const fkda_ref::Plan gpu = make_plan(FKDA_BACKEND_GPU);
   size_t bytes = 0;
-  REQUIRE(fkda_plan_workspace_size(gpu, kB * kT, kB, &bytes) == FKDA_SUCCESS);
+  REQUIRE(fkda_plan_workspace_size(gpu.get(), kB * kT, kB, &bytes) == FKDA_SUCCESS);
   REQUIRE(bytes > 0);
   DeviceBuffer workspace(bytes);
 
   fkda_fwd_args misaligned = call.args;
   misaligned.v.data = static_cast<char*>(call.v.get()) + 2;
-  expect_invalid(fkda_fwd(gpu, &misaligned, workspace.get(), bytes, nullptr), "v: GPU plans need 16-byte aligned data");
+  expect_invalid(fkda_fwd(gpu.get(), &misaligned, workspace.get(), bytes, nullptr), "v: GPU plans need 16-byte aligned data");
 
   fkda_fwd_args odd_stride = call.args;
   odd_stride.k.shape[1] = kT / 2;
   odd_stride.k.strides[1] = kH * kD + 4;  // rows 8 bytes apart from a 16-byte boundary
   for (fkda_tensor* t : {&odd_stride.q, &odd_stride.v, &odd_stride.g, &odd_stride.out}) t->shape[1] = kT / 2;
   odd_stride.beta.shape[1] = kT / 2;
-  expect_invalid(fkda_fwd(gpu, &odd_stride, workspace.get(), bytes, nullptr),
+  expect_invalid(fkda_fwd(gpu.get(), &odd_stride, workspace.get(), bytes, nullptr),
                  "k: GPU plans need strides that are multiples of 8 elements");
 
-  CHECK(fkda_fwd(gpu, &call.args, workspace.get(), bytes - 1, nullptr) == FKDA_ERROR_WORKSPACE_TOO_SMALL);
+  CHECK(fkda_fwd(gpu.get(), &call.args, workspace.get(), bytes - 1, nullptr) == FKDA_ERROR_WORKSPACE_TOO_SMALL);
   CHECK(std::string(fkda_last_error()).rfind("workspace_bytes: ", 0) == 0);
-  expect_invalid(fkda_fwd(gpu, &call.args, nullptr, bytes, nullptr), "workspace: NULL");
+  expect_invalid(fkda_fwd(gpu.get(), &call.args, nullptr, bytes, nullptr), "workspace: NULL");
   std::vector<unsigned char> host_workspace(bytes + 16);
   void* aligned = host_workspace.data() + (16 - reinterpret_cast<uintptr_t>(host_workspace.data()) % 16) % 16;
-  expect_invalid(fkda_fwd(gpu, &call.args, aligned, bytes, nullptr), "workspace: host memory passed to a GPU plan");
+  expect_invalid(fkda_fwd(gpu.get(), &call.args, aligned, bytes, nullptr), "workspace: host memory passed to a GPU plan");
 
-  fkda_plan_destroy(gpu);
 }
 
 TEST_CASE("device queries describe the current device as the CUDA runtime sees it", "[gpu]") {
@@ -137,11 +122,11 @@ TEST_CASE("device queries describe the current device as the CUDA runtime sees i
 
 TEST_CASE("bad launch tuning variables are errors naming the variable", "[gpu][validation]") {
   DeviceCall call;
-  fkda_plan_t gpu = make_plan(FKDA_BACKEND_GPU);
+  const fkda_ref::Plan gpu = make_plan(FKDA_BACKEND_GPU);
   size_t bytes = 0;
   {
     const fkda_test::Tuning automatic(0, 0);
-    REQUIRE(fkda_plan_workspace_size(gpu, kB * kT, kB, &bytes) == FKDA_SUCCESS);
+    REQUIRE(fkda_plan_workspace_size(gpu.get(), kB * kT, kB, &bytes) == FKDA_SUCCESS);
   }
   DeviceBuffer workspace(bytes);
   struct Bad {
@@ -155,24 +140,23 @@ TEST_CASE("bad launch tuning variables are errors naming the variable", "[gpu][v
     const fkda_test::Tuning automatic(0, 0);
     REQUIRE(setenv(bad.variable, bad.value, 1) == 0);
     const std::string expected = std::string(bad.variable) + ": ";
-    expect_invalid(fkda_fwd(gpu, &call.args, workspace.get(), bytes, nullptr), expected);
+    expect_invalid(fkda_fwd(gpu.get(), &call.args, workspace.get(), bytes, nullptr), expected);
     if (std::string(bad.variable) == "FKDA_WINDOW_SLOTS") {
       size_t ignored = 0;
-      expect_invalid(fkda_plan_workspace_size(gpu, kB * kT, kB, &ignored), expected);
+      expect_invalid(fkda_plan_workspace_size(gpu.get(), kB * kT, kB, &ignored), expected);
     }
   }
   // Good values are taken and reported back.
   for (int64_t vsplit : {1, 2, 4, 8}) {
     const fkda_test::Tuning forced(vsplit, 1);
     size_t forced_bytes = 0;
-    REQUIRE(fkda_plan_workspace_size(gpu, kB * kT, kB, &forced_bytes) == FKDA_SUCCESS);
+    REQUIRE(fkda_plan_workspace_size(gpu.get(), kB * kT, kB, &forced_bytes) == FKDA_SUCCESS);
     DeviceBuffer forced_workspace(forced_bytes);
-    REQUIRE(fkda_fwd(gpu, &call.args, forced_workspace.get(), forced_bytes, nullptr) == FKDA_SUCCESS);
+    REQUIRE(fkda_fwd(gpu.get(), &call.args, forced_workspace.get(), forced_bytes, nullptr) == FKDA_SUCCESS);
     CUDA_REQUIRE(cudaDeviceSynchronize());  // before the workspace is freed
-    const fkda_launch_report launch = fkda_test::launch_report(gpu);
+    const fkda_launch_report launch = fkda_test::launch_report(gpu.get());
     CHECK(launch.vsplit == vsplit);
     CHECK(launch.slots_per_window == 1);
     CHECK(launch.windows >= kT / 16);
   }
-  fkda_plan_destroy(gpu);
 }

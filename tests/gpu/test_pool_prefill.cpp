@@ -190,7 +190,7 @@ PoolRun run_pool(const PoolSetup& s, cudaStream_t stream = nullptr) {
       args.checkpoint_slots = tensor(slots.get(), s.c.index_dtype, {N, s.C});
     }
   }
-  OwnedPlan plan(p, s.c.state_dtype, s.c.layout, s.c.rule);
+  Plan plan(plan_desc(p.H, p.lower_bound, s.c.state_dtype, s.c.layout, FKDA_BACKEND_GPU, s.c.rule));
   size_t bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, N, &bytes));
   DeviceBuffer workspace(bytes);
@@ -222,7 +222,7 @@ ContiguousRun run_contiguous(const Problem& p, fkda_dtype dtype, fkda_state_layo
   buffers.final_state = final_device.get();
   fkda_fwd_args args = make_args(p, buffers, dtype);
   if (!flags.empty()) args.has_initial_state = tensor(flags_device.get(), flag_dtype, {N});
-  OwnedPlan plan(p, dtype, layout, FKDA_NULL_SLOT_NEGATIVE);
+  Plan plan(plan_desc(p.H, p.lower_bound, dtype, layout));
   size_t bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, N, &bytes));
   DeviceBuffer workspace(bytes);
@@ -575,30 +575,28 @@ TEST_CASE("pool prefill: a captured CUDA graph replays the eager run", "[gpu][po
   args.has_initial_state = tensor(flags.get(), c.flag_dtype, {N});
   args.checkpoint_offsets = tensor(offsets.get(), c.index_dtype, {N, s.C});
   args.checkpoint_slots = tensor(slots.get(), c.index_dtype, {N, s.C});
-  OwnedPlan plan(p, c.state_dtype, c.layout, c.rule);
+  Plan plan(plan_desc(p.H, p.lower_bound, c.state_dtype, c.layout, FKDA_BACKEND_GPU, c.rule));
   size_t bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, N, &bytes));
   DeviceBuffer workspace(bytes);
-  cudaStream_t stream = nullptr;
-  CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const Stream stream;
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  const fkda_status status = fkda_fwd(plan.get(), &args, workspace.get(), bytes, stream);
-  CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
+  CUDA_REQUIRE(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
+  const fkda_status status = fkda_fwd(plan.get(), &args, workspace.get(), bytes, stream.get());
+  CUDA_REQUIRE(cudaStreamEndCapture(stream.get(), &graph));
   FKDA_REQUIRE(status);
   CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 2; ++replay) {
     pool.upload(s.pool.bytes.data());
     device.out.upload(std::vector<uint16_t>(p.v.size(), kPoisonBf16).data());
-    CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
-    CUDA_REQUIRE(cudaStreamSynchronize(stream));
+    CUDA_REQUIRE(cudaGraphLaunch(exec, stream.get()));
+    CUDA_REQUIRE(cudaStreamSynchronize(stream.get()));
     CHECK(device.out.read<uint16_t>() == eager.out);
     CHECK(pool.read<unsigned char>() == eager.pool.bytes);
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 TEST_CASE("pool prefill: small cases for compute-sanitizer", "[gpu][pool][sanitize]") {

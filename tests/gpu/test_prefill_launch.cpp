@@ -150,7 +150,7 @@ TEST_CASE("prefill: the automatic windows of a large call give the bits of one w
 
 TEST_CASE("prefill: docs/BENCHMARKS.md's P1 workspace stays within its 340 MB target", "[gpu][launch]") {
   const Tuning automatic(0, 0);
-  Plan plan(96, FKDA_DTYPE_BF16, FKDA_STATE_LAYOUT_VK, FKDA_BACKEND_GPU, -5.0f);
+  Plan plan(plan_desc(96, -5.0f, FKDA_DTYPE_BF16, FKDA_STATE_LAYOUT_VK));
   size_t bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), 8192, 1, &bytes));
   CHECK(bytes <= size_t(340) * 1000 * 1000);

@@ -13,6 +13,8 @@
 
 #include "flashkda.h"
 #include "kda_reference.h"
+#include "resource_owners.h"
+#include "status_checks.h"
 
 namespace serving {
 
@@ -23,13 +25,6 @@ constexpr int64_t kHeadState = kD * kD;
 // bf16 quiet NaN with a payload no computation produces: poisoned outputs.
 constexpr uint16_t kPoisonBf16 = 0x7FC1;
 
-#define FKDA_CHECK_OK(expr)                                                               \
-  do {                                                                                    \
-    const fkda_status status_ = (expr);                                                   \
-    INFO(#expr << ": " << fkda_status_string(status_) << ": " << fkda_last_error());      \
-    REQUIRE(status_ == FKDA_SUCCESS);                                                     \
-  } while (0)
-
 struct PlanOptions {
   fkda_dtype state_dtype = FKDA_DTYPE_F32;
   fkda_state_layout layout = FKDA_STATE_LAYOUT_VK;
@@ -39,33 +34,31 @@ struct PlanOptions {
 
 class CpuPlan {
  public:
-  CpuPlan(int64_t H, const PlanOptions& o = {}) {
-    fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
-    desc.num_heads = int32_t(H);
-    desc.backend = FKDA_BACKEND_CPU;
-    desc.state_dtype = o.state_dtype;
-    desc.state_layout = o.layout;
-    desc.null_slot_rule = o.null_rule;
-    desc.debug_checks = o.debug_checks;
-    FKDA_CHECK_OK(fkda_plan_create(&desc, &plan_));
-  }
-  ~CpuPlan() { fkda_plan_destroy(plan_); }
-  CpuPlan(const CpuPlan&) = delete;
-  CpuPlan& operator=(const CpuPlan&) = delete;
-  fkda_plan_t get() const { return plan_; }
+  CpuPlan(int64_t H, const PlanOptions& o = {}) : plan_(desc(H, o)) {}
+  fkda_plan_t get() const { return plan_.get(); }
 
   fkda_status fwd(const fkda_fwd_args& args) const {
     size_t bytes = 0;
-    REQUIRE(fkda_plan_workspace_size(plan_, args.q.shape[0] * args.q.shape[1],
+    REQUIRE(fkda_plan_workspace_size(get(), args.q.shape[0] * args.q.shape[1],
                                      args.cu_seqlens.rank ? args.cu_seqlens.shape[0] - 1 : args.q.shape[0],
                                      &bytes) == FKDA_SUCCESS);
     std::vector<unsigned char> workspace(bytes + 16);
-    return fkda_fwd(plan_, &args, workspace.data(), bytes, nullptr);
+    return fkda_fwd(get(), &args, workspace.data(), bytes, nullptr);
   }
-  fkda_status decode(const fkda_decode_args& args) const { return fkda_decode(plan_, &args, nullptr, 0, nullptr); }
+  fkda_status decode(const fkda_decode_args& args) const { return fkda_decode(get(), &args, nullptr, 0, nullptr); }
 
  private:
-  fkda_plan_t plan_ = nullptr;
+  static fkda_plan_desc desc(int64_t H, const PlanOptions& o) {
+    fkda_plan_desc d = FKDA_PLAN_DESC_INIT;
+    d.num_heads = int32_t(H);
+    d.backend = FKDA_BACKEND_CPU;
+    d.state_dtype = o.state_dtype;
+    d.state_layout = o.layout;
+    d.null_slot_rule = o.null_rule;
+    d.debug_checks = o.debug_checks;
+    return d;
+  }
+  fkda_ref::Plan plan_;
 };
 
 // A pool of `slots` states [H, V, K] (or KV) with a gap of kGap elements after

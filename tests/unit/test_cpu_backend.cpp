@@ -14,6 +14,7 @@
 
 #include "flashkda.h"
 #include "kda_reference.h"
+#include "resource_owners.h"
 
 namespace {
 
@@ -213,11 +214,6 @@ Problem varlen_problem(int64_t H, std::vector<int64_t> lengths, Decay decay, uin
   return p;
 }
 
-struct PlanHandle {
-  fkda_plan_t plan = nullptr;
-  ~PlanHandle() { fkda_plan_destroy(plan); }
-};
-
 // Runs `p` on a CPU plan through the public API and checks what every run
 // must satisfy: success, every output element written, nothing outside the
 // output views touched, inputs unchanged.
@@ -226,21 +222,20 @@ RunResult run_cpu(const Problem& p, const RunOptions& o) {
   const int64_t N = p.num_seqs();
   const bool has_initial = o.pass_initial && !p.initial_state.empty();
 
-  PlanHandle handle;
   fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
   desc.num_heads = static_cast<int32_t>(p.H);
   desc.state_dtype = o.state_dtype;
   desc.state_layout = o.state_layout;
   desc.backend = FKDA_BACKEND_CPU;
   desc.lower_bound = o.set_lower_bound_after_create ? -5.f : p.lower_bound;
-  REQUIRE(fkda_plan_create(&desc, &handle.plan) == FKDA_SUCCESS);
+  const fkda_ref::Plan plan(desc);
   fkda_backend backend = FKDA_BACKEND_AUTO;
-  REQUIRE(fkda_plan_get_backend(handle.plan, &backend) == FKDA_SUCCESS);
+  REQUIRE(fkda_plan_get_backend(plan.get(), &backend) == FKDA_SUCCESS);
   REQUIRE(backend == FKDA_BACKEND_CPU);
   if (o.set_lower_bound_after_create) {
-    REQUIRE(fkda_set_lower_bound(handle.plan, p.lower_bound) == FKDA_SUCCESS);
+    REQUIRE(fkda_set_lower_bound(plan.get(), p.lower_bound) == FKDA_SUCCESS);
     float lower_bound = 1.f;
-    REQUIRE(fkda_get_lower_bound(handle.plan, &lower_bound) == FKDA_SUCCESS);
+    REQUIRE(fkda_get_lower_bound(plan.get(), &lower_bound) == FKDA_SUCCESS);
     REQUIRE(lower_bound == p.lower_bound);
   }
 
@@ -291,9 +286,9 @@ RunResult run_cpu(const Problem& p, const RunOptions& o) {
   }
 
   size_t workspace_bytes = 0;
-  REQUIRE(fkda_plan_workspace_size(handle.plan, p.B * p.T, N, &workspace_bytes) == FKDA_SUCCESS);
+  REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, N, &workspace_bytes) == FKDA_SUCCESS);
   std::vector<unsigned char> workspace(workspace_bytes + 16);
-  const fkda_status status = fkda_fwd(handle.plan, &args, workspace.data(), workspace_bytes, nullptr);
+  const fkda_status status = fkda_fwd(plan.get(), &args, workspace.data(), workspace_bytes, nullptr);
   INFO("fkda_last_error: " << fkda_last_error());
   REQUIRE(status == FKDA_SUCCESS);
 

@@ -71,7 +71,7 @@ std::vector<uint16_t> run_decode(const CpuPlan& plan, Problem p, Pool& pool, fkd
   args.state_pool = pool.tensor();
   args.state_indices = indices;
   args.num_accepted_tokens = accepted;
-  FKDA_CHECK_OK(plan.decode(args));
+  FKDA_REQUIRE(plan.decode(args));
   return out;
 }
 
@@ -100,7 +100,7 @@ std::vector<uint16_t> run_prefill(const CpuPlan& plan, Problem p, Pool* pool, co
   args.checkpoint_offsets = extras.checkpoint_offsets;
   args.checkpoints = extras.checkpoints;
   args.checkpoint_slots = extras.checkpoint_slots;
-  FKDA_CHECK_OK(plan.fwd(args));
+  FKDA_REQUIRE(plan.fwd(args));
   return out;
 }
 

@@ -20,14 +20,6 @@ namespace {
 
 using namespace serving;
 
-void check_failure(fkda_status status, const std::string& message_start,
-                   fkda_status expected = FKDA_ERROR_INVALID_ARGUMENT) {
-  CHECK(status == expected);
-  const std::string message = fkda_last_error();
-  INFO("message: " << message);
-  CHECK(message.rfind(message_start, 0) == 0);
-}
-
 Problem random_inputs(ProblemShape shape, uint64_t seed) {
   shape.H = 1;
   shape.with_initial_state = false;
@@ -234,7 +226,7 @@ void check_bad_calls(const std::vector<BadCall<Args, Fixture>>& calls, const Run
       std::fill(fixture.out.begin(), fixture.out.end(), kPoisonBf16);
       const Pool before = fixture.pool;
       bad.break_it(args, fixture);
-      check_failure(run(args), bad.message_start);
+      expect_invalid(run(args), bad.message_start);
       CHECK(inspect_rows(fixture.out, 1, {}).poisoned == fixture.out.size());
       CHECK(bytes_changed_outside(before, fixture.pool, {}) == 0);
     }
@@ -258,15 +250,15 @@ TEST_CASE("null indices are padding, not errors, under either rule", "[validatio
   SECTION("negative indices with FKDA_NULL_SLOT_NEGATIVE") {
     CpuPlan plan(1);
     f.slots = {-1, -7, 0, 23};
-    FKDA_CHECK_OK(plan.decode(f.packed()));
+    FKDA_REQUIRE(plan.decode(f.packed()));
   }
   SECTION("zero and negative indices with FKDA_NULL_SLOT_NONPOSITIVE") {
     CpuPlan plan(1, {FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK, FKDA_NULL_SLOT_NONPOSITIVE});
     f.slots = {0, -3, 5, 0};
-    FKDA_CHECK_OK(plan.decode(f.packed()));
+    FKDA_REQUIRE(plan.decode(f.packed()));
     f.table[0] = 0;  // sequence 0's only column: padding, and its other indices unchecked
     f.table[1] = 999;
-    FKDA_CHECK_OK(plan.decode(f.speculative()));
+    FKDA_REQUIRE(plan.decode(f.speculative()));
   }
 }
 
@@ -275,13 +267,13 @@ TEST_CASE("fkda_decode needs no workspace", "[validation][serving]") {
   size_t bytes = 1;
   REQUIRE(fkda_plan_decode_workspace_size(plan.get(), 24, 4, &bytes) == FKDA_SUCCESS);
   CHECK(bytes == 0);
-  check_failure(fkda_plan_decode_workspace_size(plan.get(), -1, 4, &bytes), "total_tokens: must be >= 0");
-  check_failure(fkda_plan_decode_workspace_size(plan.get(), 24, 4, nullptr), "bytes: NULL output pointer");
-  check_failure(fkda_plan_decode_workspace_size(nullptr, 24, 4, &bytes), "plan: NULL");
+  expect_invalid(fkda_plan_decode_workspace_size(plan.get(), -1, 4, &bytes), "total_tokens: must be >= 0");
+  expect_invalid(fkda_plan_decode_workspace_size(plan.get(), 24, 4, nullptr), "bytes: NULL output pointer");
+  expect_invalid(fkda_plan_decode_workspace_size(nullptr, 24, 4, &bytes), "plan: NULL");
   DecodeFixture f;
   const fkda_decode_args args = f.packed();
-  FKDA_CHECK_OK(fkda_decode(plan.get(), &args, nullptr, 0, nullptr));
-  check_failure(fkda_decode(plan.get(), nullptr, nullptr, 0, nullptr), "args: NULL");
+  FKDA_REQUIRE(fkda_decode(plan.get(), &args, nullptr, 0, nullptr));
+  expect_invalid(fkda_decode(plan.get(), nullptr, nullptr, 0, nullptr), "args: NULL");
 }
 
 TEST_CASE("structs of the 0.1 sizes keep working; larger ones are rejected", "[validation][abi]") {
@@ -299,30 +291,30 @@ TEST_CASE("structs of the 0.1 sizes keep working; larger ones are rejected", "[v
     desc.debug_checks = 9;
     fkda_plan_t plan = nullptr;
     desc.struct_size = kDesc01 + 4;  // sizeof(fkda_plan_desc) in 0.1
-    FKDA_CHECK_OK(fkda_plan_create(&desc, &plan));
+    FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
     fkda_plan_destroy(plan);
     desc.struct_size = kDesc01;
-    FKDA_CHECK_OK(fkda_plan_create(&desc, &plan));
+    FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
     // The 0.1 plan has the default null rule: slot 0 is a real slot and is written.
     DecodeFixture f;
     f.slots = {0, 1, 2, 3};
     const Pool before = f.pool;
     const fkda_decode_args args = f.packed();
-    FKDA_CHECK_OK(fkda_decode(plan, &args, nullptr, 0, nullptr));
+    FKDA_REQUIRE(fkda_decode(plan, &args, nullptr, 0, nullptr));
     CHECK(bytes_changed_outside(before, f.pool, {1, 2, 3}) > 0);
     fkda_plan_destroy(plan);
 
     desc.struct_size = sizeof(fkda_plan_desc);
-    check_failure(fkda_plan_create(&desc, &plan), "desc.null_slot_rule: expected FKDA_NULL_SLOT_NEGATIVE (0) or FKDA_NULL_SLOT_NONPOSITIVE (1), got 7");
+    expect_invalid(fkda_plan_create(&desc, &plan), "desc.null_slot_rule: expected FKDA_NULL_SLOT_NEGATIVE (0) or FKDA_NULL_SLOT_NONPOSITIVE (1), got 7");
     desc.null_slot_rule = FKDA_NULL_SLOT_NONPOSITIVE;
-    check_failure(fkda_plan_create(&desc, &plan), "desc.debug_checks: expected 0 or 1, got 9");
+    expect_invalid(fkda_plan_create(&desc, &plan), "desc.debug_checks: expected 0 or 1, got 9");
     desc.struct_size = sizeof(fkda_plan_desc) + 8;
-    check_failure(fkda_plan_create(&desc, &plan),
+    expect_invalid(fkda_plan_create(&desc, &plan),
                   "desc: struct_size is " + std::to_string(sizeof(fkda_plan_desc) + 8) + ", expected " +
                       std::to_string(kDesc01) + " to " + std::to_string(sizeof(fkda_plan_desc)) +
                       " (initialise with FKDA_PLAN_DESC_INIT; a larger size means the caller was built against a newer flashkda.h)");
     desc.struct_size = kDesc01 - 4;
-    check_failure(fkda_plan_create(&desc, &plan), "desc: struct_size is " + std::to_string(kDesc01 - 4));
+    expect_invalid(fkda_plan_create(&desc, &plan), "desc: struct_size is " + std::to_string(kDesc01 - 4));
   }
 
   SECTION("fkda_fwd_args") {
@@ -330,7 +322,7 @@ TEST_CASE("structs of the 0.1 sizes keep working; larger ones are rejected", "[v
     PrefillFixture f;
     fkda_fwd_args full = f.contiguous();
     full.checkpoint_offsets = full.checkpoints = FKDA_TENSOR_NONE;
-    FKDA_CHECK_OK(plan.fwd(full));
+    FKDA_REQUIRE(plan.fwd(full));
     const std::vector<uint16_t> full_out = f.out;
     const std::vector<float> full_state = f.final_state;
 
@@ -341,31 +333,31 @@ TEST_CASE("structs of the 0.1 sizes keep working; larger ones are rejected", "[v
     old.struct_size = offsetof(fkda_fwd_args, state_pool);  // sizeof(fkda_fwd_args) in 0.1
     std::fill(f.out.begin(), f.out.end(), kPoisonBf16);
     std::fill(f.final_state.begin(), f.final_state.end(), 0.f);
-    FKDA_CHECK_OK(plan.fwd(old));
+    FKDA_REQUIRE(plan.fwd(old));
     CHECK(f.out == full_out);
     CHECK(f.final_state == full_state);
     old.struct_size = kArgs01;
-    FKDA_CHECK_OK(plan.fwd(old));
+    FKDA_REQUIRE(plan.fwd(old));
 
     // A size between the two: fields up to it are read, the rest ignored.
     fkda_fwd_args partial = f.by_slot();
     partial.checkpoint_offsets = tensor(nullptr, FKDA_DTYPE_F32, {5});
     partial.struct_size = offsetof(fkda_fwd_args, checkpoint_offsets);
-    FKDA_CHECK_OK(plan.fwd(partial));
+    FKDA_REQUIRE(plan.fwd(partial));
 
     old.struct_size = sizeof(fkda_fwd_args) + 1;
-    check_failure(plan.fwd(old), "args: struct_size is " + std::to_string(sizeof(fkda_fwd_args) + 1) + ", expected " +
+    expect_invalid(plan.fwd(old), "args: struct_size is " + std::to_string(sizeof(fkda_fwd_args) + 1) + ", expected " +
                                      std::to_string(kArgs01) + " to " + std::to_string(sizeof(fkda_fwd_args)));
     old.struct_size = kArgs01 - 8;
-    check_failure(plan.fwd(old), "args: struct_size is " + std::to_string(kArgs01 - 8));
+    expect_invalid(plan.fwd(old), "args: struct_size is " + std::to_string(kArgs01 - 8));
   }
 
   SECTION("fkda_device_info") {
     fkda_device_info info = FKDA_DEVICE_INFO_INIT;
     info.struct_size -= 8;
-    check_failure(fkda_query_device(-1, &info), "info: struct_size is 288, expected 296 (initialise with FKDA_DEVICE_INFO_INIT)");
+    expect_invalid(fkda_query_device(-1, &info), "info: struct_size is 288, expected 296 (initialise with FKDA_DEVICE_INFO_INIT)");
     info.struct_size += 16;
-    check_failure(fkda_query_device(-1, &info), "info: struct_size is 304, expected 296");
+    expect_invalid(fkda_query_device(-1, &info), "info: struct_size is 304, expected 296");
   }
 }
 
@@ -400,18 +392,18 @@ TEST_CASE("debug checks report two sequences sharing a slot", "[validation][serv
       if (!c.decode) {
         SECTION("undefined but not checked without them") {
           CpuPlan plan(1);
-          FKDA_CHECK_OK(run(plan));
+          FKDA_REQUIRE(run(plan));
         }
       }
       SECTION("desc.debug_checks = 1") {
         CpuPlan plan(1, {FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK, FKDA_NULL_SLOT_NEGATIVE, 1});
-        check_failure(run(plan), c.message_start);
+        expect_invalid(run(plan), c.message_start);
       }
       SECTION("FKDA_DEBUG_CHECKS=1 in the environment") {
         setenv("FKDA_DEBUG_CHECKS", "1", 1);
         CpuPlan plan(1);
         unsetenv("FKDA_DEBUG_CHECKS");
-        check_failure(run(plan), c.message_start);
+        expect_invalid(run(plan), c.message_start);
       }
     }
   }

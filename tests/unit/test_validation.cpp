@@ -14,6 +14,7 @@
 
 #include "flashkda.h"
 #include "kda_reference.h"
+#include "status_checks.h"
 
 namespace {
 
@@ -186,13 +187,6 @@ std::vector<BadCall> bad_fwd_calls() {
       {"cu_seqlens misaligned", [](fkda_fwd_args& a, Fixture&) { a.cu_seqlens.data = off_by_one_byte(a.cu_seqlens.data); }, BAD, "cu_seqlens: data 0x", true},
       {"cu_seqlens i32 on 4 + 2 bytes", [](fkda_fwd_args& a, Fixture&) { a.cu_seqlens.dtype = FKDA_DTYPE_I32; a.cu_seqlens.data = static_cast<char*>(a.cu_seqlens.data) + 2; }, BAD, "cu_seqlens: data 0x", true},
   };
-}
-
-void check_failure(fkda_status status, fkda_status expected, const std::string& message_start) {
-  CHECK(status == expected);
-  std::string message = fkda_last_error();
-  INFO("message: " << message);
-  CHECK(message.rfind(message_start, 0) == 0);
 }
 
 }  // namespace
