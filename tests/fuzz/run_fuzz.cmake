@@ -8,6 +8,7 @@ endif()
 execute_process(COMMAND "${CMAKE_COMMAND}" -S "${SOURCE_DIR}/tests/fuzz" -B "${WORK_DIR}/build"
                         "-DCMAKE_CXX_COMPILER=${CLANGXX}" "-DFKDA_SOURCE_DIR=${SOURCE_DIR}"
                         "-DFKDA_CUDA_INCLUDE_DIR=${CUDA_INCLUDE_DIR}"
+                        "-DFKDA_GENERATED_DIR=${GENERATED_DIR}"
                 RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "configuring the fuzz target failed")
