@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Opt-in, outside scripts/test.sh (it downloads from the Debian mirror that
-# this machine's apt uses): loads the built library under an older Debian's
-# glibc (bullseye: 2.31) and runs a CPU forward pass there through the C ABI.
-# Its checksum must equal the one under this machine's glibc.
+# Loads the built library under an older Debian's glibc (bullseye: 2.31) and
+# runs a CPU forward pass there through the C ABI; its checksum must equal the
+# one under this machine's glibc. The CTest old_glibc runs it (it downloads
+# two packages from the Debian mirror that this machine's apt uses).
 #
 #   scripts/old-glibc-check.sh [BUILD_DIR] [SUITE]     (defaults: build, bullseye)
 #
@@ -11,9 +11,9 @@
 # dynamic loader; nothing is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build=${1:-build}
+build=$(cd "${1:-build}" && pwd)
 suite=${2:-bullseye}
-work="$PWD/$build/old-glibc"
+work="$build/old-glibc"
 rm -rf "$work"
 mkdir -p "$work/apt/lists/partial" "$work/apt/cache/archives/partial" "$work/root"
 
@@ -33,7 +33,7 @@ cc -std=c99 -O2 -Iinclude tests/old_glibc/cpu_forward.c tests/old_glibc/start_ma
    -Wl,--wrap=__libc_start_main -L"$build" -l:libflashkda.so.0 -lm -o "$work/cpu_forward"
 
 here=$(LD_LIBRARY_PATH="$build" "$work/cpu_forward")
-there=$("$loader" --library-path "$work/root/lib/x86_64-linux-gnu:$PWD/$build" "$work/cpu_forward")
+there=$("$loader" --library-path "$work/root/lib/x86_64-linux-gnu:$build" "$work/cpu_forward")
 echo "here:  $here"
 echo "there: $there"
 [ "${here#*: }" = "${there#*: }" ] || { echo "old-glibc-check: the checksums differ" >&2; exit 1; }
