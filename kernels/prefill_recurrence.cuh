@@ -323,119 +323,126 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   const uint32_t mqk_lane = FKDA_WS_MQK_OFFSET + small_tile_offset(row_a, col_a);
   const uint32_t v_lane = FKDA_STAGE_V + row_a * kVPitch + (warp * 16 + col_a) * 2;
 
-  for (int64_t chunk = chunk_first; chunk < chunk_end; ++chunk) {
-    cp_async_wait<FKDA_RECURRENCE_STAGES - 2>();
-    // The chunk's stage is complete for every thread, and every warp is done
-    // with the stage that the next issue overwrites (the one of chunk - 1).
-    __syncthreads();
-    issue();
-    const uint32_t stage = stages + int(chunk % FKDA_RECURRENCE_STAGES) * kStageBytes;
+  // The chunks run in stretches that end at the next checkpoint inside this
+  // window (or at the window's end), so that the checkpoint store stays out
+  // of the chunk loop, whose body is the latency chain every sequence waits on.
+  int64_t chunk = chunk_first;
+  for (;;) {
+    const bool checkpoint_here = checkpoint.boundary > 0 && checkpoint.boundary <= chunk_end * FKDA_CHUNK;
+    const int64_t stretch_end = checkpoint_here ? checkpoint.boundary / FKDA_CHUNK : chunk_end;
+    for (; chunk < stretch_end; ++chunk) {
+      cp_async_wait<FKDA_RECURRENCE_STAGES - 2>();
+      // The chunk's stage is complete for every thread, and every warp is done
+      // with the stage that the next issue overwrites (the one of chunk - 1).
+      __syncthreads();
+      issue();
+      const uint32_t stage = stages + int(chunk % FKDA_RECURRENCE_STAGES) * kStageBytes;
 
-    // Operands off the chain first: v^T (A-fragment order, k = tokens), W, Mqk.
-    uint32_t v[4], w[4], mqk[4];
-    ldmatrix_x4_trans(v, stage + v_lane);
-    ldmatrix_x4(w, stage + w_lane);
-    ldmatrix_x4(mqk, stage + mqk_lane);
+      // Operands off the chain first: v^T (A-fragment order, k = tokens), W, Mqk.
+      uint32_t v[4], w[4], mqk[4];
+      ldmatrix_x4_trans(v, stage + v_lane);
+      ldmatrix_x4(w, stage + w_lane);
+      ldmatrix_x4(mqk, stage + mqk_lane);
 
-    // Sh = f16(S) as A fragments: k-step ks covers columns 16 ks .. 16 ks + 15.
-    uint32_t sh[8][4];
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      sh[ks][0] = pack_f16x2(S[2 * ks][0], S[2 * ks][1]);
-      sh[ks][1] = pack_f16x2(S[2 * ks][2], S[2 * ks][3]);
-      sh[ks][2] = pack_f16x2(S[2 * ks + 1][0], S[2 * ks + 1][1]);
-      sh[ks][3] = pack_f16x2(S[2 * ks + 1][2], S[2 * ks + 1][3]);
-    }
-    // S diag(decay) now, while the products below wait on their inputs.
-    const float* decay = reinterpret_cast<const float*>(smem + (stage - stages) + FKDA_WS_DECAY_OFFSET);
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const float2 d = *reinterpret_cast<const float2*>(decay + nt * 8 + 2 * t);
-      S[nt][0] *= d.x;
-      S[nt][1] *= d.y;
-      S[nt][2] *= d.x;
-      S[nt][3] *= d.y;
-    }
+      // Sh = f16(S) as A fragments: k-step ks covers columns 16 ks .. 16 ks + 15.
+      uint32_t sh[8][4];
+  #pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        sh[ks][0] = pack_f16x2(S[2 * ks][0], S[2 * ks][1]);
+        sh[ks][1] = pack_f16x2(S[2 * ks][2], S[2 * ks][3]);
+        sh[ks][2] = pack_f16x2(S[2 * ks + 1][0], S[2 * ks + 1][1]);
+        sh[ks][3] = pack_f16x2(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+      }
+      // S diag(decay) now, while the products below wait on their inputs.
+      const float* decay = reinterpret_cast<const float*>(smem + (stage - stages) + FKDA_WS_DECAY_OFFSET);
+  #pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+        const float2 d = *reinterpret_cast<const float2*>(decay + nt * 8 + 2 * t);
+        S[nt][0] *= d.x;
+        S[nt][1] *= d.y;
+        S[nt][2] *= d.x;
+        S[nt][3] *= d.y;
+      }
 
-    // X^T (16 V rows x 16 tokens, two n-tiles) is on the chain to the next
-    // chunk: four partial sums cut its dependent mmas from eight to two.
-    float x[4][2][4] = {};
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      uint32_t kd[4];
-      ldmatrix_x4(kd, stage + FKDA_WS_KD_OFFSET + (kd_lane ^ (ks << 5)));
-      mma_f16(x[ks & 3][0], sh[ks], kd[0], kd[1]);
-      mma_f16(x[ks & 3][1], sh[ks], kd[2], kd[3]);
-    }
+      // X^T (16 V rows x 16 tokens, two n-tiles) is on the chain to the next
+      // chunk: four partial sums cut its dependent mmas from eight to two.
+      float x[4][2][4] = {};
+  #pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        uint32_t kd[4];
+        ldmatrix_x4(kd, stage + FKDA_WS_KD_OFFSET + (kd_lane ^ (ks << 5)));
+        mma_f16(x[ks & 3][0], sh[ks], kd[0], kd[1]);
+        mma_f16(x[ks & 3][1], sh[ks], kd[2], kd[3]);
+      }
 
-    // Y^T = f16(v^T - X^T), straight into A-fragment order.
-    uint32_t y[4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      float xs[4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) xs[r] = (x[0][nt][r] + x[1][nt][r]) + (x[2][nt][r] + x[3][nt][r]);
-      y[2 * nt] = pack_f16x2(bf16_lo(v[2 * nt]) - xs[0], bf16_hi(v[2 * nt]) - xs[1]);
-      y[2 * nt + 1] = pack_f16x2(bf16_lo(v[2 * nt + 1]) - xs[2], bf16_hi(v[2 * nt + 1]) - xs[3]);
-    }
+      // Y^T = f16(v^T - X^T), straight into A-fragment order.
+      uint32_t y[4];
+  #pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        float xs[4];
+  #pragma unroll
+        for (int r = 0; r < 4; ++r) xs[r] = (x[0][nt][r] + x[1][nt][r]) + (x[2][nt][r] + x[3][nt][r]);
+        y[2 * nt] = pack_f16x2(bf16_lo(v[2 * nt]) - xs[0], bf16_hi(v[2 * nt]) - xs[1]);
+        y[2 * nt + 1] = pack_f16x2(bf16_lo(v[2 * nt + 1]) - xs[2], bf16_hi(v[2 * nt + 1]) - xs[3]);
+      }
 
-    // U^T = Y^T W^T, Uh^T = f16(U^T).
-    float u[2][4] = {};
-    mma_f16(u[0], y, w[0], w[1]);
-    mma_f16(u[1], y, w[2], w[3]);
-    uint32_t uh[4];
-    uh[0] = pack_f16x2(u[0][0], u[0][1]);
-    uh[1] = pack_f16x2(u[0][2], u[0][3]);
-    uh[2] = pack_f16x2(u[1][0], u[1][1]);
-    uh[3] = pack_f16x2(u[1][2], u[1][3]);
+      // U^T = Y^T W^T, Uh^T = f16(U^T).
+      float u[2][4] = {};
+      mma_f16(u[0], y, w[0], w[1]);
+      mma_f16(u[1], y, w[2], w[3]);
+      uint32_t uh[4];
+      uh[0] = pack_f16x2(u[0][0], u[0][1]);
+      uh[1] = pack_f16x2(u[0][2], u[0][3]);
+      uh[2] = pack_f16x2(u[1][0], u[1][1]);
+      uh[3] = pack_f16x2(u[1][2], u[1][3]);
 
-    // S += Uh^T Kr closes the chain.
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      uint32_t kr[4];
-      ldmatrix_x4_trans(kr, stage + FKDA_WS_KR_OFFSET + (kr_lane ^ (j << 5)));
-      mma_f16(S[2 * j], uh, kr[0], kr[1]);
-      mma_f16(S[2 * j + 1], uh, kr[2], kr[3]);
-    }
+      // S += Uh^T Kr closes the chain.
+  #pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        uint32_t kr[4];
+        ldmatrix_x4_trans(kr, stage + FKDA_WS_KR_OFFSET + (kr_lane ^ (j << 5)));
+        mma_f16(S[2 * j], uh, kr[0], kr[1]);
+        mma_f16(S[2 * j + 1], uh, kr[2], kr[3]);
+      }
 
-    // Oi^T = Sh Qd^T, off the chain.
-    float o[2][4] = {};
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      uint32_t qd[4];
-      ldmatrix_x4(qd, stage + FKDA_WS_QD_OFFSET + (kd_lane ^ (ks << 5)));
-      mma_f16(o[0], sh[ks], qd[0], qd[1]);
-      mma_f16(o[1], sh[ks], qd[2], qd[3]);
-    }
+      // Oi^T = Sh Qd^T, off the chain.
+      float o[2][4] = {};
+  #pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        uint32_t qd[4];
+        ldmatrix_x4(qd, stage + FKDA_WS_QD_OFFSET + (kd_lane ^ (ks << 5)));
+        mma_f16(o[0], sh[ks], qd[0], qd[1]);
+        mma_f16(o[1], sh[ks], qd[2], qd[3]);
+      }
 
-    // O^T = Oi^T + Uh^T Mqk^T, then out = bf16(O) through the warp's tile
-    // (token-major) so that each lane writes one 16-byte piece.
-    mma_f16(o[0], uh, mqk[0], mqk[1]);
-    mma_f16(o[1], uh, mqk[2], mqk[3]);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int token = nt * 8 + 2 * t + (r & 1);
-        const int col = g + 8 * (r >> 1);
-        *reinterpret_cast<uint16_t*>(out_tile + token * FKDA_OUT_TILE_PITCH_BYTES + col * 2) = to_bf16(o[nt][r]);
+      // O^T = Oi^T + Uh^T Mqk^T, then out = bf16(O) through the warp's tile
+      // (token-major) so that each lane writes one 16-byte piece.
+      mma_f16(o[0], uh, mqk[0], mqk[1]);
+      mma_f16(o[1], uh, mqk[2], mqk[3]);
+  #pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+  #pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int token = nt * 8 + 2 * t + (r & 1);
+          const int col = g + 8 * (r >> 1);
+          *reinterpret_cast<uint16_t*>(out_tile + token * FKDA_OUT_TILE_PITCH_BYTES + col * 2) = to_bf16(o[nt][r]);
+        }
+      }
+      __syncwarp();
+      const int64_t first = seq.begin + chunk * FKDA_CHUNK;
+      const int token = lane >> 1, piece = lane & 1;
+      if (first + token < seq.end) {
+        const uint4 value = *reinterpret_cast<const uint4*>(out_tile + token * FKDA_OUT_TILE_PITCH_BYTES + piece * 16);
+        *reinterpret_cast<uint4*>(out_row + (first + token) * p.out.stride_t + piece * 8) = value;
       }
     }
-    __syncwarp();
-    const int64_t first = seq.begin + chunk * FKDA_CHUNK;
-    const int token = lane >> 1, piece = lane & 1;
-    if (first + token < seq.end) {
-      const uint4 value = *reinterpret_cast<const uint4*>(out_tile + token * FKDA_OUT_TILE_PITCH_BYTES + piece * 16);
-      *reinterpret_cast<uint4*>(out_row + (first + token) * p.out.stride_t + piece * 8) = value;
+    if (!checkpoint_here) break;
+    StateAccess to_checkpoint;
+    if (checkpoint_destination(p, n, checkpoint.column, head_offset, to_checkpoint)) {
+      store_state(to_checkpoint, e0, g, t, S);
     }
-    if ((chunk + 1) * FKDA_CHUNK == checkpoint.boundary) {
-      StateAccess to_checkpoint;
-      if (checkpoint_destination(p, n, checkpoint.column, head_offset, to_checkpoint)) {
-        store_state(to_checkpoint, e0, g, t, S);
-      }
-      ++checkpoint.column;
-      seek_checkpoint(p, n, seq.end - seq.begin, checkpoint.boundary, checkpoint);
-    }
+    ++checkpoint.column;
+    seek_checkpoint(p, n, seq.end - seq.begin, checkpoint.boundary, checkpoint);
   }
   // Drain the empty trailing groups before the block's shared memory goes away.
   cp_async_wait<0>();
