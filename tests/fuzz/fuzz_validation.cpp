@@ -128,6 +128,7 @@ struct Slot {
   bool required;
   int32_t rank;
   std::vector<int32_t> dtypes;
+  int32_t other_rank = -1;  // a second rank the header allows, or -1
 };
 
 // How a tensor's descriptor relates to its buffer.
@@ -140,7 +141,7 @@ enum class Reach {
 Reach reach(const Slot& s) {
   const fkda_tensor& t = *s.tensor;
   if (!present(t)) return s.required ? Reach::kForbidden : Reach::kInside;
-  if (t.rank != s.rank) return Reach::kForbidden;
+  if (t.rank != s.rank && t.rank != s.other_rank) return Reach::kForbidden;
   if (std::find(s.dtypes.begin(), s.dtypes.end(), t.dtype) == s.dtypes.end()) return Reach::kForbidden;
   bool empty = false;
   for (int32_t i = 0; i < t.rank; ++i) {
@@ -598,7 +599,8 @@ void fuzz_decode(Input& in) {
   call.add(pool, state_dtype, pool_shape, packed_strides(pool_shape), true);
   std::vector<int64_t> slots(size_t(N * W));
   for (int64_t i = 0; i < N * W; ++i) slots[size_t(i)] = i;
-  const Slot indices = {"state_indices", &a.state_indices, nullptr, true, table ? 2 : 1, kIntegers};
+  // [N] and [N, W] are both valid whatever the valid call used.
+  const Slot indices = {"state_indices", &a.state_indices, nullptr, true, table ? 2 : 1, kIntegers, table ? 1 : 2};
   if (table) add_integers(call, indices, i32, {N, W}, slots);
   else add_integers(call, indices, i32, {N}, slots);
   const Slot accepted = {"num_accepted_tokens", &a.num_accepted_tokens, nullptr, false, 1, kIntegers};
