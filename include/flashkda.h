@@ -1,9 +1,11 @@
 /*
  * flashkda.h - the public C ABI of libflashkda.
  *
- * libflashkda computes Kimi Delta Attention (KDA) forward passes with a
- * bounded gate: the gate floor `lower_bound` (in [-5, 0]) keeps the chunked
- * exp(cumsum(g)) factors of 16-token chunks inside bf16/f32 range.
+ * libflashkda computes Kimi Delta Attention (KDA) forward passes. Its
+ * default gate is bounded: the gate floor `lower_bound` (in [-5, 0]) keeps
+ * the chunked exp(cumsum(g)) factors of 16-token chunks inside bf16/f32
+ * range. Plans may instead take the unbounded softplus gate or precomputed
+ * log-decays (fkda_gate_mode), and beta as logits or probabilities.
  *
  * Rules of this header:
  *  - C99, no CUDA or C++ types. Streams are `struct CUstream_st*`, the same
@@ -26,7 +28,7 @@
 #include <stdint.h>
 
 #define FKDA_VERSION_MAJOR 0
-#define FKDA_VERSION_MINOR 2
+#define FKDA_VERSION_MINOR 3
 #define FKDA_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, the value fkda_version() returns. */
 #define FKDA_VERSION_NUMBER \
@@ -146,6 +148,31 @@ typedef enum fkda_null_slot_rule {
   FKDA_NULL_SLOT_NONPOSITIVE = 1  /* index <= 0 is padding; slot 0 is never touched */
 } fkda_null_slot_rule;
 
+/* How the per-channel decay of each token is formed (appended in 0.3). In
+ * every mode the decay is exp(a) with a log-decay a <= 0:
+ *   BOUNDED    a = lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))
+ *              in [lower_bound, 0]. A_log and dt_bias are optional: absent
+ *              means exp(A_log) = 1 and dt_bias = 0.
+ *   SOFTPLUS   a = -exp(A_log[h]) * softplus(g + dt_bias[h]), softplus(x) =
+ *              log(1 + exp(x)), taken as x above 20 (Kimi-Linear's gate).
+ *              A_log is required, dt_bias optional. No floor: any decay, down
+ *              to total forgetting, is computed without overflow.
+ *   LOG_DECAY  a = g: the log-decay itself, computed by the caller (bf16 or
+ *              f32; values above 0 are read as 0). A_log and dt_bias must be
+ *              absent.
+ * lower_bound belongs to BOUNDED only. */
+typedef enum fkda_gate_mode {
+  FKDA_GATE_BOUNDED = 0,  /* default */
+  FKDA_GATE_SOFTPLUS = 1,
+  FKDA_GATE_LOG_DECAY = 2
+} fkda_gate_mode;
+
+/* How beta becomes the delta rule's step size b (appended in 0.3). */
+typedef enum fkda_beta_mode {
+  FKDA_BETA_LOGITS = 0,       /* b = sigmoid(beta) (default) */
+  FKDA_BETA_PROBABILITIES = 1 /* b = beta, already in [0, 1] (clamped into it) */
+} fkda_beta_mode;
+
 typedef struct fkda_plan_s* fkda_plan_t;
 typedef struct CUstream_st* fkda_stream_t;
 
@@ -157,7 +184,8 @@ typedef struct fkda_plan_desc {
   int32_t state_dtype;  /* fkda_dtype of initial/final state: BF16 or F32 */
   int32_t state_layout; /* fkda_state_layout */
   int32_t backend;      /* fkda_backend */
-  float lower_bound;    /* gate floor in [-5, 0] */
+  float lower_bound;    /* gate floor in [-5, 0]; BOUNDED gate only (other
+                           gates need it left at the _INIT value, -5) */
   /* Appended in 0.2 (a desc of the 0.1 size takes the _INIT values): */
   int32_t null_slot_rule; /* fkda_null_slot_rule for state_indices and slot tables */
   int32_t debug_checks;   /* 0 or 1. 1: GPU calls copy device-side indices,
@@ -167,12 +195,15 @@ typedef struct fkda_plan_desc {
                              sequences sharing a slot. The environment variable
                              FKDA_DEBUG_CHECKS=1 turns it on for every plan
                              created while it is set. */
+  /* Appended in 0.3 (a desc of an earlier size takes the _INIT values): */
+  int32_t gate_mode;      /* fkda_gate_mode */
+  int32_t beta_mode;      /* fkda_beta_mode */
 } fkda_plan_desc;
 
 #define FKDA_PLAN_DESC_INIT                                                 \
   { sizeof(fkda_plan_desc), 0, 128, 128, FKDA_DTYPE_F32,                    \
     FKDA_STATE_LAYOUT_VK, FKDA_BACKEND_AUTO, -5.0f,                         \
-    FKDA_NULL_SLOT_NEGATIVE, 0 }
+    FKDA_NULL_SLOT_NEGATIVE, 0, FKDA_GATE_BOUNDED, FKDA_BETA_LOGITS }
 
 /* Validates `desc` and creates a plan. A plan is a small host object: it
  * allocates no device memory and loads nothing until its first GPU call. */
@@ -185,7 +216,8 @@ FKDA_API fkda_status fkda_plan_destroy(fkda_plan_t plan);
 FKDA_API fkda_status fkda_plan_get_backend(fkda_plan_t plan,
                                            fkda_backend* backend);
 
-/* The gate floor. Accepted range [-5, 0]: below -5 the 16-token chunk's
+/* The gate floor of a BOUNDED plan (other gate modes have none: both calls
+ * fail on them). Accepted range [-5, 0]: below -5 the 16-token chunk's
  * exp(16 * |lower_bound|) key factor leaves bf16 range. NaN and infinities
  * are rejected. Not to be called while a fkda_fwd on the same plan runs. */
 FKDA_API fkda_status fkda_set_lower_bound(fkda_plan_t plan, float lower_bound);
@@ -207,11 +239,15 @@ FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
 
 /* Shapes (K = V = 128; N = B, or cu_seqlens' length - 1 with B == 1), under
  * the rules of fkda_tensor above:
- *   q, k, g      bf16 [B, T, H, K]    last axis contiguous
+ *   q, k         bf16 [B, T, H, K]    last axis contiguous
+ *   g            bf16 [B, T, H, K]    last axis contiguous (bf16 or f32 with
+ *                                     the LOG_DECAY gate)
  *   v, out       bf16 [B, T, H, V]    last axis contiguous
- *   beta         bf16 [B, T, H]       any strides
- *   A_log        f32  [H]             packed
- *   dt_bias      f32  [H, K]          packed
+ *   beta         bf16 or f32 [B, T, H] any strides (logits or probabilities:
+ *                                     the plan's beta_mode)
+ *   A_log        f32  [H]             packed; optional with the BOUNDED gate,
+ *                                     absent with LOG_DECAY (fkda_gate_mode)
+ *   dt_bias      f32  [H, K]          packed; optional, absent with LOG_DECAY
  *   initial_state, final_state        optional, plan's state dtype,
  *                                     [N, H, V, K] (or [N, H, K, V]), packed;
  *                                     they may be the same buffer (updated in place)
@@ -258,8 +294,8 @@ typedef struct fkda_fwd_args {
   fkda_tensor v;
   fkda_tensor g;
   fkda_tensor beta;
-  fkda_tensor A_log;
-  fkda_tensor dt_bias;
+  fkda_tensor A_log;   /* optional but with the SOFTPLUS gate */
+  fkda_tensor dt_bias; /* optional */
   fkda_tensor out;
   fkda_tensor initial_state; /* optional: absent means zeros */
   fkda_tensor final_state;   /* optional */
@@ -303,7 +339,8 @@ FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args,
  *                      tokens for each of N sequences), or packed [1, T, H, *]
  *                      with cu_seqlens (lengths 0 to 16; zero-length
  *                      sequences are allowed and touch nothing)
- *   A_log, dt_bias     as in fkda_fwd
+ *   A_log, dt_bias     as in fkda_fwd, as are the dtypes of g and beta and the
+ *                      plan's gate and beta modes
  *   state_pool         plan's state dtype, [slots, H, V, K] (or [slots, H, K, V]),
  *                      slot stride free (>= H*V*K), the rest contiguous
  *   state_indices      i32 or i64, [N]: start from slot state_indices[n], write

@@ -45,10 +45,11 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_smem_bytes(int32_t max_tokens
 }
 
 typedef struct FkdaDecodeParams {
-  FkdaActivation q, k, v, g, beta; /* bf16 */
+  FkdaActivation q, k, v, g, beta; /* bf16 (g, beta: or f32, see gate) */
   FkdaOutput out;                  /* bf16 */
-  const float* A_log;              /* [H] */
-  const float* dt_bias;            /* [H, K] */
+  const float* A_log;              /* [H] or NULL */
+  const float* dt_bias;            /* [H, K] or NULL */
+  FkdaGate gate;
 
   void* pool;               /* [slots, H, V, K] (or [slots, H, K, V]) */
   int64_t pool_slots;

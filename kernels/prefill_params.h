@@ -85,6 +85,28 @@ static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_smem_bytes(int32_t vsplit
 #define FKDA_PREPARE_THREADS 128
 #define FKDA_PREPARE_MIN_BLOCKS 8
 
+/* How the per-channel log-decay and beta's step size are formed: the values
+ * of flashkda.h's fkda_gate_mode and fkda_beta_mode (src/gpu/kernel_library.h
+ * asserts that they agree). A_log and dt_bias may be NULL (exp(A_log) = 1,
+ * dt_bias = 0) where the mode allows it. */
+#define FKDA_KERNEL_GATE_BOUNDED 0
+#define FKDA_KERNEL_GATE_SOFTPLUS 1
+#define FKDA_KERNEL_GATE_LOG_DECAY 2
+#define FKDA_KERNEL_BETA_LOGITS 0
+#define FKDA_KERNEL_BETA_PROBABILITIES 1
+
+/* Per-token base-2 log-decays of the unbounded gates are clamped to this
+ * floor: 2^-150 rounds to 0 in f32, so no decay factor changes, while the
+ * running sums over a chunk stay finite (>= -2400) and -inf gives no NaN. */
+#define FKDA_LOG2_DECAY_FLOOR (-150.0f)
+
+typedef struct FkdaGate {
+  int32_t mode;      /* FKDA_KERNEL_GATE_* */
+  int32_t beta_mode; /* FKDA_KERNEL_BETA_* */
+  int32_t g_is_f32;  /* else bf16 (f32 with LOG_DECAY only) */
+  int32_t beta_is_f32;
+} FkdaGate;
+
 /* An activation [B, T, H, D] (or [B, T, H] for beta): element strides of the
  * batch, token and head axes; the D axis is contiguous. */
 typedef struct FkdaActivation {
@@ -113,10 +135,11 @@ typedef struct FkdaIndexTable {
 } FkdaIndexTable;
 
 typedef struct FkdaPrefillParams {
-  FkdaActivation q, k, v, g, beta; /* bf16 */
+  FkdaActivation q, k, v, g, beta; /* bf16 (g, beta: or f32, see gate) */
   FkdaOutput out;                  /* bf16 */
-  const float* A_log;              /* [H] */
-  const float* dt_bias;            /* [H, K] */
+  const float* A_log;              /* [H] or NULL */
+  const float* dt_bias;            /* [H, K] or NULL */
+  FkdaGate gate;
 
   const void* initial_state; /* NULL: zeros */
   void* final_state;         /* NULL: not written */

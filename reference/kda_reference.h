@@ -23,10 +23,15 @@ struct Problem {
   int64_t K = 128, V = 128;
   std::vector<int64_t> cu_seqlens;  // empty: one sequence per batch row
   std::vector<uint16_t> q, k, v, g, beta;
-  std::vector<float> A_log, dt_bias;
+  std::vector<float> A_log, dt_bias;  // empty: absent (where gate_mode allows it)
   std::vector<float> initial_state;  // empty: absent (zeros); else [N, H, V, K] in f32
   float scale = 0.08838834764831845f;
-  float lower_bound = -5.f;
+  float lower_bound = -5.f;  // BOUNDED only
+  int32_t gate_mode = FKDA_GATE_BOUNDED;  // fkda_gate_mode
+  int32_t beta_mode = FKDA_BETA_LOGITS;   // fkda_beta_mode
+  // Non-empty: g (LOG_DECAY only) or beta passed as f32 [B, T, H, K] /
+  // [B, T, H] instead of their bf16 bits, which are then unused.
+  std::vector<float> g_f32, beta_f32;
 
   int64_t num_seqs() const { return cu_seqlens.empty() ? B : int64_t(cu_seqlens.size()) - 1; }
   int64_t state_elems() const { return num_seqs() * H * V * K; }
@@ -42,7 +47,30 @@ struct ProblemShape {
   float gate_mean = 0.f;
   float gate_std = 1.f;
   float initial_state_std = 0.1f;
+  int32_t gate_mode = FKDA_GATE_BOUNDED;
+  // SOFTPLUS: A_log = log U(1, 16) and dt_bias the inverse softplus of a
+  // log-uniform value in [0.001, 0.1] instead of U(0, 1) (Kimi-Linear's
+  // initialisation); with g ~ N(0, 1) the log-decays reach about -27.
+  bool model_gate_parameters = false;
 };
+
+// The softplus-gate distributions of docs/BENCHMARKS.md: realistic (model
+// gate parameters, g ~ N(0, 1)) and extreme (g ~ N(0, 4): log-decays down
+// to about -230).
+ProblemShape realistic_softplus(ProblemShape shape);
+ProblemShape extreme_softplus(ProblemShape shape);
+
+// The natural-log decay (<= 0) of every [B, T, H, K] element of p under its
+// gate mode, in fp64 from the inputs as passed (bf16 g, f32 A_log, dt_bias).
+std::vector<double> log_decays(const Problem& p);
+
+// p with its gate replaced by the LOG_DECAY form carrying the same
+// log-decays (log_decays(p)), rounded to f32 g when `f32`, else to bf16.
+Problem as_log_decay(const Problem& p, bool f32);
+
+// p with beta replaced by sigmoid(beta) (PROBABILITIES), rounded to f32 when
+// `f32`, else to bf16.
+Problem as_probabilities(const Problem& p, bool f32);
 
 // q, k, v, beta ~ N(0, 1); A_log, dt_bias ~ U(0, 1); g and the initial state
 // as the shape says (by default the fast-decay accuracy case of

@@ -101,6 +101,7 @@ FKDA_API fkda_status fkda_plan_get_backend(fkda_plan_t plan, fkda_backend* backe
 FKDA_API fkda_status fkda_set_lower_bound(fkda_plan_t plan, float lower_bound) {
   return guarded([&] {
     fkda::Plan& p = fkda::live_plan(plan);
+    fkda::require_bounded_gate(p);
     fkda::check_lower_bound(lower_bound);
     p.lower_bound.store(lower_bound);
   });
@@ -109,7 +110,9 @@ FKDA_API fkda_status fkda_set_lower_bound(fkda_plan_t plan, float lower_bound) {
 FKDA_API fkda_status fkda_get_lower_bound(fkda_plan_t plan, float* lower_bound) {
   return guarded([&] {
     require_output(lower_bound, "lower_bound");
-    *lower_bound = fkda::live_plan(plan).lower_bound.load();
+    const fkda::Plan& p = fkda::live_plan(plan);
+    fkda::require_bounded_gate(p);
+    *lower_bound = p.lower_bound.load();
   });
 }
 

@@ -22,10 +22,11 @@ struct DecodeProblem {
   int32_t head_dim_k = 128;
   int32_t head_dim_v = 128;
 
-  ActView q, k, v, g, beta;  // bf16
+  ActView q, k, v, g, beta;  // bf16 (g, beta: or f32, see gate)
   ActView out;               // bf16, written
-  const float* A_log = nullptr;    // [H]
-  const float* dt_bias = nullptr;  // [H, K]
+  const float* A_log = nullptr;    // [H], optional (GateForm)
+  const float* dt_bias = nullptr;  // [H, K], optional
+  GateForm gate;
 
   PoolView pool;              // [slots, H, V, K] (or KV), the plan's state dtype
   int32_t state_dtype = 0;

@@ -48,6 +48,22 @@ void check_lower_bound(float lower_bound) {
   }
 }
 
+const char* gate_mode_name(int32_t gate_mode) {
+  switch (gate_mode) {
+    case FKDA_GATE_BOUNDED: return "bounded";
+    case FKDA_GATE_SOFTPLUS: return "softplus";
+    case FKDA_GATE_LOG_DECAY: return "log-decay";
+    default: return "unknown";
+  }
+}
+
+void require_bounded_gate(const Plan& plan) {
+  if (plan.gate_mode != FKDA_GATE_BOUNDED) {
+    invalid(std::string("plan: lower_bound belongs to the bounded gate; this plan's gate is ") +
+            gate_mode_name(plan.gate_mode) + ", which has no floor");
+  }
+}
+
 fkda_status gpu_unusable_reason(std::string* reason) {
   const cuda::Driver* d = cuda::driver();
   if (d == nullptr) {
@@ -111,11 +127,27 @@ fkda_plan_t create_plan(const fkda_plan_desc* desc) {
   if (desc->debug_checks != 0 && desc->debug_checks != 1) {
     invalid("desc.debug_checks: expected 0 or 1, got " + std::to_string(desc->debug_checks));
   }
-  try {
-    check_lower_bound(desc->lower_bound);
-  } catch (Error& e) {
-    e.message = "desc." + e.message;
-    throw;
+  if (desc->gate_mode != FKDA_GATE_BOUNDED && desc->gate_mode != FKDA_GATE_SOFTPLUS &&
+      desc->gate_mode != FKDA_GATE_LOG_DECAY) {
+    invalid("desc.gate_mode: expected FKDA_GATE_BOUNDED (0), _SOFTPLUS (1) or _LOG_DECAY (2), got " +
+            std::to_string(desc->gate_mode));
+  }
+  if (desc->beta_mode != FKDA_BETA_LOGITS && desc->beta_mode != FKDA_BETA_PROBABILITIES) {
+    invalid("desc.beta_mode: expected FKDA_BETA_LOGITS (0) or FKDA_BETA_PROBABILITIES (1), got " +
+            std::to_string(desc->beta_mode));
+  }
+  const float default_lower_bound = fkda_plan_desc FKDA_PLAN_DESC_INIT.lower_bound;
+  if (desc->gate_mode == FKDA_GATE_BOUNDED) {
+    try {
+      check_lower_bound(desc->lower_bound);
+    } catch (Error& e) {
+      e.message = "desc." + e.message;
+      throw;
+    }
+  } else if (!(desc->lower_bound == default_lower_bound)) {
+    invalid("desc.lower_bound: set to " + std::to_string(desc->lower_bound) + ", but the " +
+            gate_mode_name(desc->gate_mode) +
+            " gate has no floor (leave lower_bound at its FKDA_PLAN_DESC_INIT value, -5)");
   }
 
   fkda_backend backend = FKDA_BACKEND_CPU;
@@ -149,6 +181,8 @@ fkda_plan_t create_plan(const fkda_plan_desc* desc) {
   plan->lower_bound.store(desc->lower_bound);
   plan->null_slot_rule = desc->null_slot_rule;
   plan->debug_checks = desc->debug_checks == 1 || debug_checks_from_environment();
+  plan->gate_mode = desc->gate_mode;
+  plan->beta_mode = desc->beta_mode;
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry().insert(plan);
   return plan;

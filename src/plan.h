@@ -30,7 +30,9 @@ struct Plan {
   // GPU plans copy device-side indices and offsets to the host and check
   // them before each launch; CPU plans add the duplicate-slot check.
   bool debug_checks = false;
-  std::atomic<float> lower_bound{-5.0f};
+  int32_t gate_mode = FKDA_GATE_BOUNDED;  // fkda_gate_mode
+  int32_t beta_mode = FKDA_BETA_LOGITS;   // fkda_beta_mode
+  std::atomic<float> lower_bound{-5.0f};  // BOUNDED plans only
   // The launch shape of the last GPU fkda_fwd (fkda_plan_get_launch_report).
   mutable std::mutex launch_mutex;
   mutable fkda_launch_report last_launch = FKDA_LAUNCH_REPORT_INIT;
@@ -56,6 +58,11 @@ void destroy_plan(fkda_plan_t plan);
 Plan& live_plan(fkda_plan_t handle);
 
 void check_lower_bound(float lower_bound);
+// "bounded", "softplus", "log-decay": how messages name a gate mode.
+const char* gate_mode_name(int32_t gate_mode);
+// Throws, naming `plan`, unless the plan's gate is BOUNDED (the only one
+// with a floor).
+void require_bounded_gate(const Plan& plan);
 
 // Why the GPU backend cannot run here, or an empty string when it can.
 // Looks at the current context's device, else device 0.

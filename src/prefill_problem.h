@@ -84,6 +84,17 @@ inline bool is_null_slot(int64_t index, int32_t null_slot_rule) {
   return null_slot_rule == FKDA_NULL_SLOT_NONPOSITIVE ? index <= 0 : index < 0;
 }
 
+// How the decay and the step size are formed from g, A_log, dt_bias and
+// beta: the plan's fkda_gate_mode and fkda_beta_mode, and the dtypes the
+// call passed g and beta in. A_log and dt_bias may be NULL where the mode
+// allows it (exp(A_log) = 1, dt_bias = 0).
+struct GateForm {
+  int32_t gate_mode = FKDA_GATE_BOUNDED;
+  int32_t beta_mode = FKDA_BETA_LOGITS;
+  bool g_is_f32 = false;  // else bf16; f32 with LOG_DECAY only
+  bool beta_is_f32 = false;
+};
+
 struct PrefillProblem {
   int64_t batch = 0;      // B
   int64_t seq_len = 0;    // T (tokens per batch row; the packed total with cu_seqlens)
@@ -92,10 +103,11 @@ struct PrefillProblem {
   int32_t head_dim_k = 128;
   int32_t head_dim_v = 128;
 
-  ActView q, k, v, g, beta;  // bf16
+  ActView q, k, v, g, beta;  // bf16 (g, beta: or f32, see gate)
   ActView out;               // bf16, written (data is writable)
-  const float* A_log = nullptr;    // [H]
-  const float* dt_bias = nullptr;  // [H, K]
+  const float* A_log = nullptr;    // [H], optional (GateForm)
+  const float* dt_bias = nullptr;  // [H, K], optional
+  GateForm gate;
 
   // Optional states, contiguous, dtype bf16 or f32 (fkda_dtype values).
   const void* initial_state = nullptr;

@@ -271,6 +271,33 @@ void check_cu_seqlens_contents(const fkda_tensor& cu, int64_t total_tokens) {
   }
 }
 
+namespace {
+
+// g, beta, A_log and dt_bias under the plan's gate and beta modes.
+void check_gate_inputs(const Plan& plan, const Activations& a, int64_t B, int64_t T) {
+  const int64_t H = plan.num_heads, K = plan.head_dim_k;
+  const std::string gate = std::string("the plan's gate is ") + gate_mode_name(plan.gate_mode);
+  if (plan.gate_mode == FKDA_GATE_LOG_DECAY) {
+    check_tensor(a.g, "g", {FKDA_DTYPE_BF16, FKDA_DTYPE_F32}, {B, T, H, K}, Strides::kRows);
+    if (present(a.A_log)) invalid("A_log: must be absent: " + gate + ", g is the log-decay itself");
+    if (present(a.dt_bias)) invalid("dt_bias: must be absent: " + gate + ", g is the log-decay itself");
+  } else {
+    if (present(a.g) && a.g.dtype == FKDA_DTYPE_F32) {
+      invalid("g: expected dtype bf16 (" + gate + "; f32 g is taken with the log-decay gate only), got f32");
+    }
+    check_tensor(a.g, "g", {FKDA_DTYPE_BF16}, {B, T, H, K}, Strides::kRows);
+    if (plan.gate_mode == FKDA_GATE_SOFTPLUS && !present(a.A_log)) {
+      invalid("A_log: required tensor is missing (data NULL, rank 0): " + gate + ", -exp(A_log) * softplus(g + dt_bias)");
+    }
+    if (present(a.A_log)) check_tensor(a.A_log, "A_log", {FKDA_DTYPE_F32}, {H}, Strides::kPacked);
+    if (present(a.dt_bias)) check_tensor(a.dt_bias, "dt_bias", {FKDA_DTYPE_F32}, {H, K}, Strides::kPacked);
+  }
+  // beta has no packed axis of its own: any strides.
+  check_tensor(a.beta, "beta", {FKDA_DTYPE_BF16, FKDA_DTYPE_F32}, {B, T, H}, Strides::kFree);
+}
+
+}  // namespace
+
 ActivationExtents check_activations(const Plan& plan, const Activations& a) {
   const int64_t H = plan.num_heads, K = plan.head_dim_k, V = plan.head_dim_v;
   check_tensor(a.q, "q", {FKDA_DTYPE_BF16}, {kAny, kAny, kAny, kAny}, Strides::kRows);
@@ -284,11 +311,7 @@ ActivationExtents check_activations(const Plan& plan, const Activations& a) {
   const int64_t B = a.q.shape[0], T = a.q.shape[1];
   check_tensor(a.k, "k", {FKDA_DTYPE_BF16}, {B, T, H, K}, Strides::kRows);
   check_tensor(a.v, "v", {FKDA_DTYPE_BF16}, {B, T, H, V}, Strides::kRows);
-  check_tensor(a.g, "g", {FKDA_DTYPE_BF16}, {B, T, H, K}, Strides::kRows);
-  // beta has no packed axis of its own: any strides.
-  check_tensor(a.beta, "beta", {FKDA_DTYPE_BF16}, {B, T, H}, Strides::kFree);
-  check_tensor(a.A_log, "A_log", {FKDA_DTYPE_F32}, {H}, Strides::kPacked);
-  check_tensor(a.dt_bias, "dt_bias", {FKDA_DTYPE_F32}, {H, K}, Strides::kPacked);
+  check_gate_inputs(plan, a, B, T);
   check_tensor(a.out, "out", {FKDA_DTYPE_BF16}, {B, T, H, V}, Strides::kRows);
   check_no_overlap(a.out, "out");
   // out holds B * T * H * V distinct elements inside a span that fits in

@@ -93,8 +93,12 @@ void fill_shared_fields(const Plan& plan, const Activations& a, const fkda_tenso
   p.g = act_view(a.g);
   p.beta = act_view(a.beta);
   p.out = act_view(a.out);
-  p.A_log = static_cast<const float*>(a.A_log.data);
-  p.dt_bias = static_cast<const float*>(a.dt_bias.data);
+  p.A_log = present(a.A_log) && !is_empty(a.A_log) ? static_cast<const float*>(a.A_log.data) : nullptr;
+  p.dt_bias = present(a.dt_bias) && !is_empty(a.dt_bias) ? static_cast<const float*>(a.dt_bias.data) : nullptr;
+  p.gate.gate_mode = plan.gate_mode;
+  p.gate.beta_mode = plan.beta_mode;
+  p.gate.g_is_f32 = a.g.dtype == FKDA_DTYPE_F32;
+  p.gate.beta_is_f32 = a.beta.dtype == FKDA_DTYPE_F32;
   p.state_dtype = plan.state_dtype;
   p.state_layout = plan.state_layout;
   if (present(cu_seqlens)) p.cu_seqlens = SeqOffsets{cu_seqlens.data, cu_seqlens.dtype, cu_seqlens.strides[0]};

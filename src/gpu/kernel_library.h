@@ -93,6 +93,14 @@ void set_common_params(const Problem& problem, Params& params) {
   params.out = output_view(problem.out);
   params.A_log = problem.A_log;
   params.dt_bias = problem.dt_bias;
+  static_assert(FKDA_KERNEL_GATE_BOUNDED == FKDA_GATE_BOUNDED && FKDA_KERNEL_GATE_SOFTPLUS == FKDA_GATE_SOFTPLUS &&
+                    FKDA_KERNEL_GATE_LOG_DECAY == FKDA_GATE_LOG_DECAY && FKDA_KERNEL_BETA_LOGITS == FKDA_BETA_LOGITS &&
+                    FKDA_KERNEL_BETA_PROBABILITIES == FKDA_BETA_PROBABILITIES,
+                "kernels/prefill_params.h's gate and beta modes are flashkda.h's");
+  params.gate.mode = problem.gate.gate_mode;
+  params.gate.beta_mode = problem.gate.beta_mode;
+  params.gate.g_is_f32 = problem.gate.g_is_f32;
+  params.gate.beta_is_f32 = problem.gate.beta_is_f32;
   params.state_is_bf16 = problem.state_dtype == FKDA_DTYPE_BF16;
   params.state_is_kv = problem.state_layout == FKDA_STATE_LAYOUT_KV;
   params.first_real_slot = problem.null_slot_rule == FKDA_NULL_SLOT_NONPOSITIVE ? 1 : 0;
