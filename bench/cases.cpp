@@ -132,6 +132,23 @@ const std::vector<BenchCase>& prefill_cases() {
   return cases;
 }
 
+const std::vector<BenchCase>& softplus_cases() {
+  const double none = std::numeric_limits<double>::quiet_NaN();
+  static const std::vector<BenchCase> cases = {
+      make_case("P1", 1, 8192, 96, {}, none, 2.913, 1.10, "softplus gate"),
+      make_case("P3", 1, 8192, 32, {}, none, 1.598, 0.47, "softplus gate"),
+      make_case("P11", 1, 8192, 12, {}, none, 0.992, 0.42, "softplus gate"),
+  };
+  return cases;
+}
+
+const BenchCase* find_softplus_case(const std::string& id) {
+  const std::string wanted = to_upper(id);
+  for (const auto& c : softplus_cases())
+    if (c.id == wanted) return &c;
+  return nullptr;
+}
+
 const BenchCase* find_prefill_case(const std::string& id) {
   const std::string wanted = to_upper(id);
   for (const auto& c : prefill_cases())

@@ -45,6 +45,12 @@ const std::vector<BenchCase>& prefill_cases();
 // Case-insensitive lookup of a prefill id; nullptr when unknown.
 const BenchCase* find_prefill_case(const std::string& id);
 
+// The softplus-gate cases (P1, P3 and P11 = T 8192, H 12) with FLA's
+// chunk_kda softplus figures and our targets; FlashKDA has no softplus gate.
+const std::vector<BenchCase>& softplus_cases();
+// The softplus entry of a prefill id, or nullptr.
+const BenchCase* find_softplus_case(const std::string& id);
+
 // Reads a JSON file of cases: an array, or an object with a "cases" array,
 // of objects {"id", "H", and "T" (with optional "B") or "lengths", optional
 // "flashkda_ms", "fla_ms", "target_ms", "note"}. Throws std::runtime_error

@@ -29,6 +29,10 @@
 namespace fkda_bench {
 namespace {
 
+const char* gate_name(int32_t gate_mode) {
+  return gate_mode == FKDA_GATE_SOFTPLUS ? "softplus" : gate_mode == FKDA_GATE_LOG_DECAY ? "log-decay" : "bounded";
+}
+
 constexpr double kP1WorkspaceTargetBytes = 0.34e9;
 
 const char* const kUsage = R"(usage: fkda-bench [CASE...] [accuracy] [options]
@@ -72,6 +76,9 @@ Options:
   --warmup N          untimed calls before timing (default 10)
   --iters N           timed calls per case (default 100)
   --lower-bound X     gate floor in [-5, 0] (default -5)
+  --gate G            bounded (default), softplus or log-decay (g ~ N(0, 1)
+                      read as log-decays); softplus times P1, P3 and P11
+                      against FLA's softplus figures unless cases are named
   --seed N            seed of the random inputs (default 1)
   --json FILE         also write the results as JSON to FILE
   --commit SHA        commit recorded in the results (default: git describe
@@ -212,6 +219,16 @@ Options parse_options(int argc, char** argv) {
       options.timing.warmup = int(parse_int(arg, value(), 0, 1000000));
     } else if (arg == "--iters") {
       options.timing.iters = int(parse_int(arg, value(), 1, 1000000));
+    } else if (arg == "--gate") {
+      const std::string gate = value();
+      if (gate == "bounded")
+        options.timing.gate_mode = FKDA_GATE_BOUNDED;
+      else if (gate == "softplus")
+        options.timing.gate_mode = FKDA_GATE_SOFTPLUS;
+      else if (gate == "log-decay")
+        options.timing.gate_mode = FKDA_GATE_LOG_DECAY;
+      else
+        throw usage_error("--gate: expected bounded, softplus or log-decay, got \"" + gate + "\"");
     } else if (arg == "--lower-bound") {
       options.timing.lower_bound = parse_float(arg, value());
     } else if (arg == "--seed") {
@@ -252,16 +269,21 @@ Options parse_options(int argc, char** argv) {
       add_serving([](ServingKind kind) { return kind == ServingKind::kSpecVerify; });
     } else if (name == "pool") {
       add_serving([](ServingKind kind) { return kind == ServingKind::kPoolPrefill; });
+    } else if (name == "softplus") {
+      options.timing.gate_mode = FKDA_GATE_SOFTPLUS;
+      for (const auto& c : softplus_cases()) options.cases.push_back(c);
     } else if (const BenchCase* c = find_prefill_case(name)) {
       options.cases.push_back(*c);
+    } else if (const BenchCase* softplus = find_softplus_case(name)) {
+      options.cases.push_back(*softplus);  // P11, which only the softplus table has
     } else if (const ServingCase* serving = find_serving_case(name)) {
       options.serving.push_back(*serving);
     } else if (const AccuracyCase* accuracy = find_accuracy_case(name)) {
       options.accuracy.push_back(*accuracy);
     } else {
       throw usage_error("unknown case \"" + name +
-                        "\"; known: P1 ... P10, D1 ... D8, S1 ... S3, R1, R2, A1, A2, "
-                        "LM1 ... LM3, prefill, decode, spec, pool, serving, accuracy, "
+                        "\"; known: P1 ... P11, D1 ... D8, S1 ... S3, R1, R2, A1, A2, "
+                        "LM1 ... LM3, prefill, softplus, decode, spec, pool, serving, accuracy, "
                         "long-memory, all");
     }
   }
@@ -294,7 +316,12 @@ Options parse_options(int argc, char** argv) {
     }
   }
   if (options.cases.empty() && options.serving.empty() && options.accuracy.empty())
-    options.cases = prefill_cases();
+    options.cases = options.timing.gate_mode == FKDA_GATE_SOFTPLUS ? softplus_cases() : prefill_cases();
+  if (options.timing.gate_mode == FKDA_GATE_SOFTPLUS) {
+    // Peer figures and targets of the softplus table where it has the case.
+    for (BenchCase& c : options.cases)
+      if (const BenchCase* softplus = find_softplus_case(c.id)) c = *softplus;
+  }
 
   const float lb = options.timing.lower_bound;
   if (!(lb >= -5.f && lb <= 0.f))
@@ -400,9 +427,9 @@ std::string target_status(const CaseRun& run) {
 }
 
 void print_timing_table(const std::vector<CaseRun>& runs, const Options& options) {
-  std::printf("\nPrefill, %s state, median of %d calls after %d warm-up calls:\n\n",
-              state_dtype_name(options.timing.state_dtype), options.timing.iters,
-              options.timing.warmup);
+  std::printf("\nPrefill, %s gate, %s state, median of %d calls after %d warm-up calls:\n\n",
+              gate_name(options.timing.gate_mode), state_dtype_name(options.timing.state_dtype),
+              options.timing.iters, options.timing.warmup);
   TextTable table({"case", "shape", "median ms", "min ms", "max ms", "GB/s", "workspace MB",
                    "FlashKDA ms", "FLA ms", "target ms", "status"},
                   "llrrrrrrrrl");
@@ -564,6 +591,7 @@ void write_json(const std::string& path, const Options& options,
                      {"warmup", options.timing.warmup},
                      {"iters", options.timing.iters},
                      {"lower_bound", options.timing.lower_bound},
+                     {"gate", gate_name(options.timing.gate_mode)},
                      {"seed", options.timing.seed},
                      {"head_dim_k", 128},
                      {"head_dim_v", 128}};

@@ -145,7 +145,8 @@ TimingResult time_case(const BenchCase& c, const TimingOptions& options,
   desc.num_heads = int32_t(c.H);
   desc.state_dtype = options.state_dtype;
   desc.backend = FKDA_BACKEND_GPU;
-  desc.lower_bound = options.lower_bound;
+  desc.gate_mode = options.gate_mode;
+  if (options.gate_mode == FKDA_GATE_BOUNDED) desc.lower_bound = options.lower_bound;
   Plan plan(desc);
 
   TimingResult result;
@@ -159,6 +160,15 @@ TimingResult time_case(const BenchCase& c, const TimingOptions& options,
   std::vector<float> A_log(size_t(c.H)), dt_bias(size_t(c.H) * kHeadDim);
   fill_f32_uniform(A_log.data(), A_log.size(), 0.f, 1.f, derive_seed(options.seed, 0, 1));
   fill_f32_uniform(dt_bias.data(), dt_bias.size(), 0.f, 1.f, derive_seed(options.seed, 0, 2));
+  if (options.gate_mode == FKDA_GATE_SOFTPLUS) {
+    // Kimi-Linear's initialisation: A_log = log U(1, 16), dt_bias the inverse
+    // softplus of a log-uniform value in [0.001, 0.1].
+    for (float& x : A_log) x = std::log(1.f + 15.f * x);
+    for (float& x : dt_bias) {
+      const double rate = std::exp(std::log(0.001) + double(x) * (std::log(0.1) - std::log(0.001)));
+      x = float(std::log(std::expm1(rate)));
+    }
+  }
   DeviceBuffer A_log_device(A_log.size() * sizeof(float));
   DeviceBuffer dt_bias_device(dt_bias.size() * sizeof(float));
   upload(A_log_device, A_log.data(), A_log_device.bytes());
@@ -217,6 +227,9 @@ TimingResult time_case(const BenchCase& c, const TimingOptions& options,
   shape.H = c.H;
   shape.cu_seqlens = cu_seqlens;
   shape.lower_bound = options.lower_bound;
+  shape.gate_mode = options.gate_mode;
+  shape.A_log = A_log;
+  shape.dt_bias = dt_bias;
 
   std::vector<fkda_fwd_args> args(sets.size());
   for (size_t set = 0; set < sets.size(); ++set) {
@@ -228,6 +241,11 @@ TimingResult time_case(const BenchCase& c, const TimingOptions& options,
     buffers.final_state = in.final_state.get();
     buffers.cu_seqlens = cu_seqlens_device.get();
     args[set] = fkda_ref::make_args(shape, buffers, options.state_dtype);
+    if (options.gate_mode == FKDA_GATE_LOG_DECAY) {
+      // g ~ N(0, 1) read as log-decays (the positive half as 0).
+      args[set].A_log = FKDA_TENSOR_NONE;
+      args[set].dt_bias = FKDA_TENSOR_NONE;
+    }
   }
 
   Stream stream;

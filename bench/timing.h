@@ -15,7 +15,8 @@ struct TimingOptions {
   fkda_dtype state_dtype = FKDA_DTYPE_BF16;
   int warmup = 10;
   int iters = 100;
-  float lower_bound = -5.f;
+  float lower_bound = -5.f;  // bounded gate only
+  int32_t gate_mode = FKDA_GATE_BOUNDED;
   uint64_t seed = 1;
 };
 

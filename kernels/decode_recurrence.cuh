@@ -4,8 +4,9 @@
 // Per (sequence n, head h), with S the pool's V x K matrix in f32:
 //   for each token t:
 //     k^ = k / sqrt(|k|^2 + 1e-6),  q^ likewise (IEEE sqrt and division)
-//     decay[c] = 2^(gate_scale * sigmoid(exp(A_log[h]) * (g[c] + dt_bias[h][c])))
-//     b = sigmoid(beta)
+//     decay[c] = exp(a[c]), a the plan's gate (bounded: gate_scale * sigmoid(
+//       exp(A_log[h]) * (g[c] + dt_bias[h][c])) in base 2; or softplus, log-decay)
+//     b = sigmoid(beta), or beta as a probability
 //     for each V row e:  s_e *= decay;  u = b (v[e] - s_e . k^);  s_e += u k^
 //                        out[e] = bf16(s_e . (scale q^))
 //     table: S rounded to the pool dtype -> slot of column t (unless null)
@@ -264,9 +265,11 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     }
   }
   {
+    auto token_offset = [&](const FkdaActivation& a, int t) {
+      return batch_row * a.stride_b + int64_t(head) * a.stride_h + (begin + t) * a.stride_t;
+    };
     auto token_row = [&](const FkdaActivation& a, int t) {
-      return static_cast<const uint16_t*>(a.data) + batch_row * a.stride_b + int64_t(head) * a.stride_h +
-             (begin + t) * a.stride_t;
+      return static_cast<const uint16_t*>(a.data) + token_offset(a, t);
     };
     // The block's rows of v, as 16-byte pieces of 8 rows: tokens x rows / 8
     // pieces over 32 x warps threads (rows = 16 x warps), so at most one a
@@ -281,13 +284,19 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     if (v_token < tokens) {
       v_piece = __ldg(reinterpret_cast<const uint4*>(token_row(p.v, v_token) + block_row + v_row));
     }
-    const float decay_rate = expf(__ldg(p.A_log + head));
-    const float* dt_bias = p.dt_bias + int64_t(head) * FKDA_HEAD_DIM + 4 * lane;
-    const float dt[4] = {__ldg(dt_bias), __ldg(dt_bias + 1), __ldg(dt_bias + 2), __ldg(dt_bias + 3)};
+    const float rate = gate_rate(p.A_log, head, true);
+    float dt[4] = {0.f, 0.f, 0.f, 0.f};
+    if (p.dt_bias != nullptr) {
+      const float* dt_bias = p.dt_bias + int64_t(head) * FKDA_HEAD_DIM + 4 * lane;
+      for (int i = 0; i < 4; ++i) dt[i] = __ldg(dt_bias + i);
+    }
     for (int t = warp; t < tokens; t += warps) {
       const float4 q = load_bf16x4(token_row(p.q, t) + 4 * lane);
       const float4 k = load_bf16x4(token_row(p.k, t) + 4 * lane);
-      const float4 g = load_bf16x4(token_row(p.g, t) + 4 * lane);
+      const float4 g = p.gate.g_is_f32
+                           ? __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.g.data) +
+                                                                   token_offset(p.g, t)) + lane)
+                           : load_bf16x4(token_row(p.g, t) + 4 * lane);
       const float rq = 1.0f / sqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f);
       const float rk = 1.0f / sqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
       const float qs = rq * p.scale;
@@ -297,9 +306,11 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       const float gv[4] = {g.x, g.y, g.z, g.w};
       float d[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) d[i] = exp2f(p.gate_scale * sigmoid_accurate(decay_rate * (gv[i] + dt[i])));
+      for (int i = 0; i < 4; ++i) d[i] = decay_accurate(p.gate, p.gate_scale, gv[i], rate, dt[i]);
       reinterpret_cast<float4*>(decay + t * FKDA_HEAD_DIM)[lane] = make_float4(d[0], d[1], d[2], d[3]);
-      if (lane == 0) beta[t] = sigmoid_accurate(bf16_bits(*token_row(p.beta, t)));
+      if (lane == 0) {
+        beta[t] = step_size(p.gate, load_beta(p.gate, p.beta.data, token_offset(p.beta, t)), true);
+      }
     }
     if (v_token < tokens) {
       float4* to = reinterpret_cast<float4*>(value + v_token * rows + v_row);

@@ -14,12 +14,21 @@ namespace fkda_dev {
 constexpr float kLog2e = FKDA_LOG2E;
 
 // 2^x by the hardware's approximation (about 2 ulp), as the contract allows.
-// Flushing subnormals costs nothing here: every exponent the kernels use lies
-// in [-116, 116], so no result is subnormal, and a subnormal input gives 1
-// either way.
+// Flushing subnormals costs nothing here: the bounded gate's exponents lie in
+// [-116, 116], so no result is subnormal; the unbounded gates' per-token
+// decays (exponents down to FKDA_LOG2_DECAY_FLOOR) flush to 0 below 2^-126,
+// a decay no f32 state could tell from 0 after one more token.
 __device__ __forceinline__ float exp2_fast(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// log2(x) by the hardware's approximation (absolute error about 2^-22 near
+// 1): used where an absolute error of that size in a log-decay is harmless.
+__device__ __forceinline__ float log2_fast(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
@@ -42,6 +51,63 @@ __device__ __forceinline__ float sigmoid_fast(float x) { return rcp_fast(1.0f + 
 // exact: for the decode, whose f32 state is compared with the fp64
 // recurrence at 1e-6 after several steps.
 __device__ __forceinline__ float sigmoid_accurate(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// ------------------------------------------------------------ the gate ---
+// The gate forms of flashkda.h's fkda_gate_mode. Bounded gates lie in
+// [lower_bound, 0]; the unbounded ones (SOFTPLUS, LOG_DECAY) are clamped to
+// FKDA_LOG2_DECAY_FLOOR per token, which changes no f32 decay factor.
+constexpr float kLn2 = 0.693147180559945309f;
+
+// exp(A_log[h]) and dt_bias[h][channel], or 1 and 0 where they are absent.
+__device__ __forceinline__ float gate_rate(const float* A_log, int head, bool accurate) {
+  if (A_log == nullptr) return 1.f;
+  const float x = __ldg(A_log + head);
+  return accurate ? expf(x) : exp2_fast(x * kLog2e);
+}
+
+// The base-2 log-decay of an unbounded gate for x = g + dt_bias (SOFTPLUS)
+// or g (LOG_DECAY). softplus(x) = max(x, 0) + log(1 + exp(-|x|)), taken as
+// x above 20; the hardware's exp2 and log2 approximations err by about
+// 2^-22 absolute in the log-decay, a relative 2^-22 in the decay.
+__device__ __forceinline__ float unbounded_log2_decay_fast(int32_t mode, float x, float rate) {
+  float a2;
+  if (mode == FKDA_KERNEL_GATE_SOFTPLUS) {
+    const float softplus = x > 20.f ? x : fmaxf(x, 0.f) + kLn2 * log2_fast(1.f + exp2_fast(-fabsf(x) * kLog2e));
+    a2 = -rate * softplus * kLog2e;
+  } else {
+    a2 = fminf(x, 0.f) * kLog2e;
+  }
+  return fmaxf(a2, FKDA_LOG2_DECAY_FLOOR);
+}
+
+// The same with the library's accurate functions, and the bounded gate
+// too (for the decode, whose f32 state is held to 1e-6 of the fp64
+// recurrence): the decay factor 2^(log2-decay).
+__device__ __forceinline__ float decay_accurate(const FkdaGate& gate, float gate_scale, float g, float rate, float dt) {
+  const float x = g + dt;
+  float a2;
+  if (gate.mode == FKDA_KERNEL_GATE_BOUNDED) {
+    a2 = gate_scale * sigmoid_accurate(rate * x);
+  } else if (gate.mode == FKDA_KERNEL_GATE_SOFTPLUS) {
+    a2 = fmaxf(-rate * (x > 20.f ? x : log1pf(expf(x))) * kLog2e, FKDA_LOG2_DECAY_FLOOR);
+  } else {
+    a2 = fmaxf(fminf(g, 0.f) * kLog2e, FKDA_LOG2_DECAY_FLOOR);
+  }
+  return exp2f(a2);
+}
+
+// beta element `at` as stored (bf16 or f32).
+__device__ __forceinline__ float load_beta(const FkdaGate& gate, const void* beta, int64_t at) {
+  return gate.beta_is_f32 ? __ldg(static_cast<const float*>(beta) + at)
+                          : __uint_as_float(uint32_t(__ldg(static_cast<const unsigned short*>(beta) + at)) << 16);
+}
+
+// The delta rule's step size: sigmoid of a logit, or a probability clamped
+// into [0, 1] (which keeps |L| <= 1 for the chunk inverse).
+__device__ __forceinline__ float step_size(const FkdaGate& gate, float beta, bool accurate) {
+  if (gate.beta_mode == FKDA_KERNEL_BETA_PROBABILITIES) return fminf(fmaxf(beta, 0.f), 1.f);
+  return accurate ? sigmoid_accurate(beta) : sigmoid(beta);
+}
 
 // Two floats to f16x2 (lo in bits 0..15), round to nearest even, saturating
 // to +-65504 so that no step makes an infinity.

@@ -26,7 +26,14 @@
 // after it and are done; warps 2 and 3 write theirs before it and then run
 // the 16x16 products on the tensor cores: warp 3 B and Mqk, warp 2 A and the
 // inverse, whose products run on the tensor cores too (3xTF32, below).
+//
+// With an unbounded gate (SOFTPLUS, LOG_DECAY; docs/NUMERICS.md, "Unbounded
+// gates") the key factor 2^-c has no bound, so 2^c, Kr's factors and the
+// decay are running products of the per-token decays d = 2^a2 (each <= 1),
+// and A and B come from the four levels' tiles below, one level per warp.
 #pragma once
+
+#include <type_traits>
 
 #include "device_common.cuh"
 
@@ -194,15 +201,77 @@ __device__ __forceinline__ WarpTile negated_unit_lower_inverse(const WarpTile& L
 #else
 #define FKDA_PREPARE_BLOCKS_COMPILED FKDA_PREPARE_MIN_BLOCKS
 #endif
+#define FKDA_PREPARE_ANY_DECAY_BLOCKS 5
 
-extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_BLOCKS_COMPILED)
-    fkda_prefill_prepare_chunks(const FkdaPrefillParams p) {
+namespace fkda_dev {
+
+// ------------------------------------------ the any-decay chunk products ---
+// With an unbounded gate the bounded path's key factor 2^(-c) overflows, so
+// A and B are formed from factors that never exceed 1 (docs/NUMERICS.md,
+// "Unbounded gates"): the pair (i, j), j < i, splits at level
+// l = floor(log2(i ^ j)), where j is in the left and i in the right half
+// of one block of 2^(l + 1) tokens whose left half ends at token m; then
+// 2^(c_i - c_j) = rho_l[i] * lambda_l[j] with rho_l[i] = d[m+1] ... d[i] and
+// lambda_l[j] = d[j+1] ... d[m], products of per-token decays d <= 1.
+constexpr int kLevels = 4;
+
+__device__ __forceinline__ int split_level(int i, int j) { return 31 - __clz(i ^ j); }
+
+// Per thread: the level factors of its 8 tokens (first = 8 half) for one
+// channel, from the per-token decays d. Levels 0-2 are blocks inside a
+// half; at level 3 half 0 is the left side (lambda, m = 7) and half 1 the
+// right (rho, m + 1 = 8).
+template <int kLevel>
+__device__ __forceinline__ void level_factors(const float (&d)[8], int half, float (&f)[8]) {
+  if constexpr (kLevel == 3) {
+    if (half == 1) {
+      f[0] = d[0];
+#pragma unroll
+      for (int r = 1; r < 8; ++r) f[r] = f[r - 1] * d[r];
+    } else {
+      f[7] = 1.f;
+#pragma unroll
+      for (int r = 6; r >= 0; --r) f[r] = f[r + 1] * d[r + 1];
+    }
+  } else {
+    constexpr int s = 2 << kLevel, mid = s / 2;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      if (r % s >= mid) f[r] = r % s == mid ? d[r] : f[r - 1] * d[r];  // right: upward from m + 1
+    }
+#pragma unroll
+    for (int r = 7; r >= 0; --r) {
+      if (r % s < mid) f[r] = r % s == mid - 1 ? 1.f : f[r + 1] * d[r + 1];  // left: downward from m
+    }
+  }
+}
+
+template <int kLevel>
+__device__ __forceinline__ bool is_right(int r, int half) {
+  if constexpr (kLevel == 3) return half == 1;
+  return r % (2 << kLevel) >= (1 << kLevel);
+}
+
+}  // namespace fkda_dev
+
+// The preparation kernel's body. kAnyDecay: an unbounded gate (SOFTPLUS or
+// LOG_DECAY) and the chunk products of the levels above; else the bounded
+// gate and the 2^(+-c) factors. kGF32: g is f32 (LOG_DECAY), else bf16.
+template <bool kAnyDecay, bool kGF32>
+__device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
   using namespace fkda_dev;
-  __shared__ __align__(16) uint16_t tiles[3][FKDA_CHUNK][kBf16TilePitch];  // Kd_b, Ki_b, Qd_b
+  // Rows of 128 16-bit values. Bounded: Kd_b, Ki_b, Qd_b (bf16), 16 rows
+  // each. Any decay: the level tiles (f16), 24 rows a level.
+  constexpr int kTileRows = kAnyDecay ? 24 * kLevels : 3 * FKDA_CHUNK;
+  __shared__ __align__(16) uint16_t tiles[kTileRows][kBf16TilePitch];
   __shared__ __align__(16) float a_tile[FKDA_CHUNK][kTransposePitch];     // A, read back transposed
   __shared__ float2 carry[64];                                            // c after token 7
   __shared__ float2 last_sum[64];                                         // c_last
-  __shared__ float norm_parts[2][2][2][8];  // [q, k][token half][warp of the half][token]
+  // [q, k, q.k][token half][warp of the half][token]
+  __shared__ float norm_parts[kAnyDecay ? 3 : 2][2][2][8];
+  __shared__ float inverse_norms[2][FKDA_CHUNK];  // [rq, rk][token], any decay only
+  // Any decay: A and B as the levels form them (padded rows).
+  __shared__ float pairs[kAnyDecay ? 2 : 1][FKDA_CHUNK][FKDA_CHUNK + 1];
   __shared__ __align__(8) float b_of[FKDA_CHUNK];
 
   const int64_t slot = p.window_first + blockIdx.x;  // one block per slot of the window
@@ -226,38 +295,49 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_
   const int half = tid >> 6;  // tokens 8 half .. 8 half + 7
   const int first = 8 * half;
   const int rows = len - first;  // of this thread's 8 tokens, those below rows are in the chunk
+  auto token_offset = [&](const FkdaActivation& a) {
+    return seq.row * a.stride_b + int64_t(head) * a.stride_h + (t0 + first) * a.stride_t + 2 * pair;
+  };
   auto token_pointer = [&](const FkdaActivation& a) {
-    return static_cast<const uint16_t*>(a.data) + seq.row * a.stride_b + int64_t(head) * a.stride_h +
-           (t0 + first) * a.stride_t + 2 * pair;
+    return static_cast<const uint16_t*>(a.data) + token_offset(a);
   };
 
   // ---- step 1, 2: loads, gate, norm partial sums, beta ----------------------
   // The addresses step along the tokens whether or not a token is loaded, so
   // the loads are predicated, not branched around, and all issue at once.
+  // g stays in its stored form until the gate (bf16 pairs take half the registers).
   uint32_t qv[8], kv[8], gv[8];
+  float2 gv32[8];
   {
     const uint16_t* q = token_pointer(p.q);
     const uint16_t* k = token_pointer(p.k);
     const uint16_t* g = token_pointer(p.g);
+    const float* g32 = static_cast<const float*>(p.g.data) + token_offset(p.g);
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
       qv[r] = kv[r] = gv[r] = 0u;
+      gv32[r] = make_float2(0.f, 0.f);
       if (r < rows) {
         qv[r] = __ldg(reinterpret_cast<const unsigned int*>(q));
         kv[r] = __ldg(reinterpret_cast<const unsigned int*>(k));
-        gv[r] = __ldg(reinterpret_cast<const unsigned int*>(g));
+        if constexpr (kGF32) gv32[r] = __ldg(reinterpret_cast<const float2*>(g32));
+        else gv[r] = __ldg(reinterpret_cast<const unsigned int*>(g));
       }
       q += p.q.stride_t;
       k += p.k.stride_t;
       g += p.g.stride_t;
+      g32 += p.g.stride_t;
     }
   }
+  auto g_of = [&](int r, int e) {
+    if constexpr (kGF32) return e ? gv32[r].y : gv32[r].x;
+    else return e ? bf16_hi(gv[r]) : bf16_lo(gv[r]);
+  };
   if (tid < FKDA_CHUNK) {
     float b = 0.f;
     if (tid < len) {
-      const uint16_t* beta = static_cast<const uint16_t*>(p.beta.data) + seq.row * p.beta.stride_b +
-                             int64_t(head) * p.beta.stride_h + (t0 + tid) * p.beta.stride_t;
-      b = sigmoid(bf16_bits(*beta));
+      const int64_t at = seq.row * p.beta.stride_b + int64_t(head) * p.beta.stride_h + (t0 + tid) * p.beta.stride_t;
+      b = step_size(p.gate, load_beta(p.gate, p.beta.data, at), false);
     }
     b_of[tid] = b;
   }
@@ -274,24 +354,53 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_
       norm_parts[0][half][warp & 1][(lane >> 2) & 7] = q_part;
       norm_parts[1][half][warp & 1][(lane >> 2) & 7] = k_part;
     }
+    if constexpr (kAnyDecay) {
+      // q.k of each token: the diagonal of B, which no level holds.
+      float qk[8];
+#pragma unroll
+      for (int r = 0; r < 8; ++r) qk[r] = fmaf(bf16_hi(qv[r]), bf16_hi(kv[r]), bf16_lo(qv[r]) * bf16_lo(kv[r]));
+      const float qk_part = warp_sum_rows8(qk, lane);
+      if ((lane & 3) == 0) norm_parts[kAnyDecay ? 2 : 0][half][warp & 1][(lane >> 2) & 7] = qk_part;
+    }
   }
-  float c[8][2];  // a2, then its running sum
+  // Bounded: a2, then its running sum c. Any decay: the running products
+  // of the decays, 2^c, formed as products so that every factor is <= 1.
+  float c[8][2];
+  float d[8][2];  // any decay: the per-token decays 2^a2 (1 past the chunk's end)
   {
-    const float decay_rate = exp2_fast(__ldg(p.A_log + head) * kLog2e);  // exp(A_log[h])
-    const float2 dt = __ldg(reinterpret_cast<const float2*>(p.dt_bias + int64_t(head) * FKDA_HEAD_DIM) + pair);
+    const float rate = gate_rate(p.A_log, head, false);
+    float2 dt = make_float2(0.f, 0.f);
+    if (p.dt_bias != nullptr) dt = __ldg(reinterpret_cast<const float2*>(p.dt_bias + int64_t(head) * FKDA_HEAD_DIM) + pair);
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
-      c[r][0] = p.gate_scale * sigmoid_fast(decay_rate * (bf16_lo(gv[r]) + dt.x));
-      c[r][1] = p.gate_scale * sigmoid_fast(decay_rate * (bf16_hi(gv[r]) + dt.y));
+      if constexpr (kAnyDecay) {
+        d[r][0] = r < rows ? exp2_fast(unbounded_log2_decay_fast(p.gate.mode, g_of(r, 0) + dt.x, rate)) : 1.f;
+        d[r][1] = r < rows ? exp2_fast(unbounded_log2_decay_fast(p.gate.mode, g_of(r, 1) + dt.y, rate)) : 1.f;
+      } else {
+        c[r][0] = p.gate_scale * sigmoid_fast(rate * (g_of(r, 0) + dt.x));
+        c[r][1] = p.gate_scale * sigmoid_fast(rate * (g_of(r, 1) + dt.y));
+      }
     }
-    if (rows < 8) {  // only in a sequence's last chunk
+    if (!kAnyDecay && rows < 8) {  // only in a sequence's last chunk
 #pragma unroll
       for (int r = 0; r < 8; ++r) {
         if (r >= rows) c[r][0] = c[r][1] = 0.f;
       }
     }
   }
-  if (half == 0) {
+  if constexpr (kAnyDecay) {
+    // Each half's running product; half 0 hands its total (2^c after token
+    // 7) to half 1 and half 1 its own (the decay over tokens 8-15, the tail
+    // of half 0's Kr) to half 0.
+    c[0][0] = d[0][0];
+    c[0][1] = d[0][1];
+#pragma unroll
+    for (int r = 1; r < 8; ++r) {
+      c[r][0] = c[r - 1][0] * d[r][0];
+      c[r][1] = c[r - 1][1] * d[r][1];
+    }
+    (half == 0 ? carry : last_sum)[pair] = make_float2(c[7][0], c[7][1]);
+  } else if (half == 0) {
 #pragma unroll
     for (int r = 1; r < 8; ++r) {
       c[r][0] += c[r - 1][0];
@@ -302,7 +411,15 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_
   __syncthreads();
 
   float2 c_last = make_float2(0.f, 0.f);
-  if (half == 1) {
+  if (kAnyDecay && half == 1) {
+    const float2 before = carry[pair];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      c[r][0] *= before.x;
+      c[r][1] *= before.y;
+    }
+    reinterpret_cast<float2*>(record + FKDA_WS_DECAY_OFFSET)[pair] = make_float2(c[7][0], c[7][1]);
+  } else if (!kAnyDecay && half == 1) {
     const float2 before = carry[pair];
     c[0][0] += before.x;
     c[0][1] += before.y;
@@ -324,6 +441,7 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_
   {
     const int which = (lane >> 3) & 1, r = lane & 7;
     inverse_norm = 1.0f / sqrtf(norm_parts[which][half][0][r] + norm_parts[which][half][1][r] + 1e-6f);
+    if (kAnyDecay && (warp & 1) == 0 && lane < 16) inverse_norms[which][first + r] = inverse_norm;
   }
   // Row first + r of a wide tile: the thread's 4 bytes sit in 16-byte piece
   // (pair / 4) ^ r (prefill_params.h), at the same offset in Kd, Qd and Kr.
@@ -338,18 +456,20 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       kn[r][e] = (e ? bf16_hi(kv[r]) : bf16_lo(kv[r])) * rk;
-      const float qn = (e ? bf16_hi(qv[r]) : bf16_lo(qv[r])) * rq * p.scale;
-      const float up = exp2_fast(c[r][e]);
+      const float qn = (e ? bf16_hi(qv[r]) : bf16_lo(qv[r])) * rq;
+      const float up = kAnyDecay ? c[r][e] : exp2_fast(c[r][e]);
       kd[e] = kn[r][e] * up;
-      qd[e] = qn * up;
-      ki[e] = kn[r][e] * exp2_fast(-c[r][e]);
+      qd[e] = qn * p.scale * up;
+      if constexpr (!kAnyDecay) ki[e] = kn[r][e] * exp2_fast(-c[r][e]);
     }
     unsigned char* at = record + wide_at(r);
     *reinterpret_cast<uint32_t*>(at + FKDA_WS_KD_OFFSET) = pack_f16x2(kd[0], kd[1]);
     *reinterpret_cast<uint32_t*>(at + FKDA_WS_QD_OFFSET) = pack_f16x2(qd[0], qd[1]);
-    *reinterpret_cast<uint32_t*>(&tiles[0][i][2 * pair]) = pack_bf16x2(kd[0], kd[1]);
-    *reinterpret_cast<uint32_t*>(&tiles[1][i][2 * pair]) = pack_bf16x2(ki[0], ki[1]);
-    *reinterpret_cast<uint32_t*>(&tiles[2][i][2 * pair]) = pack_bf16x2(qd[0], qd[1]);
+    if constexpr (!kAnyDecay) {
+      *reinterpret_cast<uint32_t*>(&tiles[i][2 * pair]) = pack_bf16x2(kd[0], kd[1]);
+      *reinterpret_cast<uint32_t*>(&tiles[16 + i][2 * pair]) = pack_bf16x2(ki[0], ki[1]);
+      *reinterpret_cast<uint32_t*>(&tiles[32 + i][2 * pair]) = pack_bf16x2(qd[0], qd[1]);
+    }
   }
   auto write_kr = [&](float2 last) {
 #pragma unroll
@@ -358,20 +478,119 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_
       *reinterpret_cast<uint32_t*>(record + FKDA_WS_KR_OFFSET + wide_at(r)) = kr;
     }
   };
-  if (half == 1) write_kr(c_last);
-  __syncthreads();
-  if (half == 0) {
-    write_kr(last_sum[pair]);
-    return;
+  const int g = lane >> 2, t = lane & 3;
+  if constexpr (kAnyDecay) {
+    // Kr = f16(kn * the product of the decays after the token): downward
+    // from the half's end, starting from the decay over the tokens after it.
+    float2 after = half == 0 ? last_sum[pair] : make_float2(1.f, 1.f);
+#pragma unroll
+    for (int r = 7; r >= 0; --r) {
+      const uint32_t kr = pack_f16x2(kn[r][0] * after.x, kn[r][1] * after.y);
+      *reinterpret_cast<uint32_t*>(record + FKDA_WS_KR_OFFSET + wide_at(r)) = kr;
+      after.x *= d[r][0];
+      after.y *= d[r][1];
+    }
+  } else {
+    if (half == 1) write_kr(c_last);
+    __syncthreads();
+    if (half == 0) write_kr(last_sum[pair]);
+  }
+  if constexpr (kAnyDecay) {
+    // Level tiles (rows [24 l, 24 l + 24) for level l): rows 0-7 hold
+    // f16(kn rho) and rows 8-15 f16(qn rho) of the level's right tokens,
+    // rows 16-23 f16(kn lambda) of its left tokens, each in token order.
+    // One m16n8 product of the two parts gives the level's pairs of A (rows
+    // 0-7) and of B (rows 8-15) at once.
+    auto write_level = [&](auto level) {
+      constexpr int l = decltype(level)::value, side = 1 << l;  // tokens per side of a block
+      float f0[8], f1[8], d0[8], d1[8];
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        d0[r] = d[r][0];
+        d1[r] = d[r][1];
+      }
+      level_factors<l>(d0, half, f0);
+      level_factors<l>(d1, half, f1);
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        // Block and position of token first + r at this level (first is a multiple of 8).
+        const int block = l == 3 ? 0 : half * (4 >> l) + (r >> (l + 1));
+        const int position = l == 3 ? first + r : (r & (2 * side - 1));
+        if (is_right<l>(r, half)) {
+          const int at = 24 * l + block * side + position - side;
+          // q * rq again (as in Kd, Qd above) rather than kept: registers are short.
+          const float rq = __shfl_sync(0xffffffffu, inverse_norm, r);
+          *reinterpret_cast<uint32_t*>(&tiles[at][2 * pair]) = pack_f16x2(kn[r][0] * f0[r], kn[r][1] * f1[r]);
+          *reinterpret_cast<uint32_t*>(&tiles[at + 8][2 * pair]) =
+              pack_f16x2(bf16_lo(qv[r]) * rq * f0[r], bf16_hi(qv[r]) * rq * f1[r]);
+        } else {
+          const int at = 24 * l + 16 + block * side + position;
+          *reinterpret_cast<uint32_t*>(&tiles[at][2 * pair]) = pack_f16x2(kn[r][0] * f0[r], kn[r][1] * f1[r]);
+        }
+      }
+    };
+    write_level(std::integral_constant<int, 0>());
+    write_level(std::integral_constant<int, 1>());
+    write_level(std::integral_constant<int, 2>());
+    write_level(std::integral_constant<int, 3>());
+    __syncthreads();
   }
 
-  // ---- step 4: A = Kd_b Ki_b^T (warp 2) or B = Qd_b Ki_b^T (warp 3), 16x16 ----
+  // ---- step 4: A = Kd_b Ki_b^T (warp 2), B = Qd_b Ki_b^T (warp 3), bounded;
+  // any decay: warp w forms level w's pairs of A and B into `pairs` -----------
   const bool inverse_warp = warp == 2;
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  {
+  if constexpr (kAnyDecay) {
+    const int l = warp, side = 1 << l;
+    float level_acc[4] = {0.f, 0.f, 0.f, 0.f};
+    const uint32_t a_base = smem_address(&tiles[24 * l + ((lane >> 3) & 1) * 8 + (lane & 7)][(lane >> 4) * 8]);
+    const uint32_t b_base = smem_address(&tiles[24 * l + 16 + (lane & 7)][(lane >> 3) * 8]);
+#pragma unroll
+    for (int step2 = 0; step2 < 4; ++step2) {
+      uint32_t b[4];
+      ldmatrix_x4(b, b_base + step2 * 64);
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, a_base + (step2 * 2 + kk) * 32);
+        mma_f16(level_acc, a, b[2 * kk], b[2 * kk + 1]);
+      }
+    }
+    // Right token g, left tokens 2t and 2t + 1 (indices among the level's
+    // sides): a pair where both lie in one block of the level.
+    const int right = (g / side) * 2 * side + side + g % side;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = 2 * t + e;
+      if (c / side != g / side) continue;
+      const int left = (c / side) * 2 * side + c % side;
+      pairs[0][right][left] = level_acc[e];
+      pairs[1][right][left] = p.scale * level_acc[2 + e];
+    }
+    if (warp == 0 && lane < FKDA_CHUNK) {
+      // B's diagonal, which no level holds.
+      const float qk = norm_parts[2][lane >> 3][0][lane & 7] + norm_parts[2][lane >> 3][1][lane & 7];
+      pairs[1][lane][lane] = p.scale * inverse_norms[0][lane] * inverse_norms[1][lane] * qk;
+    }
+    __syncthreads();
+    if (warp < 2) {
+      // Mqk = f16(B) on and below the diagonal.
+      for (int q = tid; q < FKDA_CHUNK * FKDA_CHUNK / 2; q += 64) {
+        const int row = q >> 3, col = 2 * (q & 7);
+        const uint32_t mqk = pack_f16x2(col <= row ? pairs[1][row][col] : 0.f, col + 1 <= row ? pairs[1][row][col + 1] : 0.f);
+        *reinterpret_cast<uint32_t*>(record + FKDA_WS_MQK_OFFSET + small_tile_offset(row, col)) = mqk;
+      }
+    }
+    if (!inverse_warp) return;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = pairs[0][g + 8 * (e >> 1)][8 * j + 2 * t + (e & 1)];
+  } else {
+    if (half == 0) return;
     const uint32_t a_base =
-        smem_address(&tiles[inverse_warp ? 0 : 2][((lane >> 3) & 1) * 8 + (lane & 7)][(lane >> 4) * 8]);
-    const uint32_t b_base = smem_address(&tiles[1][lane & 7][(lane >> 3) * 8]);
+        smem_address(&tiles[(inverse_warp ? 0 : 32) + ((lane >> 3) & 1) * 8 + (lane & 7)][(lane >> 4) * 8]);
+    const uint32_t b_base = smem_address(&tiles[16 + (lane & 7)][(lane >> 3) * 8]);
     constexpr uint32_t kSecondEight = 8 * kBf16TilePitch * 2;  // bytes to Ki_b's rows 8-15
 #pragma unroll
     for (int step2 = 0; step2 < 4; ++step2) {
@@ -386,23 +605,22 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_
         mma_bf16(acc[1], a, b1[2 * kk], b1[2 * kk + 1]);
       }
     }
-  }
-  const int g = lane >> 2, t = lane & 3;
-  if (!inverse_warp) {
-    // Mqk = f16(B) on and below the diagonal.
+    if (!inverse_warp) {
+      // Mqk = f16(B) on and below the diagonal.
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int col = 8 * j + 2 * t;
+      for (int j = 0; j < 2; ++j) {
+        const int col = 8 * j + 2 * t;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = g + 8 * h;
-        const uint32_t mqk = pack_f16x2(col <= row ? acc[j][2 * h] : 0.f, col + 1 <= row ? acc[j][2 * h + 1] : 0.f);
-        *reinterpret_cast<uint32_t*>(record + FKDA_WS_MQK_OFFSET + small_tile_offset(row, col)) = mqk;
+        for (int h = 0; h < 2; ++h) {
+          const int row = g + 8 * h;
+          const uint32_t mqk =
+              pack_f16x2(col <= row ? acc[j][2 * h] : 0.f, col + 1 <= row ? acc[j][2 * h + 1] : 0.f);
+          *reinterpret_cast<uint32_t*>(record + FKDA_WS_MQK_OFFSET + small_tile_offset(row, col)) = mqk;
+        }
       }
+      return;
     }
-    return;
   }
-
   // ---- step 5: INV by the product form, in warp 2 ---------------------------
   // L (row i scaled by b[i], strictly lower) from the accumulators; L^T from
   // A's columns, read back through shared memory.
@@ -450,4 +668,22 @@ extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_
       *reinterpret_cast<uint32_t*>(w_tile + small_tile_offset(g + 8 * h, col)) = w;
     }
   }
+}
+
+// Bounded-gate kernels are compiled for 8 resident blocks per multiprocessor
+// (7 on sm_80, above); the any-decay ones hold the level tiles (35 KB of
+// shared memory) and more registers, and are compiled for 5.
+extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_BLOCKS_COMPILED)
+    fkda_prefill_prepare_chunks(const FkdaPrefillParams p) {
+  prepare_chunks<false, false>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_ANY_DECAY_BLOCKS)
+    fkda_prefill_prepare_chunks_any_decay(const FkdaPrefillParams p) {
+  prepare_chunks<true, false>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_ANY_DECAY_BLOCKS)
+    fkda_prefill_prepare_chunks_any_decay_f32_gate(const FkdaPrefillParams p) {
+  prepare_chunks<true, true>(p);
 }

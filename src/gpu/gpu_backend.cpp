@@ -165,6 +165,9 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t /*workspa
   params.checkpoint_is_bf16 = problem.checkpoint_dtype == FKDA_DTYPE_BF16;
 
   const unsigned heads = unsigned(problem.num_heads);
+  const NamedKernel& prepare = problem.gate.gate_mode == FKDA_GATE_BOUNDED
+                                   ? context.kernels.prepare
+                                   : context.kernels.prepare_any_decay[problem.gate.g_is_f32 ? 1 : 0];
   const NamedKernel& recurrence = context.kernels.recurrence[vsplit_index(params.vsplit)];
   // The carries follow the window's records (a multiple of 16 bytes).
   float* carry = reinterpret_cast<float*>(params.workspace + windows.slots * int64_t(problem.num_heads) *
@@ -178,7 +181,7 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t /*workspa
     params.carry_in = w > 0 ? carry + (w - 1) * carry_step : nullptr;
     params.carry_out = w + 1 < windows.count ? carry + w * carry_step : nullptr;
     if (total_tokens > 0) {
-      launch(context, context.kernels.prepare, unsigned(params.window_end - params.window_first), heads, 1,
+      launch(context, prepare, unsigned(params.window_end - params.window_first), heads, 1,
              FKDA_PREPARE_THREADS, 0, stream, &params);
     }
     // Launched even without tokens: zero-length sequences still copy their

@@ -32,7 +32,8 @@ struct NamedKernel {
 };
 
 struct Kernels {
-  NamedKernel prepare;
+  NamedKernel prepare;                // bounded gate
+  NamedKernel prepare_any_decay[2];   // unbounded gates: g bf16, g f32
   NamedKernel recurrence[kVsplitCount];
   NamedKernel decode[kDecodeKernelCount];
 };
