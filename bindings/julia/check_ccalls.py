@@ -466,25 +466,18 @@ def check(header_path, package_dir):
                     f"{where}: struct {tag}: field {field} is {spelling} ({canonical}), "
                     f"the header has {c_field['spelling']} ({c_type})")
 
-    for enum in header["enums"].values():
-        constants = enum["constants"]
-        for constant, value in constants.items():
-            if constant not in julia_types.constants:
-                problems.append(f"{constant}: enum constant of the header, not defined in the package")
-                continue
-            text, where = julia_types.constants[constant]
-            number = re.fullmatch(r"(?:\w+\()?\s*(-?\d+)\s*\)?", text)
-            if not number or int(number.group(1)) != value:
-                problems.append(f"{where}: {constant} = {text}, the header has {value}")
-
-    for name, value in header["defines"].items():
-        if name not in julia_types.constants:
-            problems.append(f"{name}: define of the header, not defined in the package")
+    # Enum constants may be wrapped in their alias (`fkda_status(4)`), defines not.
+    expected = [(constant, value, "enum constant", r"(?:\w+\()?\s*(-?\d+)\s*\)?")
+                for enum in header["enums"].values() for constant, value in enum["constants"].items()]
+    expected += [(name, value, "define", r"\s*(-?\d+)\s*") for name, value in header["defines"].items()]
+    for constant, value, kind, spelling in expected:
+        if constant not in julia_types.constants:
+            problems.append(f"{constant}: {kind} of the header, not defined in the package")
             continue
-        text, where = julia_types.constants[name]
-        number = re.fullmatch(r"\s*(-?\d+)\s*", text)
+        text, where = julia_types.constants[constant]
+        number = re.fullmatch(spelling, text)
         if not number or int(number.group(1)) != value:
-            problems.append(f"{where}: {name} = {text}, the header has {value}")
+            problems.append(f"{where}: {constant} = {text}, the header has {value}")
 
     for call in constructor_calls(codes, header["structs"]):
         expected = len(header["structs"][call.name]["fields"])

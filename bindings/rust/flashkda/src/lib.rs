@@ -678,29 +678,17 @@ pub enum Values<'a> {
     F32(&'a [f32]),
 }
 
-impl<'a> From<&'a [u16]> for Values<'a> {
-    fn from(values: &'a [u16]) -> Values<'a> {
-        Values::Bf16(values)
-    }
+macro_rules! values_from {
+    ($($source:ty => $variant:ident),*) => {$(
+        impl<'a> From<&'a $source> for Values<'a> {
+            fn from(values: &'a $source) -> Values<'a> {
+                Values::$variant(values)
+            }
+        }
+    )*};
 }
 
-impl<'a> From<&'a Vec<u16>> for Values<'a> {
-    fn from(values: &'a Vec<u16>) -> Values<'a> {
-        Values::Bf16(values)
-    }
-}
-
-impl<'a> From<&'a [f32]> for Values<'a> {
-    fn from(values: &'a [f32]) -> Values<'a> {
-        Values::F32(values)
-    }
-}
-
-impl<'a> From<&'a Vec<f32>> for Values<'a> {
-    fn from(values: &'a Vec<f32>) -> Values<'a> {
-        Values::F32(values)
-    }
-}
+values_from!([u16] => Bf16, Vec<u16> => Bf16, [f32] => F32, Vec<f32> => F32);
 
 impl Values<'_> {
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<sys::fkda_tensor> {
