@@ -5,9 +5,12 @@ No Julia is needed: every `@ccall` and `ccall` in the package's .jl files is
 parsed, and its function name, argument count and argument and return types
 are compared with the header's prototypes. Julia type aliases (`const X = Y`)
 and the package's struct mirrors are resolved; the mirrors of the header's
-structs are compared field by field, and the header's enum constants must be
-defined with the same values. Any exported fkda_* function without a ccall
-wrapper is an error. The header's side is the description of
+structs are compared field by field, every call of a mirror's constructor
+with plain arguments must pass one per field (a field appended to the header
+and its mirror but not to such a call fails only at run time in Julia), and
+the header's enum constants and integer defines (the version, FKDA_MAX_RANK)
+must be defined with the same values. Any exported fkda_* function without a
+ccall wrapper is an error. The header's side is the description of
 bindings/tools/fkda_header.py (which needs a C compiler: $CC, else cc).
 
     python3 bindings/julia/check_ccalls.py [--header include/flashkda.h]
@@ -344,6 +347,37 @@ def describe(julia_types, spelling):
         return f"<{error}>"
 
 
+@dataclass
+class ConstructorCall:
+    where: str
+    name: str
+    arguments: List[str]
+
+
+def constructor_calls(codes, struct_names):
+    """Calls `S(a, b, ...)` of the header's struct mirrors with plain
+    positional arguments. Calls that splat (`xs...`) or pass keywords cannot
+    be counted and are left out, as are definitions (`function S(`, `S(...) =`)."""
+    calls = []
+    pattern = re.compile(r"(?<![\w:])(" + "|".join(map(re.escape, struct_names)) + r")\s*\(")
+    for relative, code in codes:
+        for match in pattern.finditer(code):
+            line_start = code.rfind("\n", 0, match.start()) + 1
+            if re.match(r"\s*(function|struct|mutable\s+struct)\b", code[line_start:match.start()]):
+                continue
+            open_paren = match.end() - 1
+            close = matching(code, open_paren)
+            inside = code[open_paren + 1:close - 1]
+            if re.match(r"\s*=(?!=)", code[close:]):
+                continue  # a method definition
+            arguments = split_top_level(inside)
+            if any(a.endswith("...") for a in arguments) or ";" in inside:
+                continue
+            line = code.count("\n", 0, match.start()) + 1
+            calls.append(ConstructorCall(f"{relative}:{line}", match.group(1), arguments))
+    return calls
+
+
 # ------------------------------------------------------------------- check
 
 
@@ -357,6 +391,7 @@ def check(header_path, package_dir):
     julia_files.sort()
     problems = []
     sites = []
+    codes = []  # (relative path, code with comments and strings blanked)
     julia_types = JuliaTypes()
     for path in julia_files:
         relative = os.path.relpath(path, os.path.dirname(package_dir))
@@ -366,6 +401,7 @@ def check(header_path, package_dir):
             problems.append(str(error))
             continue
         sites.extend(found)
+        codes.append((relative, code))
         julia_types.collect(code, relative)
 
     covered = set()
@@ -430,16 +466,24 @@ def check(header_path, package_dir):
                     f"{where}: struct {tag}: field {field} is {spelling} ({canonical}), "
                     f"the header has {c_field['spelling']} ({c_type})")
 
-    for enum in header["enums"].values():
-        constants = enum["constants"]
-        for constant, value in constants.items():
-            if constant not in julia_types.constants:
-                problems.append(f"{constant}: enum constant of the header, not defined in the package")
-                continue
-            text, where = julia_types.constants[constant]
-            number = re.fullmatch(r"(?:\w+\()?\s*(-?\d+)\s*\)?", text)
-            if not number or int(number.group(1)) != value:
-                problems.append(f"{where}: {constant} = {text}, the header has {value}")
+    # Enum constants may be wrapped in their alias (`fkda_status(4)`), defines not.
+    expected = [(constant, value, "enum constant", r"(?:\w+\()?\s*(-?\d+)\s*\)?")
+                for enum in header["enums"].values() for constant, value in enum["constants"].items()]
+    expected += [(name, value, "define", r"\s*(-?\d+)\s*") for name, value in header["defines"].items()]
+    for constant, value, kind, spelling in expected:
+        if constant not in julia_types.constants:
+            problems.append(f"{constant}: {kind} of the header, not defined in the package")
+            continue
+        text, where = julia_types.constants[constant]
+        number = re.fullmatch(spelling, text)
+        if not number or int(number.group(1)) != value:
+            problems.append(f"{where}: {constant} = {text}, the header has {value}")
+
+    for call in constructor_calls(codes, header["structs"]):
+        expected = len(header["structs"][call.name]["fields"])
+        if len(call.arguments) != expected:
+            problems.append(f"{call.where}: {call.name}(...) passes {len(call.arguments)} "
+                            f"arguments, the struct has {expected} fields")
 
     summary = (f"{len(sites)} ccalls in {len(julia_files)} files; {len(covered)} of "
                f"{len(header['functions'])} header functions wrapped; {len(header['structs'])} structs")

@@ -2,7 +2,9 @@
 
 A thin ctypes layer over the C ABI of include/flashkda.h: fwd (prefill, with
 contiguous states or states in a pool) and decode (a few tokens per sequence on
-a pool). Host arrays (numpy, torch CPU tensors) run on the CPU reference
+a pool), with the gate and beta forms of a plan as keywords (gate_mode:
+"bounded", "softplus", "log_decay"; beta_mode: "logits", "probabilities";
+GateMode and BetaMode). Host arrays (numpy, torch CPU tensors) run on the CPU reference
 backend; CUDA tensors (torch, CuPy, __cuda_array_interface__, DLPack) run on
 the GPU backend. numpy has no bf16 dtype: uint16 arrays are taken as bf16 bit patterns (see to_bf16 and
 from_bf16), and ml_dtypes.bfloat16 arrays are accepted as they are.
@@ -13,7 +15,7 @@ CUDA graphs).
 
 import importlib.util
 
-from ._abi import Backend, Dtype, NullSlotRule, StateLayout, Status
+from ._abi import Backend, BetaMode, Dtype, GateMode, NullSlotRule, StateLayout, Status
 from ._api import (
     BuildInfo,
     DeviceInfo,
@@ -35,14 +37,16 @@ from .bf16 import from_bf16, to_bf16
 if importlib.util.find_spec("torch") is not None:
     from . import _torch_op  # noqa: F401  (registers torch.ops.flashkda.fwd and .decode)
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "Backend",
+    "BetaMode",
     "BuildInfo",
     "DeviceInfo",
     "Dtype",
     "FlashKDAError",
+    "GateMode",
     "LIBRARY_ENV",
     "NullSlotRule",
     "Plan",

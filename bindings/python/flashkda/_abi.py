@@ -52,6 +52,21 @@ class NullSlotRule(enum.IntEnum):
     NONPOSITIVE = 1
 
 
+class GateMode(enum.IntEnum):
+    """How a token's decay is formed from g (fkda_gate_mode, 0.3)."""
+
+    BOUNDED = 0  # lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
+    SOFTPLUS = 1  # -exp(A_log) * softplus(g + dt_bias)
+    LOG_DECAY = 2  # g is the log-decay itself
+
+
+class BetaMode(enum.IntEnum):
+    """How beta becomes the delta rule's step size (fkda_beta_mode, 0.3)."""
+
+    LOGITS = 0  # sigmoid(beta)
+    PROBABILITIES = 1  # beta as it is, clamped into [0, 1]
+
+
 class FkdaTensor(ctypes.Structure):
     _fields_ = [
         ("data", ctypes.c_void_p),
@@ -74,6 +89,8 @@ class FkdaPlanDesc(ctypes.Structure):
         ("lower_bound", ctypes.c_float),
         ("null_slot_rule", ctypes.c_int32),
         ("debug_checks", ctypes.c_int32),
+        ("gate_mode", ctypes.c_int32),
+        ("beta_mode", ctypes.c_int32),
     ]
 
     @classmethod
@@ -90,6 +107,8 @@ class FkdaPlanDesc(ctypes.Structure):
             lower_bound=-5.0,
             null_slot_rule=NullSlotRule.NEGATIVE,
             debug_checks=0,
+            gate_mode=GateMode.BOUNDED,
+            beta_mode=BetaMode.LOGITS,
         )
 
 

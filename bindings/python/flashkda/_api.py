@@ -10,12 +10,14 @@ from ._abi import (
     FWD_POOL_TENSOR_FIELDS,
     FWD_TENSOR_FIELDS,
     Backend,
+    BetaMode,
     Dtype,
     FkdaBuildInfo,
     FkdaDecodeArgs,
     FkdaDeviceInfo,
     FkdaFwdArgs,
     FkdaPlanDesc,
+    GateMode,
     NullSlotRule,
     StateLayout,
 )
@@ -27,6 +29,12 @@ _STATE_DTYPE_NAMES = {"bf16": Dtype.BF16, "bfloat16": Dtype.BF16, "f32": Dtype.F
 _BACKEND_NAMES = {"auto": Backend.AUTO, "cpu": Backend.CPU, "gpu": Backend.GPU, "cuda": Backend.GPU}
 _LAYOUT_NAMES = {"vk": StateLayout.VK, "kv": StateLayout.KV}
 _NULL_SLOT_RULE_NAMES = {"negative": NullSlotRule.NEGATIVE, "nonpositive": NullSlotRule.NONPOSITIVE}
+_GATE_MODE_NAMES = {"bounded": GateMode.BOUNDED, "softplus": GateMode.SOFTPLUS,
+                    "log_decay": GateMode.LOG_DECAY, "log-decay": GateMode.LOG_DECAY}
+_BETA_MODE_NAMES = {"logits": BetaMode.LOGITS, "probabilities": BetaMode.PROBABILITIES}
+# FKDA_PLAN_DESC_INIT's lower_bound: the value a plan without a floor (any
+# gate but the bounded one) must keep, and what lower_bound=None stands for.
+_DEFAULT_LOWER_BOUND = -5.0
 
 
 def _enum_value(name, value, names):
@@ -65,6 +73,12 @@ def _float(name, value):
         return float(value)
     except (TypeError, ValueError):
         raise invalid_argument(f"{name}: expected a number, got {type(value).__name__}") from None
+
+
+def _lower_bound(value):
+    """lower_bound as the plan takes it: None is FKDA_PLAN_DESC_INIT's -5,
+    the value plans of the softplus and log-decay gates must keep."""
+    return _DEFAULT_LOWER_BOUND if value is None else _float("lower_bound", value)
 
 
 def _sized_by(query):
@@ -142,7 +156,16 @@ def _cached_block(blocks, key, build):
 
 
 class Plan:
-    """An fkda_plan_t: configuration, backend, lower_bound and workspace sizing.
+    """An fkda_plan_t: configuration, backend, gate, lower_bound and workspace sizing.
+
+    gate_mode: how g becomes each token's decay, "bounded" (the default:
+    lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), A_log and dt_bias
+    optional), "softplus" (-exp(A_log) * softplus(g + dt_bias), Kimi-Linear's
+    gate: A_log required, dt_bias optional, no floor) or "log_decay" (g, bf16
+    or f32, is the log-decay itself; no A_log, no dt_bias). beta_mode:
+    "logits" (sigmoid(beta), the default) or "probabilities" (beta as it is).
+    GateMode and BetaMode members are accepted too. lower_bound belongs to the
+    bounded gate: other gates leave it at -5 (None means -5).
 
     Use as a context manager or call close(); a plan that is garbage collected
     while open is destroyed then. fwd and decode may run on one plan from
@@ -162,6 +185,8 @@ class Plan:
         lower_bound=-5.0,
         null_slot_rule=NullSlotRule.NEGATIVE,
         debug_checks=False,
+        gate_mode=GateMode.BOUNDED,
+        beta_mode=BetaMode.LOGITS,
         library_path=None,
         library=None,
     ):
@@ -181,12 +206,17 @@ class Plan:
         desc.state_dtype = _enum_value("state_dtype", state_dtype, _STATE_DTYPE_NAMES)
         desc.state_layout = _enum_value("state_layout", state_layout, _LAYOUT_NAMES)
         desc.backend = _enum_value("backend", backend, _BACKEND_NAMES)
-        desc.lower_bound = _float("lower_bound", lower_bound)
+        desc.lower_bound = _lower_bound(lower_bound)
         desc.null_slot_rule = _enum_value("null_slot_rule", null_slot_rule, _NULL_SLOT_RULE_NAMES)
         desc.debug_checks = 1 if debug_checks else 0
+        desc.gate_mode = _enum_value("gate_mode", gate_mode, _GATE_MODE_NAMES)
+        desc.beta_mode = _enum_value("beta_mode", beta_mode, _BETA_MODE_NAMES)
         handle = ctypes.c_void_p()
         self._library.check(self._library.cdll.fkda_plan_create(ctypes.byref(desc), ctypes.byref(handle)))
         self._handle = handle
+        # The library accepted them, so they are members.
+        self._gate_mode = GateMode(desc.gate_mode)
+        self._beta_mode = BetaMode(desc.beta_mode)
 
     # ------------------------------------------------------------ lifetime
 
@@ -237,10 +267,21 @@ class Plan:
             self._backend = Backend(value.value)
         return self._backend
 
+    @property
+    def gate_mode(self):
+        """The GateMode the plan was created with."""
+        return self._gate_mode
+
+    @property
+    def beta_mode(self):
+        """The BetaMode the plan was created with."""
+        return self._beta_mode
+
     def _backend_memory(self):
         return _arrays.HOST if self.backend == Backend.CPU else _arrays.CUDA
 
     def get_lower_bound(self):
+        """The gate floor; a plan of another gate than "bounded" has none (FlashKDAError)."""
         value = ctypes.c_float()
         self._library.check(
             self._library.cdll.fkda_get_lower_bound(self._live_handle(), ctypes.byref(value))
@@ -293,6 +334,7 @@ class Plan:
         __cuda_array_interface__; the legacy default stream otherwise).
         state_pool ... checkpoint_slots: states in a pool and checkpoints, as
         for flashkda.fwd; the pool and the checkpoints are written in place.
+        A_log and dt_bias may be None where the plan's gate_mode allows it.
         """
         self._run(FWD, (q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state,
                         cu_seqlens, state_pool, state_indices, has_initial_state,
@@ -370,9 +412,10 @@ class Plan:
 _derived_blocks = threading.local()
 
 
-def run_derived(entry, arrays, scale, lower_bound, null_slot_rule):
+def run_derived(entry, arrays, scale, lower_bound, null_slot_rule, gate_mode, beta_mode):
     """Launches `entry` on a shared plan derived from the arguments: the backend
-    follows where the arrays live, heads and state dtype entry.plan_shape."""
+    follows where the arrays live, heads and state dtype entry.plan_shape; the
+    rest of the plan's description is given."""
     library = _current_library()
     device, signature, pointers, keep = _launch.describe(
         _launch.producer_of(arrays[0]), entry.tensors, arrays)
@@ -390,13 +433,16 @@ def run_derived(entry, arrays, scale, lower_bound, null_slot_rule):
             state_dtype=int(state_dtype),
             state_layout=int(StateLayout.VK),
             backend=int(Backend.GPU if placement.memory == _arrays.CUDA else Backend.CPU),
-            lower_bound=_float("lower_bound", lower_bound),
+            lower_bound=_lower_bound(lower_bound),
             null_slot_rule=_enum_value("null_slot_rule", null_slot_rule, _NULL_SLOT_RULE_NAMES),
+            gate_mode=_enum_value("gate_mode", gate_mode, _GATE_MODE_NAMES),
+            beta_mode=_enum_value("beta_mode", beta_mode, _BETA_MODE_NAMES),
         )
         return _launch.ArgumentBlock(entry, _plans.cached_plan(descriptor), views, scale,
                                      placement)
 
-    key = (entry.function, library, device, scale, lower_bound, null_slot_rule, signature)
+    key = (entry.function, library, device, scale, lower_bound, null_slot_rule, gate_mode, beta_mode,
+           signature)
     block = _cached_block(_launch.thread_blocks(_derived_blocks), key, build)
     block.launch(pointers)
     del keep
@@ -405,15 +451,26 @@ def run_derived(entry, arrays, scale, lower_bound, null_slot_rule):
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
         final_state=None, cu_seqlens=None, *, state_pool=None, state_indices=None,
         has_initial_state=None, checkpoint_offsets=None, checkpoints=None,
-        checkpoint_slots=None, null_slot_rule=NullSlotRule.NEGATIVE):
+        checkpoint_slots=None, null_slot_rule=NullSlotRule.NEGATIVE,
+        gate_mode=GateMode.BOUNDED, beta_mode=BetaMode.LOGITS):
     """The KDA forward pass with the arguments of FlashKDA's flash_kda.fwd.
 
     Writes `out` (and `final_state` when given) in place. Host arrays run on
     the CPU backend, CUDA arrays on the GPU backend, on the current stream of
     their producer. The plan's state dtype follows the states given (f32 when
-    there are none). q, k, v, g: [B, T, H, 128] bf16; beta [B, T, H] bf16;
-    A_log [H] and dt_bias [H, 128] f32; states [N, H, 128, 128]; cu_seqlens
-    [N + 1] int64 or int32.
+    there are none). q, k, v, g: [B, T, H, 128] bf16; beta [B, T, H] bf16 or
+    f32; A_log [H] and dt_bias [H, 128] f32; states [N, H, 128, 128];
+    cu_seqlens [N + 1] int64 or int32.
+
+    The gate and beta forms (keywords; the defaults are FlashKDA's):
+      gate_mode  "bounded": lower_bound * sigmoid(exp(A_log) * (g + dt_bias)),
+                 A_log and dt_bias may be None (exp(A_log) = 1, dt_bias = 0);
+                 "softplus": -exp(A_log) * softplus(g + dt_bias), A_log
+                 required, dt_bias may be None, lower_bound None (or -5);
+                 "log_decay": g (bf16 or f32) is the log-decay itself, A_log
+                 and dt_bias None, lower_bound None (or -5)
+      beta_mode  "logits": sigmoid(beta); "probabilities": beta as it is
+    (or GateMode and BetaMode members).
 
     States in a pool, as serving runtimes keep them:
       state_pool         [slots, H, 128, 128] f32 or bf16, updated in place
@@ -430,14 +487,14 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
                          to the pool slots checkpoint_slots [N, C]
 
     Plans and argument blocks are cached by the arguments' layout (shapes,
-    strides, dtypes, device), scale, lower_bound and null_slot_rule, so a
-    repeated call costs reading the data pointers, a workspace from the
+    strides, dtypes, device), scale, lower_bound, null_slot_rule, gate_mode
+    and beta_mode, so a repeated call costs reading the data pointers, a workspace from the
     producer's allocator and the C call.
     """
     run_derived(FWD, (q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state,
                       cu_seqlens, state_pool, state_indices, has_initial_state,
                       checkpoint_offsets, checkpoints, checkpoint_slots),
-                scale, lower_bound, null_slot_rule)
+                scale, lower_bound, null_slot_rule, gate_mode, beta_mode)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The decode step as serving runtimes call it: a few tokens per sequence,
 states in a pool updated in place."""
 
-from ._abi import NullSlotRule
+from ._abi import BetaMode, GateMode, NullSlotRule
 from ._api import DECODE, run_derived
 
 
@@ -22,6 +22,8 @@ def decode(
     cu_seqlens=None,
     *,
     null_slot_rule=NullSlotRule.NEGATIVE,
+    gate_mode=GateMode.BOUNDED,
+    beta_mode=BetaMode.LOGITS,
 ):
     """fkda_decode on a plan shared by every call of the same descriptor
     (flashkda.Plan.decode runs on a plan of your own).
@@ -33,8 +35,9 @@ def decode(
       q, k, g, v, out    bf16 [N, T, H, 128] (T <= 16), or packed
                          [1, total, H, 128] with cu_seqlens [N + 1]
                          (lengths 0 to 16)
-      beta               bf16 [N, T, H] (or [1, total, H])
-      A_log, dt_bias     f32 [H] and [H, 128]
+      beta               bf16 or f32 [N, T, H] (or [1, total, H])
+      A_log, dt_bias     f32 [H] and [H, 128], or None where gate_mode allows
+      lower_bound        the bounded gate's floor; None (or -5) for the others
       state_pool         f32 or bf16 [slots, H, 128, 128]
       state_indices      int32/int64 [N]: read and write slot state_indices[n];
                          or [N, W] for speculative verify: start from column
@@ -43,9 +46,11 @@ def decode(
       num_accepted_tokens  int32/int64 [N] in [1, W], with [N, W] indices only
       null_slot_rule     "negative" (index < 0 is padding) or "nonpositive"
                          (index <= 0 is padding, slot 0 reserved)
+      gate_mode, beta_mode  as for flashkda.fwd ("bounded", "softplus" or
+                         "log_decay"; "logits" or "probabilities")
     A sequence whose starting slot is null is padding: its output rows are
     zero and no state is read or written.
     """
     run_derived(DECODE, (q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_indices,
                          num_accepted_tokens, cu_seqlens),
-                scale, lower_bound, null_slot_rule)
+                scale, lower_bound, null_slot_rule, gate_mode, beta_mode)

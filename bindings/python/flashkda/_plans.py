@@ -1,8 +1,8 @@
 """Plans shared by the calls that derive them from their arguments.
 
 flashkda.fwd() and flashkda.decode() need a plan for every call; creating one costs a C call and
-a destroy. Plans only hold configuration (their lower_bound is part of the
-key, so a shared plan is never re-bounded), and fkda_fwd on one plan from
+a destroy. Plans only hold configuration (their lower_bound, gate and beta
+modes are part of the key, so a shared plan is never re-bounded), and fkda_fwd on one plan from
 several threads is safe, so one plan per descriptor serves every thread.
 """
 
@@ -30,6 +30,8 @@ class Descriptor:
     backend: int
     lower_bound: float
     null_slot_rule: int
+    gate_mode: int
+    beta_mode: int
 
 
 def cached_plan(descriptor):
@@ -52,6 +54,8 @@ def cached_plan(descriptor):
                 backend=descriptor.backend,
                 lower_bound=descriptor.lower_bound,
                 null_slot_rule=descriptor.null_slot_rule,
+                gate_mode=descriptor.gate_mode,
+                beta_mode=descriptor.beta_mode,
                 library=descriptor.library,
             )
             if len(_plans) >= _MAX_PLANS:

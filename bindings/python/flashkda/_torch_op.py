@@ -15,19 +15,22 @@ from ._api import fwd
 from ._decode import decode
 
 # (a!), (b!), ... mark the arguments written in place; everything else is read.
+# A_log, dt_bias and lower_bound may be None where gate_mode allows it; the
+# modes are the strings flashkda.fwd takes.
 FWD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor(a!) out, "
-    "Tensor A_log, Tensor dt_bias, float lower_bound, Tensor? initial_state=None, "
+    "Tensor? A_log, Tensor? dt_bias, float? lower_bound, Tensor? initial_state=None, "
     "Tensor(b!)? final_state=None, Tensor? cu_seqlens=None, *, "
     "Tensor(c!)? state_pool=None, Tensor? state_indices=None, Tensor? has_initial_state=None, "
     "Tensor? checkpoint_offsets=None, Tensor(d!)? checkpoints=None, "
-    "Tensor? checkpoint_slots=None, int null_slot_rule=0) -> ()"
+    "Tensor? checkpoint_slots=None, int null_slot_rule=0, str gate_mode='bounded', "
+    "str beta_mode='logits') -> ()"
 )
 DECODE_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor(a!) out, "
-    "Tensor A_log, Tensor dt_bias, float lower_bound, Tensor(b!) state_pool, "
+    "Tensor? A_log, Tensor? dt_bias, float? lower_bound, Tensor(b!) state_pool, "
     "Tensor state_indices, Tensor? num_accepted_tokens=None, Tensor? cu_seqlens=None, *, "
-    "int null_slot_rule=0) -> ()"
+    "int null_slot_rule=0, str gate_mode='bounded', str beta_mode='logits') -> ()"
 )
 
 

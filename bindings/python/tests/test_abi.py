@@ -91,6 +91,8 @@ def test_enums_match_the_header(header):
         "fkda_backend": (_abi.Backend, "FKDA_BACKEND_"),
         "fkda_state_layout": (_abi.StateLayout, "FKDA_STATE_LAYOUT_"),
         "fkda_null_slot_rule": (_abi.NullSlotRule, "FKDA_NULL_SLOT_"),
+        "fkda_gate_mode": (_abi.GateMode, "FKDA_GATE_"),
+        "fkda_beta_mode": (_abi.BetaMode, "FKDA_BETA_"),
     }
     assert set(mirrors) == set(header["enums"])
     for enum_name, (mirror, prefix) in mirrors.items():

@@ -65,9 +65,77 @@ def test_wrong_head_count_in_dt_bias(problem):
     expect_error(lambda: run_fwd(problem, dt_bias=problem.dt_bias[:1]), "dt_bias")
 
 
-@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta", "out", "A_log", "dt_bias"])
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta", "out"])
 def test_required_argument_none(problem, name):
     expect_error(lambda: run_fwd(problem, **{name: None}), name)
+
+
+# ------------------------------------------------ gate and beta forms ---
+
+
+@pytest.mark.parametrize("keyword, value", [
+    ("gate_mode", "sigmoid"), ("gate_mode", 7), ("gate_mode", 1.5), ("gate_mode", None),
+    ("beta_mode", "odds"), ("beta_mode", -1),
+])
+def test_unknown_forms(problem, keyword, value):
+    error = expect_error(lambda: run_fwd(problem, **{keyword: value}), keyword)
+    if isinstance(value, str):
+        assert value in error.message
+    expect_error(lambda: flashkda.Plan(2, backend="cpu", **{keyword: value}), keyword)
+
+
+def test_softplus_needs_A_log(problem):
+    error = expect_error(lambda: run_fwd(problem, gate_mode="softplus", A_log=None), "A_log")
+    assert "softplus" in error.message
+
+
+@pytest.mark.parametrize("present", ["A_log", "dt_bias"])
+def test_log_decay_takes_no_gate_parameters(problem, present):
+    absent = {"A_log": None, "dt_bias": None}
+    absent.pop(present)
+    expect_error(lambda: run_fwd(problem, gate_mode="log_decay", **absent), present)
+
+
+@pytest.mark.parametrize("gate_mode", ["bounded", "softplus"])
+def test_f32_g_only_with_log_decay(problem, gate_mode):
+    error = expect_error(lambda: run_fwd(problem, gate_mode=gate_mode,
+                                         g=flashkda.from_bf16(problem.g)), "g")
+    assert "log-decay" in error.message
+
+
+@pytest.mark.parametrize("gate_mode", ["softplus", "log_decay"])
+def test_lower_bound_belongs_to_the_bounded_gate(problem, gate_mode):
+    arguments = dict(A_log=None, dt_bias=None) if gate_mode == "log_decay" else {}
+    error = expect_error(lambda: run_fwd(problem, gate_mode=gate_mode, lower_bound=-2.0,
+                                         **arguments), "lower_bound")
+    assert gate_mode.replace("_", "-") in error.message
+    expect_error(lambda: flashkda.Plan(2, backend="cpu", gate_mode=gate_mode, lower_bound=-2.0),
+                 "lower_bound")
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64, np.int32])
+def test_beta_dtype(problem, dtype):
+    expect_error(lambda: run_fwd(problem, beta=flashkda.from_bf16(problem.beta).astype(dtype)),
+                 "beta")
+
+
+def test_decode_checks_the_form_too(rng):
+    problem = make_problem(rng, batch=2, seq_len=1, heads=2, with_initial_state=False,
+                           with_final_state=False)
+    pool = np.zeros((4, 2, 128, 128), np.float32)
+
+    def decode(**overrides):
+        arguments = dict(q=problem.q, k=problem.k, v=problem.v, g=problem.g, beta=problem.beta,
+                         scale=problem.scale, out=problem.out, A_log=problem.A_log,
+                         dt_bias=problem.dt_bias, lower_bound=None, state_pool=pool,
+                         state_indices=np.array([0, 1], np.int32))
+        arguments.update(overrides)
+        flashkda.decode(**arguments)
+
+    expect_error(lambda: decode(gate_mode="softplus", A_log=None), "A_log")
+    expect_error(lambda: decode(gate_mode="log_decay", A_log=None), "dt_bias")
+    expect_error(lambda: decode(g=flashkda.from_bf16(problem.g)), "g")
+    expect_error(lambda: decode(beta_mode="certainties"), "beta_mode")
 
 
 def test_not_an_array(problem):

@@ -23,7 +23,9 @@ def descriptor(**changes):
                              state_dtype=int(flashkda.Dtype.F32),
                              state_layout=int(flashkda.StateLayout.VK),
                              backend=int(flashkda.Backend.CPU), lower_bound=-4.5,
-                             null_slot_rule=int(flashkda.NullSlotRule.NEGATIVE))
+                             null_slot_rule=int(flashkda.NullSlotRule.NEGATIVE),
+                             gate_mode=int(flashkda.GateMode.BOUNDED),
+                             beta_mode=int(flashkda.BetaMode.LOGITS))
     return dataclasses.replace(base, **changes)
 
 
@@ -46,6 +48,8 @@ def test_same_descriptor_same_plan():
     dict(device=0), dict(num_heads=4), dict(state_dtype=int(flashkda.Dtype.BF16)),
     dict(state_layout=int(flashkda.StateLayout.KV)), dict(backend=int(flashkda.Backend.AUTO)),
     dict(lower_bound=-1.0), dict(null_slot_rule=int(flashkda.NullSlotRule.NONPOSITIVE)),
+    dict(gate_mode=int(flashkda.GateMode.SOFTPLUS), lower_bound=-5.0),
+    dict(beta_mode=int(flashkda.BetaMode.PROBABILITIES)),
 ], ids=lambda change: next(iter(change)))
 def test_any_other_field_another_plan(change):
     assert _plans.cached_plan(descriptor(**change)) is not _plans.cached_plan(descriptor())

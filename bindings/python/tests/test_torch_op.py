@@ -40,8 +40,12 @@ class TorchCall:
                 i["A_log"], i["dt_bias"], self.problem.lower_bound)
 
     def kwargs(self):
-        return dict(initial_state=self.inputs["initial_state"], final_state=self.final_state,
-                    cu_seqlens=self.inputs["cu_seqlens"])
+        arguments = dict(initial_state=self.inputs["initial_state"], final_state=self.final_state,
+                         cu_seqlens=self.inputs["cu_seqlens"])
+        # The defaults stay implicit, as FlashKDA's callers leave them.
+        if (self.problem.gate_mode, self.problem.beta_mode) != ("bounded", "logits"):
+            arguments.update(self.problem.modes())
+        return arguments
 
     def poison(self):
         self.out.fill_(float("nan"))
@@ -63,6 +67,13 @@ CASES = {
     "varlen_i32": dict(seq_lens=[11, 0, 30], heads=2, cu_seqlens_dtype=np.int32),
     "without_states": dict(batch=1, seq_len=24, heads=1, with_initial_state=False,
                            with_final_state=False),
+    # Gate and beta forms: None for A_log, dt_bias and lower_bound, f32 g and beta.
+    "softplus_varlen": dict(seq_lens=[11, 0, 30], heads=2, gate_mode="softplus",
+                            with_dt_bias=False),
+    "log_decay_f32_g": dict(batch=2, seq_len=19, heads=2, gate_mode="log_decay",
+                            g_dtype=np.float32),
+    "probabilities_f32_beta": dict(batch=1, seq_len=24, heads=2, beta_mode="probabilities",
+                                   beta_dtype=np.float32, with_A_log=False, with_dt_bias=False),
 }
 
 
@@ -102,14 +113,16 @@ def test_op_errors_are_flashkda_errors(rng):
 class DecodeCall:
     """One decode step on a pool of 10 slots, as numpy arrays and as torch tensors."""
 
-    def __init__(self, rng, device):
+    def __init__(self, rng, device, **form):
         problem = make_problem(rng, batch=4, seq_len=1, heads=2, with_initial_state=False,
-                               with_final_state=False)
+                               with_final_state=False, **form)
         self.numpy = dict(q=problem.q, k=problem.k, v=problem.v, g=problem.g, beta=problem.beta,
                           scale=problem.scale, out=problem.out, A_log=problem.A_log,
                           dt_bias=problem.dt_bias, lower_bound=problem.lower_bound,
                           state_pool=rng.standard_normal((10, 2, 128, 128)).astype(np.float32),
                           state_indices=np.array([7, -1, 2, 5], dtype=np.int64))
+        if form:
+            self.numpy.update(problem.modes())
         # clone(): on the CPU from_numpy shares memory, and the pool is written.
         self.torch = {name: to_torch(value, device).clone() if isinstance(value, np.ndarray)
                       else value for name, value in self.numpy.items()}
@@ -120,17 +133,48 @@ class DecodeCall:
         return self.numpy["out"], self.numpy["state_pool"]
 
 
-def test_decode_op_equals_flashkda_decode_on_cpu(rng):
-    call = DecodeCall(rng, "cpu")
+# make_problem's keywords of decode calls in other gate and beta forms.
+DECODE_FORMS = {
+    "default": {},
+    "softplus_probabilities": dict(gate_mode="softplus", beta_mode="probabilities",
+                                   beta_dtype=np.float32),
+    "log_decay_f32_g": dict(gate_mode="log_decay", g_dtype=np.float32),
+}
+
+
+@pytest.mark.parametrize("form", DECODE_FORMS)
+def test_decode_op_equals_flashkda_decode_on_cpu(rng, form):
+    call = DecodeCall(rng, "cpu", **DECODE_FORMS[form])
     torch.ops.flashkda.decode(**call.torch)
     out, pool = call.expected()
     np.testing.assert_array_equal(to_host_bits(call.torch["out"]), out)
     np.testing.assert_array_equal(to_host_bits(call.torch["state_pool"]), pool)
 
 
-def test_opcheck_decode_on_cpu(rng):
-    call = DecodeCall(rng, "cpu")
+@pytest.mark.parametrize("form", DECODE_FORMS)
+def test_opcheck_decode_on_cpu(rng, form):
+    call = DecodeCall(rng, "cpu", **DECODE_FORMS[form])
     torch.library.opcheck(torch.ops.flashkda.decode.default, (), call.torch)
+
+
+def test_op_form_errors_name_the_argument(rng):
+    call = TorchCall(make_problem(rng, batch=1, seq_len=20, heads=2), "cpu")
+    args = list(call.args())
+    with pytest.raises(flashkda.FlashKDAError) as caught:
+        torch.ops.flashkda.fwd(*args, **call.kwargs(), gate_mode="log_decay")
+    assert caught.value.message.startswith("A_log:")
+    with pytest.raises(flashkda.FlashKDAError) as caught:
+        torch.ops.flashkda.fwd(*args, **call.kwargs(), beta_mode="odds")
+    assert caught.value.message.startswith("beta_mode:")
+
+
+def test_schema_takes_the_forms_as_keywords():
+    for op in (torch.ops.flashkda.fwd, torch.ops.flashkda.decode):
+        arguments = {argument.name: argument for argument in op.default._schema.arguments}
+        for name, default in (("gate_mode", "bounded"), ("beta_mode", "logits")):
+            assert arguments[name].kwarg_only and arguments[name].default_value == default
+        for name in ("A_log", "dt_bias", "lower_bound"):
+            assert isinstance(arguments[name].type, torch.OptionalType), name
 
 
 def test_decode_compiles_without_graph_break_on_cpu(rng):

@@ -30,7 +30,7 @@ export FlashKDAError, Plan, fwd!, fwd_raw!, decode!, tensor, workspace_size, dec
 # ------------------------------------------------------------------------
 
 const FKDA_VERSION_MAJOR = 0
-const FKDA_VERSION_MINOR = 2
+const FKDA_VERSION_MINOR = 3
 const FKDA_VERSION_PATCH = 0
 const FKDA_VERSION_NUMBER = FKDA_VERSION_MAJOR * 10000 + FKDA_VERSION_MINOR * 100 + FKDA_VERSION_PATCH
 
@@ -81,6 +81,15 @@ const fkda_null_slot_rule = Cint
 const FKDA_NULL_SLOT_NEGATIVE = fkda_null_slot_rule(0)
 const FKDA_NULL_SLOT_NONPOSITIVE = fkda_null_slot_rule(1)
 
+const fkda_gate_mode = Cint
+const FKDA_GATE_BOUNDED = fkda_gate_mode(0)
+const FKDA_GATE_SOFTPLUS = fkda_gate_mode(1)
+const FKDA_GATE_LOG_DECAY = fkda_gate_mode(2)
+
+const fkda_beta_mode = Cint
+const FKDA_BETA_LOGITS = fkda_beta_mode(0)
+const FKDA_BETA_PROBABILITIES = fkda_beta_mode(1)
+
 # Opaque types behind the handle typedefs.
 struct fkda_plan_s end
 struct CUstream_st end
@@ -98,6 +107,8 @@ struct fkda_plan_desc
     lower_bound::Cfloat
     null_slot_rule::Int32
     debug_checks::Int32
+    gate_mode::Int32
+    beta_mode::Int32
 end
 
 struct fkda_fwd_args
@@ -466,7 +477,8 @@ stream_handle(stream::Integer) = fkda_stream_t(UInt(stream))
 """
     Plan(num_heads; head_dim_k=128, head_dim_v=128, state_dtype=Float32,
          state_layout=:VK, backend=:auto, lower_bound=-5,
-         null_slot_rule=:negative, debug_checks=false)
+         null_slot_rule=:negative, debug_checks=false,
+         gate_mode=:bounded, beta_mode=:logits)
 
 An `fkda_plan_t`. `state_dtype` is `Float32` or bf16 (`UInt16`, `:bf16`);
 `backend` is `:auto`, `:cpu` or `:gpu`. `null_slot_rule` says which pool
@@ -474,13 +486,24 @@ indices mean padding: `:negative` (index < 0) or `:nonpositive` (index <= 0,
 slot 0 reserved). `debug_checks` makes GPU calls check device-side indices on
 the host first (synchronising). Destroyed by `close(plan)` or, as a fallback,
 by a finalizer. Not to be used from several tasks at once.
+
+`gate_mode` says how `g` becomes each token's decay: `:bounded`
+(`lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`, A_log and dt_bias
+optional), `:softplus` (`-exp(A_log) * softplus(g + dt_bias)`, A_log
+required, dt_bias optional) or `:log_decay` (`g`, `UInt16` bf16 or
+`Float32`, is the log-decay itself; no A_log, no dt_bias). `beta_mode` is
+`:logits` (`sigmoid(beta)`) or `:probabilities`; beta may be bf16 or
+`Float32`. Absent tensors are `nothing`. `lower_bound` belongs to the
+bounded gate: other gates leave it at -5 (`nothing` means -5) and
+`lower_bound(plan)` throws on them.
 """
 mutable struct Plan
     handle::fkda_plan_t
 
     function Plan(num_heads; head_dim_k=128, head_dim_v=128, state_dtype=Float32,
                   state_layout=:VK, backend=:auto, lower_bound=-5.0f0,
-                  null_slot_rule=:negative, debug_checks=false)
+                  null_slot_rule=:negative, debug_checks=false, gate_mode=:bounded,
+                  beta_mode=:logits)
         desc = fkda_plan_desc(
             Csize_t(sizeof(fkda_plan_desc)),
             to_int32("num_heads", num_heads),
@@ -489,10 +512,14 @@ mutable struct Plan
             state_dtype_code(state_dtype),
             choose("state_layout", state_layout, (VK=FKDA_STATE_LAYOUT_VK, KV=FKDA_STATE_LAYOUT_KV)),
             choose("backend", backend, (auto=FKDA_BACKEND_AUTO, cpu=FKDA_BACKEND_CPU, gpu=FKDA_BACKEND_GPU)),
-            to_float32("lower_bound", lower_bound),
+            to_float32("lower_bound", something(lower_bound, DEFAULT_LOWER_BOUND)),
             choose("null_slot_rule", null_slot_rule,
                    (negative=FKDA_NULL_SLOT_NEGATIVE, nonpositive=FKDA_NULL_SLOT_NONPOSITIVE)),
             Int32(to_bool("debug_checks", debug_checks)),
+            choose("gate_mode", gate_mode, (bounded=FKDA_GATE_BOUNDED, softplus=FKDA_GATE_SOFTPLUS,
+                                            log_decay=FKDA_GATE_LOG_DECAY)),
+            choose("beta_mode", beta_mode,
+                   (logits=FKDA_BETA_LOGITS, probabilities=FKDA_BETA_PROBABILITIES)),
         )
         handle = Ref{fkda_plan_t}(C_NULL)
         check(fkda_plan_create(Ref(desc), handle))
@@ -501,6 +528,10 @@ mutable struct Plan
         return plan
     end
 end
+
+# FKDA_PLAN_DESC_INIT's lower_bound: what `nothing` stands for, and the value
+# plans of the softplus and log-decay gates must keep.
+const DEFAULT_LOWER_BOUND = -5.0f0
 
 function choose(name, value, options::NamedTuple)
     value isa Symbol || return to_int32(name, value)
@@ -543,6 +574,7 @@ function backend(plan::Plan)
     return value[] == FKDA_BACKEND_GPU ? :gpu : :cpu
 end
 
+"""The gate floor of a bounded plan (other gates have none: FlashKDAError naming `plan`)."""
 function lower_bound(plan::Plan)
     value = Ref{Cfloat}(0)
     check(fkda_get_lower_bound(live_handle(plan), value))
@@ -595,6 +627,8 @@ token counts `checkpoint_offsets` `(C, N)` go to `checkpoints`
 `(K, V, H, C, N)` or to the pool slots `checkpoint_slots` `(C, N)`.
 `workspace = nothing` allocates one of `workspace_size` bytes in the arrays'
 memory; `stream = nothing` uses CUDA.jl's current stream for CuArrays.
+`g` and `beta` may be `Float32` where the plan's gate and beta modes take
+them, `A_log` and `dt_bias` `nothing` (see `Plan`).
 """
 function fwd!(plan::Plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
               initial_state=nothing, final_state=nothing, cu_seqlens=nothing,
@@ -693,6 +727,7 @@ end
 `fkda_fwd` with `fkda_tensor` descriptors from `tensor(pointer, dims)`; the
 pool keywords (state_pool, state_indices, has_initial_state,
 checkpoint_offsets, checkpoints, checkpoint_slots) are descriptors too.
+`A_log` and `dt_bias` are `FKDA_TENSOR_NONE` where the plan's gate takes them absent.
 Unsafe: nothing here can check that the pointers are valid for the shapes
 they are described with, readable, and (for `out`, `final_state`, the pool
 and the checkpoints) writable until the work completes on `stream`.
@@ -721,20 +756,21 @@ end
          initial_state=nothing, final_state=nothing, cu_seqlens=nothing,
          state_pool=nothing, state_indices=nothing, has_initial_state=nothing,
          checkpoint_offsets=nothing, checkpoints=nothing, checkpoint_slots=nothing,
-         null_slot_rule=:negative)
+         null_slot_rule=:negative, gate_mode=:bounded, beta_mode=:logits)
 
 The forward pass with the arguments of FlashKDA's `flash_kda.fwd`, through a
 temporary plan: host arrays run on the CPU backend, CuArrays on the GPU; the
 state dtype follows the states given (Float32 when none). The pool arguments
-are those of `fwd!(plan, ...)`.
+are those of `fwd!(plan, ...)`; `gate_mode` and `beta_mode` those of `Plan`
+(`lower_bound`, `A_log` and `dt_bias` may then be `nothing`).
 """
 function fwd!(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound;
               initial_state=nothing, final_state=nothing, cu_seqlens=nothing,
               state_pool=nothing, state_indices=nothing, has_initial_state=nothing,
               checkpoint_offsets=nothing, checkpoints=nothing, checkpoint_slots=nothing,
-              null_slot_rule=:negative)
+              null_slot_rule=:negative, gate_mode=:bounded, beta_mode=:logits)
     with_temporary_plan(q, A_log, something(initial_state, final_state, state_pool, missing),
-                        lower_bound, null_slot_rule) do plan
+                        lower_bound, null_slot_rule, gate_mode, beta_mode) do plan
         fwd!(plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
              initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens,
              state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
@@ -746,13 +782,16 @@ end
 
 """
     decode!(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, state_pool, state_indices;
-            num_accepted_tokens=nothing, cu_seqlens=nothing, null_slot_rule=:negative)
+            num_accepted_tokens=nothing, cu_seqlens=nothing, null_slot_rule=:negative,
+            gate_mode=:bounded, beta_mode=:logits)
 
 `decode!(plan, ...)` through a temporary plan whose state dtype is the pool's.
 """
 function decode!(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, state_pool, state_indices;
-                 num_accepted_tokens=nothing, cu_seqlens=nothing, null_slot_rule=:negative)
-    with_temporary_plan(q, A_log, something(state_pool, missing), lower_bound, null_slot_rule) do plan
+                 num_accepted_tokens=nothing, cu_seqlens=nothing, null_slot_rule=:negative,
+                 gate_mode=:bounded, beta_mode=:logits)
+    with_temporary_plan(q, A_log, something(state_pool, missing), lower_bound, null_slot_rule,
+                        gate_mode, beta_mode) do plan
         decode!(plan, q, k, v, g, beta, scale, out, A_log, dt_bias, state_pool, state_indices;
                 num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens)
     end
@@ -761,7 +800,7 @@ end
 
 # Runs f(plan) on a plan made for q's memory, q's (or A_log's) head count and
 # the state's dtype, closed afterwards.
-function with_temporary_plan(f, q, A_log, state, lower_bound, null_slot_rule)
+function with_temporary_plan(f, q, A_log, state, lower_bound, null_slot_rule, gate_mode, beta_mode)
     lead = something(q, A_log, missing)
     kind = lead === missing ? :host : something(memory_kind(lead), :host)
     num_heads = q isa AbstractArray && ndims(q) == 4 ? size(q, 2) :
@@ -769,7 +808,8 @@ function with_temporary_plan(f, q, A_log, state, lower_bound, null_slot_rule)
     state_dtype = state === missing ? Float32 :
                   dtype_of(eltype(state)) in (FKDA_DTYPE_BF16, FKDA_DTYPE_F32) ? eltype(state) : Float32
     plan = Plan(num_heads; state_dtype=state_dtype, backend=kind == :device ? :gpu : :cpu,
-                lower_bound=lower_bound, null_slot_rule=null_slot_rule)
+                lower_bound=lower_bound, null_slot_rule=null_slot_rule, gate_mode=gate_mode,
+                beta_mode=beta_mode)
     try
         f(plan)
     finally

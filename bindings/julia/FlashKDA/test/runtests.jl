@@ -15,22 +15,34 @@ const DIM = 128
 const BF16_NAN = 0x7fc0
 
 sigmoid(x) = 1 / (1 + exp(-x))
+softplus(x) = x > 20 ? x : log1p(exp(x))
+# bf16 bit patterns or Float32 values as Float64.
+widen_values(x::AbstractArray{UInt16}) = Float64.(from_bf16(x))
+widen_values(x::AbstractArray{Float32}) = Float64.(x)
 rel_l2(actual, expected) = sqrt(sum(abs2, Float64.(actual) .- expected) / sum(abs2, expected))
 
 # Arrays in Julia order: q (K, H, T, B), beta (H, T, B), states (K, V, H, N).
+# g and beta are bf16 bits or Float32; A_log and dt_bias nothing where the gate
+# takes them absent; gate_mode and beta_mode those of the plan.
 struct Problem
     q::Array{UInt16,4}
     k::Array{UInt16,4}
     v::Array{UInt16,4}
-    g::Array{UInt16,4}
-    beta::Array{UInt16,3}
-    A_log::Vector{Float32}
-    dt_bias::Matrix{Float32}
+    g::Union{Array{UInt16,4},Array{Float32,4}}
+    beta::Union{Array{UInt16,3},Array{Float32,3}}
+    A_log::Union{Nothing,Vector{Float32}}
+    dt_bias::Union{Nothing,Matrix{Float32}}
     scale::Float32
     lower_bound::Float32
     initial_state::Union{Nothing,Array{Float32,4}}
     cu_seqlens::Union{Nothing,Vector{Int64}}
+    gate_mode::Symbol
+    beta_mode::Symbol
 end
+
+Problem(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens) =
+    Problem(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state, cu_seqlens,
+            :bounded, :logits)
 
 num_seqs(p::Problem) = p.cu_seqlens === nothing ? size(p.q, 4) : length(p.cu_seqlens) - 1
 
@@ -54,7 +66,47 @@ function make_problem(rng; batch=1, seq_len=40, heads=2, seq_lens=nothing, with_
 end
 
 with_initial_state(p::Problem, state) =
-    Problem(p.q, p.k, p.v, p.g, p.beta, p.A_log, p.dt_bias, p.scale, p.lower_bound, state, p.cu_seqlens)
+    Problem(p.q, p.k, p.v, p.g, p.beta, p.A_log, p.dt_bias, p.scale, p.lower_bound, state, p.cu_seqlens,
+            p.gate_mode, p.beta_mode)
+
+# `p` in another gate and beta form: softplus takes Kimi-Linear's parameters
+# (A_log = log U(1, 16), dt_bias the inverse softplus of log-uniform values in
+# [0.001, 0.1]); log_decay g ~ N(-0.5, 0.5) itself (Float32 with f32_g) and
+# no A_log, dt_bias; probabilities beta ~ U(-0.1, 1.1) (Float32 with f32_beta).
+function in_form(rng, p::Problem; gate_mode=:bounded, beta_mode=:logits, f32_g=false,
+                 f32_beta=false, with_A_log=true, with_dt_bias=true)
+    heads = size(p.q, 2)
+    g, beta, A_log, dt_bias = p.g, p.beta, p.A_log, p.dt_bias
+    if gate_mode == :softplus
+        A_log = Float32.(log.(1 .+ 15 .* rand(rng, heads)))
+        dt_bias = Float32.(log.(expm1.(exp.(log(1e-3) .+ (log(1e-1) - log(1e-3)) .* rand(rng, DIM, heads)))))
+    elseif gate_mode == :log_decay
+        g = to_bf16(-0.5f0 .+ 0.5f0 .* randn(rng, Float32, size(p.g)))
+        A_log, dt_bias = nothing, nothing
+    end
+    if beta_mode == :probabilities
+        beta = to_bf16(-0.1f0 .+ 1.2f0 .* rand(rng, Float32, size(p.beta)))
+    end
+    g = f32_g ? from_bf16(g) : g
+    beta = f32_beta ? from_bf16(beta) : beta
+    A_log = with_A_log ? A_log : nothing
+    dt_bias = with_dt_bias ? dt_bias : nothing
+    lower_bound = gate_mode == :bounded ? p.lower_bound : -5.0f0
+    return Problem(p.q, p.k, p.v, g, beta, A_log, dt_bias, p.scale, lower_bound, p.initial_state,
+                   p.cu_seqlens, gate_mode, beta_mode)
+end
+
+# Log-decays of head h for the gate inputs g (a K-vector), as the header's
+# fkda_gate_mode defines them.
+function log_decays(p::Problem, h, g)
+    p.gate_mode == :log_decay && return min.(g, 0.0)
+    rate = p.A_log === nothing ? 1.0 : exp(Float64(p.A_log[h]))
+    bias = p.dt_bias === nothing ? zeros(DIM) : Float64.(p.dt_bias[:, h])
+    p.gate_mode == :softplus && return -rate .* softplus.(g .+ bias)
+    return Float64(p.lower_bound) .* sigmoid.(rate .* (g .+ bias))
+end
+
+step_size(p::Problem, beta) = p.beta_mode == :probabilities ? clamp(beta, 0.0, 1.0) : sigmoid(beta)
 
 # The token-by-token recurrence in Float64, S held as V×K.
 function reference(p::Problem)
@@ -66,14 +118,13 @@ function reference(p::Problem)
     for (n, (b, start_t, stop_t)) in enumerate(sequences), h in 1:heads
         S = p.initial_state === nothing ? zeros(DIM, DIM) :
             Float64.(permutedims(p.initial_state[:, :, h, n]))
-        rate = exp(Float64(p.A_log[h]))
         for t in start_t:stop_t
-            widened(x) = Float64.(from_bf16(x[:, h, t, b]))
+            widened(x) = widen_values(x[:, h, t, b])
             q, k, v, g = widened(p.q), widened(p.k), widened(p.v), widened(p.g)
             q_hat = q ./ sqrt(sum(abs2, q) + 1e-6)
             k_hat = k ./ sqrt(sum(abs2, k) + 1e-6)
-            gate = Float64(p.lower_bound) .* sigmoid.(rate .* (g .+ Float64.(p.dt_bias[:, h])))
-            write_strength = sigmoid(Float64(from_bf16(p.beta[h, t, b])))
+            gate = log_decays(p, h, g)
+            write_strength = step_size(p, widen_values(p.beta[h:h, t, b])[1])
             S = S .* exp.(gate)'
             S = S .+ write_strength .* (v .- S * k_hat) .* k_hat'
             out[:, h, t, b] = p.scale .* (S * q_hat)
@@ -88,7 +139,8 @@ function run_problem(p::Problem; plan=nothing)
     final_state = fill(NaN32, DIM, DIM, size(p.q, 2), num_seqs(p))
     if plan === nothing
         fwd!(p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias, p.lower_bound;
-             initial_state=p.initial_state, final_state=final_state, cu_seqlens=p.cu_seqlens)
+             initial_state=p.initial_state, final_state=final_state, cu_seqlens=p.cu_seqlens,
+             gate_mode=p.gate_mode, beta_mode=p.beta_mode)
     else
         fwd!(plan, p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias;
              initial_state=p.initial_state, final_state=final_state, cu_seqlens=p.cu_seqlens)
@@ -266,7 +318,7 @@ end
         expect_error(() -> call(v=p.v[:, :, 1:end-1, :]), "v")
         expect_error(() -> call(beta=p.beta[:, 1:end-1, :]), "beta")
         expect_error(() -> call(dt_bias=p.dt_bias[:, 1:1]), "dt_bias")
-        for name in (:q, :k, :v, :g, :beta, :out, :A_log, :dt_bias)
+        for name in (:q, :k, :v, :g, :beta, :out)
             expect_error(() -> call(; (name => nothing,)...), String(name))
         end
         expect_error(() -> call(A_log=[1, 2]), "A_log")
@@ -322,6 +374,54 @@ end
             @test no_device.status in (FKDA_ERROR_NO_DEVICE, FKDA_ERROR_UNSUPPORTED_ARCH)
             @test startswith(no_device.message, "desc.backend:")
         end
+    end
+
+    @testset "gate and beta forms: $(name)" for (name, form) in (
+            "bounded without A_log and dt_bias" => (with_A_log=false, with_dt_bias=false),
+            "softplus" => (gate_mode=:softplus,),
+            "softplus without dt_bias" => (gate_mode=:softplus, with_dt_bias=false),
+            "log_decay Float32 g" => (gate_mode=:log_decay, f32_g=true),
+            "log_decay bf16 g" => (gate_mode=:log_decay,),
+            "probabilities Float32 beta" => (beta_mode=:probabilities, f32_beta=true))
+        p = in_form(rng, make_problem(rng; seq_lens=[21, 0, 40], heads=2); form...)
+        check_accuracy(p, run_problem(p)...)
+        plan = Plan(2; backend=:cpu, gate_mode=p.gate_mode, beta_mode=p.beta_mode)
+        check_accuracy(p, run_problem(p; plan=plan)...)
+        p.gate_mode == :bounded || expect_error(() -> lower_bound(plan), "plan")
+        close(plan)
+    end
+
+    @testset "softplus equals log_decay given the same log-decays" begin
+        p = in_form(rng, make_problem(rng; batch=2, seq_len=37, heads=2); gate_mode=:softplus)
+        out, state = run_problem(p)
+        decays = similar(p.q, Float32)
+        for b in axes(p.q, 4), t in axes(p.q, 3), h in axes(p.q, 2)
+            decays[:, h, t, b] = Float32.(log_decays(p, h, widen_values(p.g[:, h, t, b])))
+        end
+        same = Problem(p.q, p.k, p.v, decays, p.beta, nothing, nothing, p.scale, -5.0f0,
+                       p.initial_state, p.cu_seqlens, :log_decay, :logits)
+        same_out, same_state = run_problem(same)
+        @test rel_l2(from_bf16(same_out), widen_values(out)) <= 1e-3
+        @test rel_l2(same_state, Float64.(state)) <= 1e-3
+    end
+
+    @testset "form errors" begin
+        p = make_problem(rng; seq_len=20, heads=2)
+        out = zeros(UInt16, size(p.v))
+        expect_error(() -> fwd!(p.q, p.k, p.v, p.g, p.beta, p.scale, out, nothing, p.dt_bias, nothing;
+                                gate_mode=:softplus), "A_log")
+        expect_error(() -> fwd!(p.q, p.k, p.v, p.g, p.beta, p.scale, out, nothing, p.dt_bias, nothing;
+                                gate_mode=:log_decay), "dt_bias")
+        expect_error(() -> fwd!(p.q, p.k, p.v, from_bf16(p.g), p.beta, p.scale, out, p.A_log,
+                                p.dt_bias, -5), "g")
+        expect_error(() -> fwd!(p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias, -2;
+                                gate_mode=:softplus), "lower_bound")
+        expect_error(() -> Plan(2; backend=:cpu, gate_mode=:sigmoid), "gate_mode")
+        expect_error(() -> Plan(2; backend=:cpu, gate_mode=7), "gate_mode")
+        expect_error(() -> Plan(2; backend=:cpu, beta_mode=:odds), "beta_mode")
+        plan = Plan(2; backend=:cpu, gate_mode=:log_decay, lower_bound=nothing)
+        expect_error(() -> set_lower_bound!(plan, -1), "plan")
+        close(plan)
     end
 
     @testset "states in a pool" begin

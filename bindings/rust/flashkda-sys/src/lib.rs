@@ -17,7 +17,7 @@ use core::mem::size_of;
 use core::ptr::null_mut;
 
 pub const FKDA_VERSION_MAJOR: u32 = 0;
-pub const FKDA_VERSION_MINOR: u32 = 2;
+pub const FKDA_VERSION_MINOR: u32 = 3;
 pub const FKDA_VERSION_PATCH: u32 = 0;
 pub const FKDA_VERSION_NUMBER: u32 =
     FKDA_VERSION_MAJOR * 10000 + FKDA_VERSION_MINOR * 100 + FKDA_VERSION_PATCH;
@@ -83,6 +83,15 @@ pub type fkda_null_slot_rule = c_int;
 pub const FKDA_NULL_SLOT_NEGATIVE: fkda_null_slot_rule = 0;
 pub const FKDA_NULL_SLOT_NONPOSITIVE: fkda_null_slot_rule = 1;
 
+pub type fkda_gate_mode = c_int;
+pub const FKDA_GATE_BOUNDED: fkda_gate_mode = 0;
+pub const FKDA_GATE_SOFTPLUS: fkda_gate_mode = 1;
+pub const FKDA_GATE_LOG_DECAY: fkda_gate_mode = 2;
+
+pub type fkda_beta_mode = c_int;
+pub const FKDA_BETA_LOGITS: fkda_beta_mode = 0;
+pub const FKDA_BETA_PROBABILITIES: fkda_beta_mode = 1;
+
 /// The opaque plan object behind `fkda_plan_t`.
 #[repr(C)]
 pub struct fkda_plan_s {
@@ -112,6 +121,8 @@ pub struct fkda_plan_desc {
     pub lower_bound: f32,
     pub null_slot_rule: i32,
     pub debug_checks: i32,
+    pub gate_mode: i32,
+    pub beta_mode: i32,
 }
 
 /// FKDA_PLAN_DESC_INIT.
@@ -126,6 +137,8 @@ pub const FKDA_PLAN_DESC_INIT: fkda_plan_desc = fkda_plan_desc {
     lower_bound: -5.0,
     null_slot_rule: FKDA_NULL_SLOT_NEGATIVE,
     debug_checks: 0,
+    gate_mode: FKDA_GATE_BOUNDED,
+    beta_mode: FKDA_BETA_LOGITS,
 };
 
 // ----------------------------------------------------------------- forward

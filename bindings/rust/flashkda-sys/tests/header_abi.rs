@@ -596,7 +596,7 @@ mirrors! {
     fkda_tensor = FKDA_TENSOR_NONE { data, dtype, rank, shape, strides }
     fkda_plan_desc = FKDA_PLAN_DESC_INIT {
         struct_size, num_heads, head_dim_k, head_dim_v, state_dtype, state_layout, backend,
-        lower_bound, null_slot_rule, debug_checks,
+        lower_bound, null_slot_rule, debug_checks, gate_mode, beta_mode,
     }
     fkda_fwd_args = FKDA_FWD_ARGS_INIT {
         struct_size, q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state,

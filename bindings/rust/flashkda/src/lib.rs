@@ -1,8 +1,8 @@
 //! Safe Rust bindings of libflashkda: Kimi Delta Attention (KDA) forward
 //! passes behind the C ABI of `include/flashkda.h`.
 //!
-//! A [`Plan`] holds a configuration (heads, state dtype, backend, gate floor,
-//! null-slot rule) and is destroyed when dropped. [`Plan::fwd_host`] runs the
+//! A [`Plan`] holds a configuration (heads, state dtype, backend, gate form
+//! and floor, beta form, null-slot rule) and is destroyed when dropped. [`Plan::fwd_host`] runs the
 //! CPU backend on host slices, with every slice length checked against the
 //! shapes it implies; [`Plan::fwd_host_pool`] does the same with states in a
 //! pool (and checkpoints), [`Plan::decode_host`] the decode step on a pool.
@@ -12,9 +12,11 @@
 //! message, which names the argument.
 //!
 //! bf16 values are `u16` bit patterns; [`to_bf16`] and [`from_bf16`] convert.
+//! `g` and `beta` are [`Values`]: bf16 or f32 (f32 `g` with
+//! [`GateMode::LogDecay`] only).
 //!
 //! ```no_run
-//! use flashkda::{HostFwd, Plan, PlanDesc, Backend, StateMut, to_bf16};
+//! use flashkda::{HostFwd, Plan, PlanDesc, Backend, StateMut, Values, to_bf16};
 //!
 //! let (b, t, h, k) = (1usize, 64usize, 2usize, 128usize);
 //! let input = |seed: f32| -> Vec<u16> {
@@ -30,8 +32,8 @@
 //! let plan = Plan::new(&PlanDesc { backend: Backend::Cpu, ..PlanDesc::new(h as i32) })?;
 //! plan.fwd_host(
 //!     HostFwd {
-//!         batch: b, seq_len: t, q: &q, k: &kk, v: &v, g: &g, beta: &beta,
-//!         a_log: &a_log, dt_bias: &dt_bias, scale: (k as f32).powf(-0.5), out: &mut out,
+//!         batch: b, seq_len: t, q: &q, k: &kk, v: &v, g: Values::Bf16(&g), beta: Values::Bf16(&beta),
+//!         a_log: Some(&a_log), dt_bias: Some(&dt_bias), scale: (k as f32).powf(-0.5), out: &mut out,
 //!         initial_state: None, final_state: Some(StateMut::F32(&mut state)), cu_seqlens: None,
 //!     },
 //!     None,
@@ -211,6 +213,50 @@ pub enum StateLayout {
     Kv,
 }
 
+/// How each token's per-channel decay `exp(a)`, `a <= 0`, is formed from `g`
+/// (`fkda_gate_mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateMode {
+    /// `a = lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))`, in
+    /// `[lower_bound, 0]`; A_log and dt_bias optional (absent: `exp(A_log) =
+    /// 1`, `dt_bias = 0`). The default.
+    Bounded,
+    /// `a = -exp(A_log[h]) * softplus(g + dt_bias[h])` (Kimi-Linear's gate):
+    /// A_log required, dt_bias optional; no floor.
+    Softplus,
+    /// `a = g`, the log-decay itself (bf16 or f32; values above 0 read as 0):
+    /// A_log and dt_bias absent.
+    LogDecay,
+}
+
+impl GateMode {
+    pub fn raw(self) -> sys::fkda_gate_mode {
+        match self {
+            GateMode::Bounded => sys::FKDA_GATE_BOUNDED,
+            GateMode::Softplus => sys::FKDA_GATE_SOFTPLUS,
+            GateMode::LogDecay => sys::FKDA_GATE_LOG_DECAY,
+        }
+    }
+}
+
+/// How `beta` becomes the delta rule's step size (`fkda_beta_mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BetaMode {
+    /// `sigmoid(beta)`. The default.
+    Logits,
+    /// `beta` as it is, clamped into [0, 1].
+    Probabilities,
+}
+
+impl BetaMode {
+    pub fn raw(self) -> sys::fkda_beta_mode {
+        match self {
+            BetaMode::Logits => sys::FKDA_BETA_LOGITS,
+            BetaMode::Probabilities => sys::FKDA_BETA_PROBABILITIES,
+        }
+    }
+}
+
 /// Which pool indices mean "no sequence here" (padding: zero output rows,
 /// no state read or written).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -234,12 +280,18 @@ pub struct PlanDesc {
     pub state_dtype: Dtype,
     pub state_layout: StateLayout,
     pub backend: Backend,
-    /// The gate floor, in [-5, 0].
+    /// The gate floor, in [-5, 0], of the bounded gate; other gates keep the
+    /// value of [`PlanDesc::new`], -5.
     pub lower_bound: f32,
     pub null_slot_rule: NullSlotRule,
     /// GPU calls copy device-side indices to the host and check them before
     /// the launch (synchronises; not for graph capture).
     pub debug_checks: bool,
+    /// How `g` becomes the decay; it also decides which of `A_log` and
+    /// `dt_bias` a call takes.
+    pub gate_mode: GateMode,
+    /// Whether `beta` holds logits or probabilities.
+    pub beta_mode: BetaMode,
 }
 
 impl PlanDesc {
@@ -255,6 +307,8 @@ impl PlanDesc {
             lower_bound: init.lower_bound,
             null_slot_rule: NullSlotRule::Negative,
             debug_checks: false,
+            gate_mode: GateMode::Bounded,
+            beta_mode: BetaMode::Logits,
         }
     }
 
@@ -275,6 +329,8 @@ impl PlanDesc {
                 NullSlotRule::Nonpositive => sys::FKDA_NULL_SLOT_NONPOSITIVE,
             },
             debug_checks: self.debug_checks as i32,
+            gate_mode: self.gate_mode.raw(),
+            beta_mode: self.beta_mode.raw(),
             ..sys::FKDA_PLAN_DESC_INIT
         }
     }
@@ -330,7 +386,8 @@ impl Plan {
         })
     }
 
-    /// `fkda_get_lower_bound`.
+    /// `fkda_get_lower_bound`: fails on plans of another gate than
+    /// [`GateMode::Bounded`], which have no floor.
     pub fn lower_bound(&self) -> Result<f32> {
         let mut value = 0f32;
         // SAFETY: live handle, valid out pointer.
@@ -338,7 +395,7 @@ impl Plan {
         Ok(value)
     }
 
-    /// `fkda_set_lower_bound`: accepted range [-5, 0].
+    /// `fkda_set_lower_bound`: accepted range [-5, 0]; bounded plans only.
     pub fn set_lower_bound(&mut self, lower_bound: f32) -> Result<()> {
         // SAFETY: live handle; &mut self excludes a concurrent fwd.
         check(unsafe { sys::fkda_set_lower_bound(self.as_raw(), lower_bound) })?;
@@ -471,10 +528,16 @@ impl Plan {
             q: host_tensor("q", args.q, Dtype::Bf16, &qk_shape)?,
             k: host_tensor("k", args.k, Dtype::Bf16, &qk_shape)?,
             v: host_tensor("v", args.v, Dtype::Bf16, &v_shape)?,
-            g: host_tensor("g", args.g, Dtype::Bf16, &qk_shape)?,
-            beta: host_tensor("beta", args.beta, Dtype::Bf16, &[batch, seq_len, heads])?,
-            a_log: host_tensor("A_log", args.a_log, Dtype::F32, &[heads])?,
-            dt_bias: host_tensor("dt_bias", args.dt_bias, Dtype::F32, &[heads, dim_k])?,
+            g: args.g.tensor("g", &qk_shape)?,
+            beta: args.beta.tensor("beta", &[batch, seq_len, heads])?,
+            a_log: match args.a_log {
+                Some(a_log) => host_tensor("A_log", a_log, Dtype::F32, &[heads])?,
+                None => sys::FKDA_TENSOR_NONE,
+            },
+            dt_bias: match args.dt_bias {
+                Some(dt_bias) => host_tensor("dt_bias", dt_bias, Dtype::F32, &[heads, dim_k])?,
+                None => sys::FKDA_TENSOR_NONE,
+            },
             out: host_tensor("out", &*args.out, Dtype::Bf16, &v_shape)?,
             cu_seqlens: match cu_seqlens {
                 Some(SeqLens::I64(o)) => host_tensor("cu_seqlens", o, Dtype::I64, &[o.len()])?,
@@ -608,6 +671,34 @@ pub enum StateMut<'a> {
     F32(&'a mut [f32]),
 }
 
+/// `g` or `beta` in bf16 (bit patterns) or f32.
+#[derive(Clone, Copy, Debug)]
+pub enum Values<'a> {
+    Bf16(&'a [u16]),
+    F32(&'a [f32]),
+}
+
+macro_rules! values_from {
+    ($($source:ty => $variant:ident),*) => {$(
+        impl<'a> From<&'a $source> for Values<'a> {
+            fn from(values: &'a $source) -> Values<'a> {
+                Values::$variant(values)
+            }
+        }
+    )*};
+}
+
+values_from!([u16] => Bf16, Vec<u16> => Bf16, [f32] => F32, Vec<f32> => F32);
+
+impl Values<'_> {
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<sys::fkda_tensor> {
+        match self {
+            Values::Bf16(values) => host_tensor(name, values, Dtype::Bf16, shape),
+            Values::F32(values) => host_tensor(name, values, Dtype::F32, shape),
+        }
+    }
+}
+
 /// Varlen offsets `[N + 1]`, from 0 to T, non-decreasing.
 pub enum SeqLens<'a> {
     I64(&'a [i64]),
@@ -627,14 +718,17 @@ pub struct HostFwd<'a> {
     pub k: &'a [u16],
     /// bf16 `[B, T, H, V]`.
     pub v: &'a [u16],
-    /// bf16 `[B, T, H, K]`, the gate before activation.
-    pub g: &'a [u16],
-    /// bf16 `[B, T, H]`, logits.
-    pub beta: &'a [u16],
-    /// f32 `[H]`.
-    pub a_log: &'a [f32],
-    /// f32 `[H, K]`.
-    pub dt_bias: &'a [f32],
+    /// `[B, T, H, K]`: the gate before activation (bf16), or the log-decay
+    /// itself with [`GateMode::LogDecay`] (bf16 or f32).
+    pub g: Values<'a>,
+    /// `[B, T, H]`, bf16 or f32: logits, or probabilities with
+    /// [`BetaMode::Probabilities`].
+    pub beta: Values<'a>,
+    /// f32 `[H]`: required with [`GateMode::Softplus`], optional with
+    /// [`GateMode::Bounded`], `None` with [`GateMode::LogDecay`].
+    pub a_log: Option<&'a [f32]>,
+    /// f32 `[H, K]`: optional; `None` with [`GateMode::LogDecay`].
+    pub dt_bias: Option<&'a [f32]>,
     pub scale: f32,
     /// bf16 `[B, T, H, V]`, written.
     pub out: &'a mut [u16],
@@ -835,8 +929,9 @@ pub struct RawFwdArgs {
     pub v: RawTensor,
     pub g: RawTensor,
     pub beta: RawTensor,
-    pub a_log: RawTensor,
-    pub dt_bias: RawTensor,
+    /// As the plan's [`GateMode`] allows.
+    pub a_log: Option<RawTensor>,
+    pub dt_bias: Option<RawTensor>,
     pub out: RawTensor,
     pub initial_state: Option<RawTensor>,
     pub final_state: Option<RawTensor>,
@@ -872,8 +967,8 @@ impl RawFwdArgs {
             v: self.v.to_sys(),
             g: self.g.to_sys(),
             beta: self.beta.to_sys(),
-            A_log: self.a_log.to_sys(),
-            dt_bias: self.dt_bias.to_sys(),
+            A_log: optional(&self.a_log),
+            dt_bias: optional(&self.dt_bias),
             out: self.out.to_sys(),
             initial_state: optional(&self.initial_state),
             final_state: optional(&self.final_state),
@@ -898,8 +993,9 @@ pub struct RawDecodeArgs {
     pub v: RawTensor,
     pub g: RawTensor,
     pub beta: RawTensor,
-    pub a_log: RawTensor,
-    pub dt_bias: RawTensor,
+    /// As the plan's [`GateMode`] allows.
+    pub a_log: Option<RawTensor>,
+    pub dt_bias: Option<RawTensor>,
     pub out: RawTensor,
     pub state_pool: RawTensor,
     pub state_indices: RawTensor,
@@ -916,8 +1012,8 @@ impl RawDecodeArgs {
             v: self.v.to_sys(),
             g: self.g.to_sys(),
             beta: self.beta.to_sys(),
-            A_log: self.a_log.to_sys(),
-            dt_bias: self.dt_bias.to_sys(),
+            A_log: optional_tensor(&self.a_log),
+            dt_bias: optional_tensor(&self.dt_bias),
             out: self.out.to_sys(),
             state_pool: self.state_pool.to_sys(),
             state_indices: self.state_indices.to_sys(),

@@ -2,9 +2,9 @@
 //! recurrence on random inputs, plan reuse, and the error paths.
 
 use flashkda::{
-    build_info, from_bf16, query_device, to_bf16, version, version_string, Backend, CheckpointDestination, Dtype,
-    Error, DecodePool, HostCheckpoints, HostFwd, HostPool, Indices, NullSlotRule, Plan, PlanDesc,
-    RawFwdArgs, RawTensor, SeqLens, StateMut, StateRef, Status,
+    build_info, from_bf16, query_device, to_bf16, version, version_string, Backend, BetaMode, CheckpointDestination,
+    DecodePool, Dtype, Error, GateMode, HostCheckpoints, HostFwd, HostPool, Indices, NullSlotRule, Plan, PlanDesc,
+    RawDecodeArgs, RawFwdArgs, RawTensor, SeqLens, StateMut, StateRef, Status, Values,
 };
 use std::ffi::c_void;
 use std::ptr::null_mut;
@@ -46,6 +46,34 @@ impl Rng {
 
 // --------------------------------------------------------------- reference
 
+/// A plan's gate and beta forms and the inputs a problem passes for them.
+#[derive(Clone, Copy, Debug)]
+struct Form {
+    gate: GateMode,
+    beta: BetaMode,
+    /// g, beta as f32 instead of bf16.
+    f32_g: bool,
+    f32_beta: bool,
+    /// A_log, dt_bias present.
+    a_log: bool,
+    dt_bias: bool,
+}
+
+const BOUNDED: Form =
+    Form { gate: GateMode::Bounded, beta: BetaMode::Logits, f32_g: false, f32_beta: false, a_log: true, dt_bias: true };
+const SOFTPLUS: Form = Form { gate: GateMode::Softplus, ..BOUNDED };
+const LOG_DECAY_F32: Form = Form { gate: GateMode::LogDecay, f32_g: true, a_log: false, dt_bias: false, ..BOUNDED };
+
+/// Every form the tests run, by name.
+const FORMS: [(&str, Form); 6] = [
+    ("bounded without A_log and dt_bias", Form { a_log: false, dt_bias: false, ..BOUNDED }),
+    ("softplus", SOFTPLUS),
+    ("softplus without dt_bias", Form { dt_bias: false, ..SOFTPLUS }),
+    ("log-decay f32", LOG_DECAY_F32),
+    ("log-decay bf16", Form { f32_g: false, ..LOG_DECAY_F32 }),
+    ("probabilities f32", Form { beta: BetaMode::Probabilities, f32_beta: true, ..BOUNDED }),
+];
+
 #[derive(Clone)]
 struct Problem {
     batch: usize,
@@ -54,12 +82,17 @@ struct Problem {
     q: Vec<u16>,
     k: Vec<u16>,
     v: Vec<u16>,
+    /// bf16 bits, unless `g_f32` holds the values.
     g: Vec<u16>,
+    g_f32: Option<Vec<f32>>,
     beta: Vec<u16>,
-    a_log: Vec<f32>,
-    dt_bias: Vec<f32>,
+    beta_f32: Option<Vec<f32>>,
+    a_log: Option<Vec<f32>>,
+    dt_bias: Option<Vec<f32>>,
     scale: f32,
     lower_bound: f32,
+    gate_mode: GateMode,
+    beta_mode: BetaMode,
     initial_state: Option<Vec<f32>>,
     cu_seqlens: Option<Vec<i64>>,
 }
@@ -68,6 +101,61 @@ impl Problem {
     /// Inputs as in docs/BENCHMARKS.md: q, k, v, g, beta ~ N(0, 1) in bf16;
     /// A_log, dt_bias ~ U(0, 1); initial state ~ 0.1 N(0, 1).
     fn random(seed: u64, batch: usize, seq_len: usize, heads: usize, seq_lens: Option<&[usize]>, with_state: bool) -> Problem {
+        Problem::random_in(BOUNDED, seed, batch, seq_len, heads, seq_lens, with_state)
+    }
+
+    /// `random`'s inputs changed for `form`: softplus gates take Kimi-Linear's
+    /// parameters (A_log = ln U(1, 16), dt_bias the inverse softplus of
+    /// log-uniform values in [0.001, 0.1]); log-decay gates g ~ N(-0.5, 0.5)
+    /// itself (some above 0, read as 0); probabilities beta ~ U(-0.1, 1.1)
+    /// (clamped into [0, 1]).
+    fn random_in(
+        form: Form,
+        seed: u64,
+        batch: usize,
+        seq_len: usize,
+        heads: usize,
+        seq_lens: Option<&[usize]>,
+        with_state: bool,
+    ) -> Problem {
+        let mut problem = Problem::draw(seed, batch, seq_len, heads, seq_lens, with_state);
+        let mut rng = Rng(seed ^ 0x5EED);
+        problem.gate_mode = form.gate;
+        problem.beta_mode = form.beta;
+        let mut g: Vec<f32> = problem.g.iter().map(|&x| from_bf16(x)).collect();
+        let mut beta: Vec<f32> = problem.beta.iter().map(|&x| from_bf16(x)).collect();
+        match form.gate {
+            GateMode::Bounded => {}
+            GateMode::Softplus => {
+                problem.a_log = Some((0..heads).map(|_| (1.0 + 15.0 * rng.uniform()).ln() as f32).collect());
+                let (low, high) = (1e-3f64.ln(), 1e-1f64.ln());
+                problem.dt_bias = Some(
+                    (0..heads * DIM)
+                        .map(|_| ((low + (high - low) * rng.uniform()).exp().exp_m1()).ln() as f32)
+                        .collect(),
+                );
+            }
+            GateMode::LogDecay => {
+                g = (0..g.len()).map(|_| (-0.5 + 0.5 * rng.normal()) as f32).collect();
+            }
+        }
+        if form.beta == BetaMode::Probabilities {
+            beta = (0..beta.len()).map(|_| (-0.1 + 1.2 * rng.uniform()) as f32).collect();
+        }
+        problem.g = g.iter().map(|&x| to_bf16(x)).collect();
+        problem.g_f32 = form.f32_g.then_some(g);
+        problem.beta = beta.iter().map(|&x| to_bf16(x)).collect();
+        problem.beta_f32 = form.f32_beta.then_some(beta);
+        if !form.a_log {
+            problem.a_log = None;
+        }
+        if !form.dt_bias {
+            problem.dt_bias = None;
+        }
+        problem
+    }
+
+    fn draw(seed: u64, batch: usize, seq_len: usize, heads: usize, seq_lens: Option<&[usize]>, with_state: bool) -> Problem {
         let mut rng = Rng(seed);
         let (batch, seq_len, cu_seqlens) = match seq_lens {
             Some(lengths) => {
@@ -89,11 +177,15 @@ impl Problem {
             k: rng.bf16_normals(tokens * DIM),
             v: rng.bf16_normals(tokens * DIM),
             g: rng.bf16_normals(tokens * DIM),
+            g_f32: None,
             beta: rng.bf16_normals(tokens),
-            a_log: rng.uniforms(heads),
-            dt_bias: rng.uniforms(heads * DIM),
+            beta_f32: None,
+            a_log: Some(rng.uniforms(heads)),
+            dt_bias: Some(rng.uniforms(heads * DIM)),
             scale: (DIM as f32).powf(-0.5),
             lower_bound: -5.0,
+            gate_mode: GateMode::Bounded,
+            beta_mode: BetaMode::Logits,
             initial_state: with_state
                 .then(|| (0..num_seqs * heads * DIM * DIM).map(|_| (0.1 * rng.normal()) as f32).collect()),
             cu_seqlens,
@@ -108,6 +200,57 @@ impl Problem {
         self.num_seqs() * self.heads * DIM * DIM
     }
 
+    fn g_values(&self) -> Values<'_> {
+        self.g_f32.as_deref().map_or(Values::Bf16(&self.g), Values::F32)
+    }
+
+    fn beta_values(&self) -> Values<'_> {
+        self.beta_f32.as_deref().map_or(Values::Bf16(&self.beta), Values::F32)
+    }
+
+    fn g_at(&self, index: usize) -> f64 {
+        self.g_f32.as_ref().map_or(from_bf16(self.g[index]), |g| g[index]) as f64
+    }
+
+    fn beta_at(&self, index: usize) -> f64 {
+        self.beta_f32.as_ref().map_or(from_bf16(self.beta[index]), |b| b[index]) as f64
+    }
+
+    /// A CPU plan of the problem's forms.
+    fn plan(&self) -> Plan {
+        Plan::new(&PlanDesc {
+            backend: Backend::Cpu,
+            gate_mode: self.gate_mode,
+            beta_mode: self.beta_mode,
+            lower_bound: self.lower_bound,
+            ..PlanDesc::new(self.heads as i32)
+        })
+        .expect("CPU plan")
+    }
+
+    /// The log-decays of head h for the gate input row `g` (header fkda_gate_mode).
+    fn log_decays(&self, h: usize, g: &[f64]) -> Vec<f64> {
+        let sigmoid = |x: f64| 1.0 / (1.0 + (-x).exp());
+        let softplus = |x: f64| if x > 20.0 { x } else { x.exp().ln_1p() };
+        let rate = self.a_log.as_ref().map_or(1.0, |a| (a[h] as f64).exp());
+        let bias = |col: usize| self.dt_bias.as_ref().map_or(0.0, |d| d[h * DIM + col] as f64);
+        (0..DIM)
+            .map(|col| match self.gate_mode {
+                GateMode::Bounded => self.lower_bound as f64 * sigmoid(rate * (g[col] + bias(col))),
+                GateMode::Softplus => -rate * softplus(g[col] + bias(col)),
+                GateMode::LogDecay => g[col].min(0.0),
+            })
+            .collect()
+    }
+
+    /// The delta rule's step size for a beta value (header fkda_beta_mode).
+    fn step_size(&self, beta: f64) -> f64 {
+        match self.beta_mode {
+            BetaMode::Logits => 1.0 / (1.0 + (-beta).exp()),
+            BetaMode::Probabilities => beta.clamp(0.0, 1.0),
+        }
+    }
+
     /// The token-by-token recurrence in f64: (out [B,T,H,V], final state [N,H,V,K]).
     fn reference(&self) -> (Vec<f64>, Vec<f64>) {
         let h_count = self.heads;
@@ -116,7 +259,6 @@ impl Problem {
             Some(o) => (0..o.len() - 1).map(|n| (0, o[n] as usize, o[n + 1] as usize)).collect(),
             None => (0..self.batch).map(|b| (b, 0, self.seq_len)).collect(),
         };
-        let sigmoid = |x: f64| 1.0 / (1.0 + (-x).exp());
         let mut out = vec![0f64; self.batch * self.seq_len * h_count * DIM];
         let mut final_state = vec![0f64; self.state_len()];
         for (n, &(b, begin, end)) in sequences.iter().enumerate() {
@@ -126,21 +268,20 @@ impl Problem {
                     Some(init) => init[state_at..state_at + DIM * DIM].iter().map(|&x| x as f64).collect(),
                     None => vec![0f64; DIM * DIM],
                 };
-                let rate = (self.a_log[h] as f64).exp();
                 for t in begin..end {
                     let base = at(b, t, h);
                     let read = |x: &[u16]| -> Vec<f64> { x[base..base + DIM].iter().map(|&e| from_bf16(e) as f64).collect() };
-                    let (q, k, v, g) = (read(&self.q), read(&self.k), read(&self.v), read(&self.g));
+                    let (q, k, v) = (read(&self.q), read(&self.k), read(&self.v));
+                    let g: Vec<f64> = (base..base + DIM).map(|i| self.g_at(i)).collect();
                     let norm = |x: &[f64]| (x.iter().map(|e| e * e).sum::<f64>() + 1e-6).sqrt();
                     let (q_norm, k_norm) = (norm(&q), norm(&k));
                     let q_hat: Vec<f64> = q.iter().map(|e| e / q_norm).collect();
                     let k_hat: Vec<f64> = k.iter().map(|e| e / k_norm).collect();
-                    let b_t = sigmoid(from_bf16(self.beta[(b * self.seq_len + t) * h_count + h]) as f64);
+                    let b_t = self.step_size(self.beta_at((b * self.seq_len + t) * h_count + h));
+                    let decays: Vec<f64> = self.log_decays(h, &g).iter().map(|a| a.exp()).collect();
                     for row in 0..DIM {
                         for col in 0..DIM {
-                            let gate = self.lower_bound as f64
-                                * sigmoid(rate * (g[col] + self.dt_bias[h * DIM + col] as f64));
-                            s[row * DIM + col] *= gate.exp();
+                            s[row * DIM + col] *= decays[col];
                         }
                     }
                     for row in 0..DIM {
@@ -169,10 +310,10 @@ impl Problem {
             q: &self.q,
             k: &self.k,
             v: &self.v,
-            g: &self.g,
-            beta: &self.beta,
-            a_log: &self.a_log,
-            dt_bias: &self.dt_bias,
+            g: self.g_values(),
+            beta: self.beta_values(),
+            a_log: self.a_log.as_deref(),
+            dt_bias: self.dt_bias.as_deref(),
             scale: self.scale,
             out,
             initial_state: None,
@@ -329,8 +470,8 @@ fn raw_forward_on_host_pointers_matches_fwd_host() {
         v: tensor(problem.v.as_ptr().cast(), Dtype::Bf16, &activation),
         g: tensor(problem.g.as_ptr().cast(), Dtype::Bf16, &activation),
         beta: tensor(problem.beta.as_ptr().cast(), Dtype::Bf16, &activation[..3]),
-        a_log: tensor(problem.a_log.as_ptr().cast(), Dtype::F32, &[2]),
-        dt_bias: tensor(problem.dt_bias.as_ptr().cast(), Dtype::F32, &[2, DIM as i64]),
+        a_log: problem.a_log.as_ref().map(|a| tensor(a.as_ptr().cast(), Dtype::F32, &[2])),
+        dt_bias: problem.dt_bias.as_ref().map(|d| tensor(d.as_ptr().cast(), Dtype::F32, &[2, DIM as i64])),
         out: tensor(out.as_mut_ptr().cast(), Dtype::Bf16, &activation),
         initial_state: Some(tensor(problem.initial_state.as_ref().unwrap().as_ptr().cast(), Dtype::F32, &state_shape)),
         final_state: Some(tensor(state.as_mut_ptr().cast(), Dtype::F32, &state_shape)),
@@ -589,16 +730,20 @@ fn decode_on_pool(problem: &Problem, plan: &Plan, slots: &[i32], pool_slots: &[i
     (out, pool, before)
 }
 
-#[test]
-fn decode_on_a_pool_matches_the_recurrence() {
-    let problem = Problem::random(31, 3, 2, 2, None, true);
-    let slots = [4i32, 1, 5];
+/// Decodes a problem of 3 sequences at slots 4, 1 and 5 and checks out and
+/// the pool against the recurrence.
+fn check_decode_on_a_pool(problem: &Problem, plan: &Plan) {
     let pool_slots = [4i64, 1, 5];
-    let (out, pool, before) = decode_on_pool(&problem, &cpu_plan(2), &slots, &pool_slots);
+    let (out, pool, before) = decode_on_pool(problem, plan, &[4, 1, 5], &pool_slots);
     let (expected_out, _) = problem.reference();
     let out_error = rel_l2(out.iter().map(|&x| from_bf16(x) as f64), &expected_out);
     assert!(out_error <= 6e-3, "out: relative L2 error {out_error:.3e}");
-    assert_pool_updated(&problem, &pool, &before, &pool_slots, 1e-4);
+    assert_pool_updated(problem, &pool, &before, &pool_slots, 1e-4);
+}
+
+#[test]
+fn decode_on_a_pool_matches_the_recurrence() {
+    check_decode_on_a_pool(&Problem::random(31, 3, 2, 2, None, true), &cpu_plan(2));
 }
 
 #[test]
@@ -707,4 +852,146 @@ fn pool_arguments_are_checked_by_name() {
         .unwrap_err();
     assert_eq!(error.status, Status::InvalidArgument);
     assert!(error.message.starts_with("state_indices[1]:"), "{}", error.message);
+}
+
+// --------------------------------------------------- gate and beta forms
+
+#[test]
+fn every_form_matches_the_recurrence() {
+    for (seed, (name, form)) in (40u64..).zip(FORMS) {
+        let problem = Problem::random_in(form, seed, 0, 0, 2, Some(&[21, 0, 40]), true);
+        let plan = problem.plan();
+        assert_eq!(plan.desc().gate_mode, form.gate);
+        eprintln!("form: {name}");
+        let (out, state) = problem.run(&plan).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_accurate(&problem, &out, &state);
+    }
+}
+
+#[test]
+fn every_form_decodes_on_a_pool() {
+    for (seed, (name, form)) in (50u64..).zip(FORMS) {
+        eprintln!("form: {name}");
+        let problem = Problem::random_in(form, seed, 3, 2, 2, None, true);
+        check_decode_on_a_pool(&problem, &problem.plan());
+    }
+}
+
+#[test]
+fn softplus_equals_log_decay_given_the_same_log_decays() {
+    let softplus = Problem::random_in(SOFTPLUS, 60, 2, 37, 2, None, true);
+    let (softplus_out, softplus_state) = softplus.run(&softplus.plan()).unwrap();
+    // The log-decays in f64, rounded to f32, passed as g.
+    let mut log_decays = vec![0f32; softplus.g.len()];
+    for (row, chunk) in log_decays.chunks_mut(DIM).enumerate() {
+        let g: Vec<f64> = (row * DIM..(row + 1) * DIM).map(|i| softplus.g_at(i)).collect();
+        for (value, a) in chunk.iter_mut().zip(softplus.log_decays(row % softplus.heads, &g)) {
+            *value = a as f32;
+        }
+    }
+    let log_decay = Problem {
+        gate_mode: GateMode::LogDecay,
+        g_f32: Some(log_decays),
+        a_log: None,
+        dt_bias: None,
+        ..softplus.clone()
+    };
+    assert_equivalent(log_decay.run(&log_decay.plan()).unwrap(), (softplus_out, softplus_state));
+}
+
+#[test]
+fn probabilities_equal_logits_given_their_sigmoid() {
+    let logits = Problem::random(61, 1, 40, 2, None, true);
+    let (logits_out, logits_state) = logits.run(&logits.plan()).unwrap();
+    let probabilities = Problem {
+        beta_mode: BetaMode::Probabilities,
+        beta_f32: Some(logits.beta.iter().map(|&x| (1.0 / (1.0 + (-(from_bf16(x) as f64)).exp())) as f32).collect()),
+        ..logits.clone()
+    };
+    assert_equivalent(probabilities.run(&probabilities.plan()).unwrap(), (logits_out, logits_state));
+}
+
+/// Two forms of one computation agree up to the f32 rounding of what one
+/// computes in the test and the other in the library.
+fn assert_equivalent((out, state): (Vec<u16>, Vec<f32>), (expected_out, expected_state): (Vec<u16>, Vec<f32>)) {
+    let expected_out: Vec<f64> = expected_out.iter().map(|&x| from_bf16(x) as f64).collect();
+    let expected_state: Vec<f64> = expected_state.iter().map(|&x| x as f64).collect();
+    let out_difference = rel_l2(out.iter().map(|&x| from_bf16(x) as f64), &expected_out);
+    let state_difference = rel_l2(state.iter().map(|&x| x as f64), &expected_state);
+    assert!(out_difference <= 1e-3, "out: relative L2 difference {out_difference:.3e}");
+    assert!(state_difference <= 1e-3, "final_state: relative L2 difference {state_difference:.3e}");
+}
+
+#[test]
+fn form_errors_name_the_argument() {
+    let softplus = Problem::random_in(SOFTPLUS, 62, 1, 16, 2, None, false);
+    let plan = softplus.plan();
+    let mut out = vec![BF16_NAN; softplus.q.len()];
+    let result = plan.fwd_host(HostFwd { a_log: None, ..softplus.inputs(&mut out) }, None);
+    assert!(expect_invalid(result, "A_log").message.contains("softplus"));
+    let f32_g: Vec<f32> = softplus.g.iter().map(|&x| from_bf16(x)).collect();
+    let result = plan.fwd_host(HostFwd { g: Values::F32(&f32_g), ..softplus.inputs(&mut out) }, None);
+    expect_invalid(result, "g");
+    let error = expect_invalid(plan.lower_bound(), "plan");
+    assert!(error.message.contains("bounded"), "{}", error.message);
+
+    let log_decay = Problem::random_in(LOG_DECAY_F32, 63, 1, 16, 2, None, false);
+    let plan = log_decay.plan();
+    let dt_bias = vec![0f32; 2 * DIM];
+    let result = plan.fwd_host(HostFwd { dt_bias: Some(&dt_bias), ..log_decay.inputs(&mut out) }, None);
+    expect_invalid(result, "dt_bias");
+    let mut pool = vec![0f32; POOL_SLOTS * 2 * DIM * DIM];
+    let a_log = [0f32; 2];
+    let result = plan.decode_host(
+        HostFwd { a_log: Some(&a_log), ..log_decay.inputs(&mut out) },
+        DecodePool {
+            pool: StateMut::F32(&mut pool),
+            slots: POOL_SLOTS,
+            state_indices: Indices::I32(&[2]),
+            verify_columns: None,
+            num_accepted_tokens: None,
+        },
+        None,
+    );
+    expect_invalid(result, "A_log");
+
+    for gate_mode in [GateMode::Softplus, GateMode::LogDecay] {
+        let desc = PlanDesc { backend: Backend::Cpu, gate_mode, lower_bound: -2.0, ..PlanDesc::new(2) };
+        expect_invalid(Plan::new(&desc), "lower_bound");
+    }
+}
+
+#[test]
+fn raw_decode_takes_absent_gate_parameters() {
+    let problem = Problem::random_in(LOG_DECAY_F32, 64, 2, 1, 2, None, true);
+    let plan = problem.plan();
+    let pool_slots = [3i64, 0];
+    let (expected_out, expected_pool, _) = decode_on_pool(&problem, &plan, &[3, 0], &pool_slots);
+    let mut pool = pool_holding(&problem, &pool_slots, 7);
+    let mut out = vec![BF16_NAN; problem.q.len()];
+    let slots = [3i32, 0];
+    let tensor = |data: *const c_void, dtype: Dtype, shape: &[i64]| {
+        RawTensor::new(data as *mut c_void, dtype, shape, None).unwrap()
+    };
+    let activation = [2, 1, 2, DIM as i64];
+    let args = RawDecodeArgs {
+        q: tensor(problem.q.as_ptr().cast(), Dtype::Bf16, &activation),
+        k: tensor(problem.k.as_ptr().cast(), Dtype::Bf16, &activation),
+        v: tensor(problem.v.as_ptr().cast(), Dtype::Bf16, &activation),
+        g: tensor(problem.g_f32.as_ref().unwrap().as_ptr().cast(), Dtype::F32, &activation),
+        beta: tensor(problem.beta.as_ptr().cast(), Dtype::Bf16, &activation[..3]),
+        a_log: None,
+        dt_bias: None,
+        out: tensor(out.as_mut_ptr().cast(), Dtype::Bf16, &activation),
+        state_pool: tensor(pool.as_mut_ptr().cast(), Dtype::F32, &[POOL_SLOTS as i64, 2, DIM as i64, DIM as i64]),
+        state_indices: tensor(slots.as_ptr().cast(), Dtype::I32, &[2]),
+        num_accepted_tokens: None,
+        cu_seqlens: None,
+        scale: problem.scale,
+    };
+    // SAFETY: every pointer is a live host buffer of the described shape;
+    // decode needs no workspace.
+    unsafe { plan.decode_raw(&args, null_mut(), 0, null_mut()) }.unwrap();
+    assert_eq!(out, expected_out);
+    assert_eq!(pool, expected_pool);
 }
