@@ -46,6 +46,7 @@ AccuracyResult run_one(const AccuracyCase& c, fkda_dtype state_dtype, bool on_cp
   shape.gate_mean = c.gate_mean;
   shape.gate_std = c.gate_std;
   shape.initial_state_std = c.initial_state_std;
+  if (c.softplus) shape = c.extreme ? fkda_ref::extreme_softplus(shape) : fkda_ref::realistic_softplus(shape);
   fkda_ref::Problem p = fkda_ref::random_problem(shape, seed);
 
   // The library receives a bf16 initial state in that case; the reference
@@ -70,7 +71,8 @@ AccuracyResult run_one(const AccuracyCase& c, fkda_dtype state_dtype, bool on_cp
   desc.num_heads = int32_t(p.H);
   desc.state_dtype = state_dtype;
   desc.backend = on_cpu ? FKDA_BACKEND_CPU : FKDA_BACKEND_GPU;
-  desc.lower_bound = lower_bound;
+  desc.gate_mode = p.gate_mode;
+  if (p.gate_mode == FKDA_GATE_BOUNDED) desc.lower_bound = lower_bound;
   Plan plan(desc);
 
   const int64_t tokens = p.B * p.T;

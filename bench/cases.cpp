@@ -366,6 +366,7 @@ std::string AccuracyCase::shape() const {
     text << "varlen " << lengths_text(lengths) << " H=" << H;
   if (long_memory)
     text << " lb=" << *lower_bound << " g~N(" << gate_mean << "," << gate_std << "^2)";
+  if (softplus) text << (extreme ? " softplus g~N(0,4^2)" : " softplus g~N(0,1)");
   return text.str();
 }
 
@@ -393,6 +394,20 @@ AccuracyCase long_memory_case(std::string id, int64_t T, int64_t H, float lower_
 
 }  // namespace
 
+// T = 2048, H = 4 under the softplus gate; FlashKDA has no figures (no such gate).
+AccuracyCase softplus_case(std::string id, bool extreme, AccuracyTarget fla) {
+  AccuracyCase c;
+  c.id = std::move(id);
+  c.T = 2048;
+  c.H = 4;
+  c.softplus = true;
+  c.extreme = extreme;
+  const double none = std::numeric_limits<double>::quiet_NaN();
+  c.flashkda_figures = {none, none};
+  c.fla_figures = fla;
+  return c;
+}
+
 const std::vector<AccuracyCase>& accuracy_cases() {
   static const std::vector<AccuracyCase> cases = [] {
     AccuracyCase single;
@@ -411,6 +426,8 @@ const std::vector<AccuracyCase>& accuracy_cases() {
         long_memory_case("LM1", 4096, 4, -5.f, -6.f, 1.f, {8.2e-3, 7.7e-3}, {5.6e-3, 4.8e-3}),
         long_memory_case("LM2", 4096, 4, -5.f, -2.f, 2.f, {6.1e-3, 5.1e-3}, {4.2e-3, 3.4e-3}),
         long_memory_case("LM3", 8192, 2, -1.f, 0.f, 1.f, {6.0e-3, 4.6e-3}, {4.1e-3, 3.6e-3}),
+        softplus_case("SP1", false, {4.4e-3, 3.8e-3}),
+        softplus_case("SP2", true, {4.1e-3, 3.1e-3}),
     };
   }();
   return cases;
@@ -425,7 +442,7 @@ const AccuracyCase* find_accuracy_case(const std::string& id) {
 
 AccuracyTarget accuracy_target(const AccuracyCase& c, fkda_dtype state_dtype) {
   const bool f32 = state_dtype == FKDA_DTYPE_F32;
-  if (c.long_memory) return f32 ? AccuracyTarget{3.0e-3, 1.0e-3} : AccuracyTarget{3.0e-3, 2.0e-3};
+  if (c.long_memory || c.softplus) return f32 ? AccuracyTarget{3.0e-3, 1.0e-3} : AccuracyTarget{3.0e-3, 2.0e-3};
   return f32 ? AccuracyTarget{4.0e-3, 2.9e-3} : AccuracyTarget{6.0e-3, 5.0e-3};
 }
 

@@ -119,12 +119,16 @@ struct AccuracyCase {
   float gate_mean = 0.f;
   float gate_std = 1.f;
   float initial_state_std = 0.1f;
+  // The softplus gate on Kimi-Linear's parameter distribution (ProblemShape
+  // in reference/kda_reference.h), with g ~ N(0, 1) or, extreme, N(0, 4).
+  bool softplus = false;
+  bool extreme = false;
   // The peers' figures on this case (FLA with f32 state).
   AccuracyTarget flashkda_figures{};
   AccuracyTarget fla_figures{};
   std::string shape() const;
 };
-// A1, A2, LM1, LM2, LM3.
+// A1, A2, LM1, LM2, LM3, and SP1, SP2 (softplus gate: realistic, extreme).
 const std::vector<AccuracyCase>& accuracy_cases();
 // Case-insensitive lookup; nullptr when unknown.
 const AccuracyCase* find_accuracy_case(const std::string& id);
