@@ -331,6 +331,56 @@ Problem as_probabilities(const Problem& p, bool f32) {
   return q;
 }
 
+std::vector<GateVariant> gate_variants(const ProblemShape& shape, uint64_t seed) {
+  Problem bounded_without_A_log = random_problem(slow_decay(shape), seed);
+  bounded_without_A_log.A_log.clear();
+  Problem bounded_without_dt_bias = random_problem(slow_decay(shape), seed + 1);
+  bounded_without_dt_bias.dt_bias.clear();
+  const Problem realistic = random_problem(realistic_softplus(shape), seed + 2);
+  const Problem extreme = random_problem(extreme_softplus(shape), seed + 3);
+  Problem softplus_without_dt_bias = random_problem(realistic_softplus(shape), seed + 4);
+  softplus_without_dt_bias.dt_bias.clear();
+  return {
+      {"bounded without A_log", bounded_without_A_log},
+      {"bounded without dt_bias", bounded_without_dt_bias},
+      {"softplus, realistic gates", realistic},
+      {"softplus, extreme gates", extreme},
+      {"softplus without dt_bias", softplus_without_dt_bias},
+      {"log-decay bf16 g (realistic)", as_log_decay(realistic, false)},
+      {"log-decay f32 g (realistic)", as_log_decay(realistic, true)},
+      {"log-decay bf16 g (extreme)", as_log_decay(extreme, false)},
+      {"log-decay f32 g (extreme)", as_log_decay(extreme, true)},
+      {"beta probabilities bf16 (softplus)", as_probabilities(realistic, false)},
+      {"beta probabilities f32 (log-decay f32)", as_probabilities(as_log_decay(extreme, true), true)},
+  };
+}
+
+Problem with_edge_log_decays(Problem p, int64_t all_minus_inf, int64_t all_minus_300) {
+  if (p.gate_mode != FKDA_GATE_LOG_DECAY) throw std::invalid_argument("with_edge_log_decays: not a log-decay problem");
+  const float infinity = std::numeric_limits<float>::infinity();
+  const float channel_decays[] = {-1e4f, 0.f, -infinity};
+  auto in_sequence = [&](int64_t t, int64_t n) {
+    return !p.cu_seqlens.empty() && n >= 0 && n < p.num_seqs() && t >= p.cu_seqlens[size_t(n)] &&
+           t < p.cu_seqlens[size_t(n) + 1];
+  };
+  auto edge = [&](int64_t t, int64_t c, float as_was) {
+    if (in_sequence(t, all_minus_inf)) return -infinity;
+    if (in_sequence(t, all_minus_300)) return -300.f;
+    return c % 4 == 3 ? as_was : channel_decays[c % 4];
+  };
+  for (int64_t row = 0; row < p.B * p.T * p.H; ++row) {
+    const int64_t t = row / p.H % p.T;
+    for (int64_t c = 0; c < p.K; ++c) {
+      const size_t at = static_cast<size_t>(row * p.K + c);
+      if (p.g_f32.empty())
+        p.g[at] = to_bf16(edge(t, c, from_bf16(p.g[at])));
+      else
+        p.g_f32[at] = edge(t, c, p.g_f32[at]);
+    }
+  }
+  return p;
+}
+
 double rel_l2(const std::vector<float>& a, const std::vector<double>& b) {
   const double infinity = std::numeric_limits<double>::infinity();
   if (a.size() != b.size()) return infinity;

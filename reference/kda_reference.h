@@ -73,6 +73,23 @@ Problem as_log_decay(const Problem& p, bool f32);
 // `f32`, else to bf16.
 Problem as_probabilities(const Problem& p, bool f32);
 
+// A problem of every gate and beta mode a plan takes on `shape` (whose own
+// gate fields are ignored): the bounded gate without A_log and without
+// dt_bias (slow decays), the softplus gate on realistic and extreme
+// distributions and without dt_bias, their log-decays as bf16 and f32 g, and
+// beta as bf16 and f32 probabilities. Named for messages; deterministic in seed.
+struct GateVariant {
+  std::string name;
+  Problem p;
+};
+std::vector<GateVariant> gate_variants(const ProblemShape& shape, uint64_t seed);
+
+// A LOG_DECAY problem's log-decays pushed to the edges, in g_f32 or g,
+// whichever p uses: channel c of every token at -1e4, exactly 0, -inf or as
+// it was (c % 4 = 0, 1, 2, 3), and sequences `all_minus_inf` and
+// `all_minus_300` (varlen) forgetting everything at every token.
+Problem with_edge_log_decays(Problem p, int64_t all_minus_inf, int64_t all_minus_300);
+
 // q, k, v, beta ~ N(0, 1); A_log, dt_bias ~ U(0, 1) (or as
 // model_gate_parameters says; none with the LOG_DECAY gate, whose g is then
 // the log-decay itself); g and the initial state as the shape says (by

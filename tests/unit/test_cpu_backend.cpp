@@ -755,38 +755,10 @@ ProblemShape gate_test_shape() {
   return shape;
 }
 
-struct GateCase {
-  const char* name;
-  Problem p;
-};
-
-// Every gate and beta mode a plan takes, each g and beta dtype, and absent
-// A_log and dt_bias, on inputs whose state carries the output (slow or
-// Kimi-Linear-like decays). Initial states rounded for bf16 state plans.
-std::vector<GateCase> gate_cases() {
-  const ProblemShape shape = gate_test_shape();
-  Problem bounded_without_A_log = random_problem(slow_decay(shape), 31);
-  bounded_without_A_log.A_log.clear();
-  Problem bounded_without_dt_bias = random_problem(slow_decay(shape), 32);
-  bounded_without_dt_bias.dt_bias.clear();
-  const Problem realistic = random_problem(realistic_softplus(shape), 33);
-  const Problem extreme = random_problem(extreme_softplus(shape), 34);
-  Problem softplus_without_dt_bias = random_problem(realistic_softplus(shape), 35);
-  softplus_without_dt_bias.dt_bias.clear();
-  std::vector<GateCase> cases = {
-      {"bounded without A_log", bounded_without_A_log},
-      {"bounded without dt_bias", bounded_without_dt_bias},
-      {"softplus, realistic gates", realistic},
-      {"softplus, extreme gates", extreme},
-      {"softplus without dt_bias", softplus_without_dt_bias},
-      {"log-decay bf16 g (realistic)", as_log_decay(realistic, false)},
-      {"log-decay f32 g (realistic)", as_log_decay(realistic, true)},
-      {"log-decay bf16 g (extreme)", as_log_decay(extreme, false)},
-      {"log-decay f32 g (extreme)", as_log_decay(extreme, true)},
-      {"beta probabilities bf16 (softplus)", as_probabilities(realistic, false)},
-      {"beta probabilities f32 (log-decay f32)", as_probabilities(as_log_decay(extreme, true), true)},
-  };
-  for (GateCase& c : cases) round_initial_state_to_bf16(c.p);
+// Every gate variant with its initial state rounded for bf16 state plans.
+std::vector<GateVariant> gate_cases() {
+  std::vector<GateVariant> cases = gate_variants(gate_test_shape(), 31);
+  for (GateVariant& c : cases) round_initial_state_to_bf16(c.p);
   return cases;
 }
 
@@ -800,13 +772,13 @@ void report_accuracy(const char* what, fkda_dtype state_dtype, const Errors& err
 }  // namespace
 
 TEST_CASE("CPU backend: every gate and beta mode meets the accuracy targets", "[cpu][gate]") {
-  for (const GateCase& c : gate_cases()) {
+  for (const GateVariant& c : gate_cases()) {
     for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
       INFO(c.name);
       RunOptions o;
       o.state_dtype = dtype;
       o.state_layout = dtype == FKDA_DTYPE_BF16 ? FKDA_STATE_LAYOUT_KV : FKDA_STATE_LAYOUT_VK;
-      report_accuracy(c.name, dtype, check_accuracy(c.p, o, run_cpu(c.p, o), targets_for(dtype, Decay::slow)));
+      report_accuracy(c.name.c_str(), dtype, check_accuracy(c.p, o, run_cpu(c.p, o), targets_for(dtype, Decay::slow)));
     }
   }
 }
@@ -845,17 +817,6 @@ TEST_CASE("CPU backend: the gate tests fail by a wide margin on a wrong gate or 
 
 namespace {
 
-// g of every token of sequence n set by channel: set(channel, current g).
-template <typename Element, typename Set>
-void set_gates(const Problem& p, std::vector<Element>& g, int64_t n, Set set) {
-  for (int64_t t = p.cu_seqlens[size_t(n)]; t < p.cu_seqlens[size_t(n) + 1]; ++t)
-    for (int64_t h = 0; h < p.H; ++h)
-      for (int64_t c = 0; c < p.K; ++c) {
-        Element& value = g[size_t((t * p.H + h) * p.K + c)];
-        value = set(c, value);
-      }
-}
-
 // Out rows and final state of sequence n of a varlen run, against the fp64 ones.
 Errors sequence_errors(const Problem& p, const RunResult& r, const Reference& ref, int64_t n) {
   const int64_t begin = p.cu_seqlens[size_t(n)], end = p.cu_seqlens[size_t(n) + 1], row = p.H * p.V;
@@ -870,28 +831,17 @@ Errors sequence_errors(const Problem& p, const RunResult& r, const Reference& re
 }  // namespace
 
 TEST_CASE("CPU backend: log-decays of -1e4, 0 and -inf, and sequences that forget everything", "[cpu][gate][edge]") {
-  // Sequence 0: channels at -1e4, exactly 0, -inf and realistic decays in
-  // turn; 1: -inf everywhere; 2: -300 everywhere (total forgetting at
-  // every token: each output and the final state come from one token
-  // alone); 3: realistic decays. With g as bf16 and as f32.
+  // Sequences 0 and 3: channels at -1e4, exactly 0, -inf and realistic
+  // decays in turn; 1: -inf everywhere; 2: -300 everywhere (total
+  // forgetting at every token: each output and the final state come from
+  // one token alone). With g as bf16 and as f32.
   ProblemShape shape = realistic_softplus(ProblemShape{});
   shape.H = 2;
   shape.lengths = {70, 33, 20, 45};
   const Problem softplus = random_problem(shape, 37);
-  const float kInfinity = std::numeric_limits<float>::infinity();
-  const float channel_decays[] = {-1e4f, 0.f, -kInfinity};
   for (bool f32 : {false, true}) {
-    Problem p = as_log_decay(softplus, f32);
+    Problem p = with_edge_log_decays(as_log_decay(softplus, f32), 1, 2);
     round_initial_state_to_bf16(p);
-    auto edit = [&](int64_t n, auto set) {
-      if (f32)
-        set_gates(p, p.g_f32, n, [&](int64_t c, float g) { return set(c, g); });
-      else
-        set_gates(p, p.g, n, [&](int64_t c, uint16_t g) { return to_bf16(set(c, from_bf16(g))); });
-    };
-    edit(0, [&](int64_t c, float g) { return c % 4 == 3 ? g : channel_decays[c % 4]; });
-    edit(1, [&](int64_t, float) { return -kInfinity; });
-    edit(2, [&](int64_t, float) { return -300.f; });
     const Reference ref = reference_recurrence(p);
     for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
       INFO((f32 ? "f32 g" : "bf16 g"));
@@ -902,6 +852,9 @@ TEST_CASE("CPU backend: log-decays of -1e4, 0 and -inf, and sequences that forge
       for (int64_t n = 0; n < p.num_seqs(); ++n) {
         CAPTURE(n);
         const Errors errors = sequence_errors(p, r, ref, n);
+        const std::string what = std::string("log-decay edges, ") + (f32 ? "f32" : "bf16") + " g, sequence " +
+                                 std::to_string(n);
+        report_accuracy(what.c_str(), dtype, errors);
         CHECK(errors.out <= targets.out);
         CHECK(errors.state <= targets.state);
       }
@@ -918,8 +871,10 @@ TEST_CASE("CPU backend: softplus gate inputs of +-inf and +-1e4", "[cpu][gate][e
   round_initial_state_to_bf16(p);
   const float kInfinity = std::numeric_limits<float>::infinity();
   const float gates[] = {kInfinity, -kInfinity, 1e4f, -1e4f};
-  for (int64_t n = 0; n < p.num_seqs(); ++n)
-    set_gates(p, p.g, n, [&](int64_t c, uint16_t g) { return c % 5 == 4 ? g : to_bf16(gates[c % 5]); });
+  for (size_t i = 0; i < p.g.size(); ++i) {
+    const size_t channel = i % size_t(p.K);
+    if (channel % 5 < 4) p.g[i] = to_bf16(gates[channel % 5]);  // the fifth channels keep their gates
+  }
   for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
     RunOptions o;
     o.state_dtype = dtype;

@@ -203,63 +203,23 @@ TEST_CASE("CPU decode: 0 to 16 tokens per sequence against the fp64 recurrence",
   }
 }
 
-namespace {
-
-// Log-decays by channel of every token (-1e4, exactly 0, -inf, or as they
-// were), and of sequences 2 and 4 -inf and -300 everywhere: total forgetting.
-Problem with_edge_decays(Problem p) {
-  const float kInfinity = std::numeric_limits<float>::infinity();
-  const float channel_decays[] = {-1e4f, 0.f, -kInfinity};
-  auto decay_of = [&](int64_t token, int64_t channel, float as_was) {
-    if (token >= p.cu_seqlens[2] && token < p.cu_seqlens[3]) return -kInfinity;
-    if (token >= p.cu_seqlens[4] && token < p.cu_seqlens[5]) return -300.f;
-    return channel % 4 == 3 ? as_was : channel_decays[channel % 4];
-  };
-  const size_t count = size_t(p.T * p.H * p.K);
-  for (size_t i = 0; i < count; ++i) {
-    const int64_t token = int64_t(i) / (p.H * p.K), channel = int64_t(i) % p.K;
-    if (p.g_f32.empty())
-      p.g[i] = to_bf16(decay_of(token, channel, from_bf16(p.g[i])));
-    else
-      p.g_f32[i] = decay_of(token, channel, p.g_f32[i]);
-  }
-  return p;
-}
-
-}  // namespace
-
 TEST_CASE("CPU decode: every gate and beta mode against the fp64 recurrence", "[cpu][decode][gate]") {
   ProblemShape shape;
   shape.H = 2;
   shape.lengths = {1, 4, 16, 0, 7};
   shape.with_initial_state = false;  // the pool's states are the initial states
-  Problem bounded = random_problem(slow_decay(shape), 51);
-  bounded.A_log.clear();
-  bounded.dt_bias.clear();
+  std::vector<GateVariant> cases = gate_variants(shape, 51);
   const Problem realistic = random_problem(realistic_softplus(shape), 52);
-  const Problem extreme = random_problem(extreme_softplus(shape), 53);
-  struct Case {
-    const char* name;
-    Problem p;
-  };
-  const Case cases[] = {
-      {"bounded without A_log and dt_bias", bounded},
-      {"softplus, realistic gates", realistic},
-      {"softplus, extreme gates", extreme},
-      {"log-decay bf16 g", as_log_decay(realistic, false)},
-      {"log-decay f32 g", as_log_decay(extreme, true)},
-      {"beta probabilities bf16", as_probabilities(realistic, false)},
-      {"beta probabilities f32", as_probabilities(extreme, true)},
-      {"log-decay bf16 g: -1e4, 0, -inf, forgetting", with_edge_decays(as_log_decay(realistic, false))},
-      {"log-decay f32 g: -1e4, 0, -inf, forgetting", with_edge_decays(as_log_decay(realistic, true))},
-  };
-  for (const Case& c : cases) {
+  // Log-decays of -1e4, 0 and -inf by channel; sequences 2 and 4 forget everything.
+  cases.push_back({"log-decay bf16 g: -1e4, 0, -inf, forgetting", with_edge_log_decays(as_log_decay(realistic, false), 2, 4)});
+  cases.push_back({"log-decay f32 g: -1e4, 0, -inf, forgetting", with_edge_log_decays(as_log_decay(realistic, true), 2, 4)});
+  for (const GateVariant& c : cases) {
     for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
       INFO(c.name << ", " << (dtype == FKDA_DTYPE_BF16 ? "bf16" : "f32") << " pool");
       const CpuPlan plan(c.p.H, plan_options(dtype, c.p));
       Pool pool(8, c.p.H, dtype, 7);
       const DecodeRun run = decode_against_reference(plan, c.p, pool, {6, 0, 3, 2, 1});
-      std::printf("CPU decode %-44s %s pool: out %.3e  state %.3e\n", c.name,
+      std::printf("CPU decode %-44s %s pool: out %.3e  state %.3e\n", c.name.c_str(),
                   dtype == FKDA_DTYPE_BF16 ? "bf16" : "f32 ", run.out_error(), run.state_error());
       std::fflush(stdout);
       CHECK(run.out_error() <= kDecodeOut);

@@ -452,3 +452,47 @@ TEST_CASE("make_args, host_buffers and apply_gate follow the problem's gate", "[
   CHECK(part.beta_f32 == std::vector<float>(p.beta_f32.begin() + 3 * p.H, p.beta_f32.end()));
   CHECK(part.g.empty());
 }
+
+TEST_CASE("gate_variants and with_edge_log_decays cover what they say", "[reference][gate]") {
+  ProblemShape shape;
+  shape.H = 1;
+  shape.lengths = {3, 4, 0, 2};
+  const std::vector<GateVariant> variants = gate_variants(shape, 22);
+  int bounded = 0, softplus = 0, log_decay = 0, probabilities = 0, f32_g = 0, f32_beta = 0, no_A_log = 0, no_dt_bias = 0;
+  for (const GateVariant& v : variants) {
+    CAPTURE(v.name);
+    CHECK(v.p.cu_seqlens == std::vector<int64_t>{0, 3, 7, 7, 9});
+    bounded += v.p.gate_mode == FKDA_GATE_BOUNDED;
+    softplus += v.p.gate_mode == FKDA_GATE_SOFTPLUS;
+    log_decay += v.p.gate_mode == FKDA_GATE_LOG_DECAY;
+    probabilities += v.p.beta_mode == FKDA_BETA_PROBABILITIES;
+    f32_g += !v.p.g_f32.empty();
+    f32_beta += !v.p.beta_f32.empty();
+    no_A_log += v.p.gate_mode != FKDA_GATE_LOG_DECAY && v.p.A_log.empty();
+    no_dt_bias += v.p.gate_mode != FKDA_GATE_LOG_DECAY && v.p.dt_bias.empty();
+  }
+  CHECK(bounded == 2);
+  CHECK(softplus == 4);
+  CHECK(log_decay == 5);
+  CHECK(probabilities == 2);
+  CHECK(f32_g == 3);
+  CHECK(f32_beta == 1);
+  CHECK(no_A_log == 1);
+  CHECK(no_dt_bias == 2);
+
+  for (bool f32 : {false, true}) {
+    const Problem edges = with_edge_log_decays(as_log_decay(variants[2].p, f32), 1, 3);
+    const std::vector<double> a = log_decays(edges);
+    const double infinity = std::numeric_limits<double>::infinity();
+    for (int64_t t = 0; t < edges.T; ++t)
+      for (int64_t c = 0; c < edges.K; ++c) {
+        const double x = a[size_t(t * edges.K + c)];
+        if (t >= 3 && t < 7) CHECK(x == -infinity);
+        else if (t >= 7) CHECK(x == -300.0);
+        else if (c % 4 == 0) CHECK(x == double(f32 ? -1e4f : from_bf16(to_bf16(-1e4f))));
+        else if (c % 4 == 1) CHECK(x == 0.0);
+        else if (c % 4 == 2) CHECK(x == -infinity);
+        else CHECK((x < 0.0 && x > -1e3));
+      }
+  }
+}
