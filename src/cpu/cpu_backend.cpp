@@ -343,7 +343,6 @@ void load_chunk(const PrefillProblem& p, const HeadTask& task, int64_t first_tok
   }
 }
 
-
 // Step 1: the gate in base 2 and its running sum over the chunk's tokens;
 // the any-decay gates keep each token's decay 2^a2 as well.
 void gate_cumsum(const PrefillProblem& p, const HeadTask& task, ChunkScratch& s) {
@@ -732,8 +731,11 @@ void decode_head(const DecodeProblem& p, const HeadTask& task, DecodeScratch& s)
     const int64_t token = task.begin + t;
     unit_row(token_row(p.q, task, token), K, p.scale, s.q.data());
     unit_row(token_row(p.k, task, token), K, 1.f, s.k.data());
+    // The token's g, widened in place of the decays it becomes.
     read_row(p.g, p.gate.g_is_f32, task, token, K, s.decay.data());
-    for (int c = 0; c < K; ++c) s.decay[size_t(c)] = std::exp2(log2_decay(gate, s.decay[size_t(c)], c, Softplus::kAccurate));
+    for (int c = 0; c < K; ++c) {
+      s.decay[size_t(c)] = std::exp2(log2_decay(gate, s.decay[size_t(c)], c, Softplus::kAccurate));
+    }
     float beta = 0.f;
     read_row(p.beta, p.gate.beta_is_f32, task, token, 1, &beta);
     const float b = step_size(p.gate.beta_mode, beta);
