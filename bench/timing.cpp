@@ -220,7 +220,8 @@ TimingResult time_case(const BenchCase& c, const TimingOptions& options,
   result.setup_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - setup_start).count();
 
-  // Shapes for make_args; the host vectors of this Problem stay empty.
+  // Shapes for make_args; the activations' host vectors of this Problem stay
+  // empty. make_args passes the gate parameters a Problem holds.
   fkda_ref::Problem shape;
   shape.B = c.varlen() ? 1 : c.B;
   shape.T = c.varlen() ? s.tokens : c.T;

@@ -4,12 +4,15 @@
 
 #include "kda_reference.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <stdexcept>
+#include <string>
+#include <type_traits>
 
 namespace fkda_ref {
 
@@ -107,14 +110,46 @@ Problem random_problem(const ProblemShape& shape, uint64_t seed) {
   for (uint16_t& value : p.g) value = to_bf16(shape.gate_mean + shape.gate_std * normal(rng));
   p.beta = bf16_normals(tokens);
   p.A_log.resize(static_cast<size_t>(p.H));
-  for (float& value : p.A_log) value = uniform(rng);
   p.dt_bias.resize(static_cast<size_t>(p.H * p.K));
-  for (float& value : p.dt_bias) value = uniform(rng);
+  if (shape.model_gate_parameters) {
+    // exp(A_log) ~ U(1, 16); dt_bias = softplus⁻¹(x) = log(expm1(x)) of a
+    // log-uniform x in [0.001, 0.1], so that softplus(dt_bias) = x.
+    for (float& value : p.A_log) value = static_cast<float>(std::log(1.0 + 15.0 * uniform(rng)));
+    const double log_lowest = std::log(0.001), log_highest = std::log(0.1);
+    for (float& value : p.dt_bias) {
+      const double x = std::exp(log_lowest + (log_highest - log_lowest) * uniform(rng));
+      value = static_cast<float>(std::log(std::expm1(x)));
+    }
+  } else {
+    for (float& value : p.A_log) value = uniform(rng);
+    for (float& value : p.dt_bias) value = uniform(rng);
+  }
+  p.gate_mode = shape.gate_mode;
+  if (p.gate_mode == FKDA_GATE_LOG_DECAY) {
+    // Drawn all the same, so that the initial state below does not depend on the gate mode.
+    p.A_log.clear();
+    p.dt_bias.clear();
+  }
   if (shape.with_initial_state) {
     p.initial_state.resize(static_cast<size_t>(p.state_elems()));
     for (float& value : p.initial_state) value = shape.initial_state_std * normal(rng);
   }
   return p;
+}
+
+ProblemShape realistic_softplus(ProblemShape shape) {
+  shape.gate_mode = FKDA_GATE_SOFTPLUS;
+  shape.model_gate_parameters = true;
+  shape.lower_bound = -5.f;
+  shape.gate_mean = 0.f;
+  shape.gate_std = 1.f;
+  return shape;
+}
+
+ProblemShape extreme_softplus(ProblemShape shape) {
+  shape = realistic_softplus(shape);
+  shape.gate_std = 4.f;
+  return shape;
 }
 
 ProblemShape slow_decay(ProblemShape shape) {
@@ -133,15 +168,20 @@ Problem token_range(const Problem& p, int64_t row, int64_t begin, int64_t end) {
   part.T = end - begin;
   part.cu_seqlens.clear();
   part.initial_state.clear();
-  auto slice = [&](const std::vector<uint16_t>& all, int64_t per_token) {
+  // Empty vectors (a g or beta passed as f32 instead) stay empty.
+  auto slice = [&](const auto& all, int64_t per_token) {
+    using Vector = std::decay_t<decltype(all)>;
+    if (all.empty()) return Vector();
     const auto first = all.begin() + static_cast<std::ptrdiff_t>((row * p.T + begin) * per_token);
-    return std::vector<uint16_t>(first, first + static_cast<std::ptrdiff_t>(part.T * per_token));
+    return Vector(first, first + static_cast<std::ptrdiff_t>(part.T * per_token));
   };
   part.q = slice(p.q, p.H * p.K);
   part.k = slice(p.k, p.H * p.K);
   part.v = slice(p.v, p.H * p.V);
   part.g = slice(p.g, p.H * p.K);
   part.beta = slice(p.beta, p.H);
+  part.g_f32 = slice(p.g_f32, p.H * p.K);
+  part.beta_f32 = slice(p.beta_f32, p.H);
   return part;
 }
 
@@ -156,6 +196,32 @@ AccuracyTargets accuracy_targets(fkda_dtype state_dtype, bool slow_decay) {
 namespace {
 
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+// log(1 + e^x), taken as x above 20 like the library's gate (flashkda.h).
+double softplus(double x) { return x > 20.0 ? x : std::log1p(std::exp(x)); }
+
+// The natural log-decay of channel c of activation row `row` ((b·T + t)·H + h)
+// under p's gate mode (flashkda.h, fkda_gate_mode).
+double log_decay_at(const Problem& p, int64_t row, int64_t h, int64_t c) {
+  const size_t at = static_cast<size_t>(row * p.K + c);
+  const double g = p.g_f32.empty() ? double(from_bf16(p.g[at])) : double(p.g_f32[at]);
+  if (p.gate_mode == FKDA_GATE_LOG_DECAY) return std::min(g, 0.0);
+  // Absent A_log and dt_bias mean exp(A_log) = 1 and dt_bias = 0.
+  const double a_scale = p.A_log.empty() ? 1.0 : std::exp(static_cast<double>(p.A_log[static_cast<size_t>(h)]));
+  const double gate = g + (p.dt_bias.empty() ? 0.0 : static_cast<double>(p.dt_bias[static_cast<size_t>(h * p.K + c)]));
+  if (p.gate_mode == FKDA_GATE_SOFTPLUS) return -a_scale * softplus(gate);
+  if (p.gate_mode == FKDA_GATE_BOUNDED) return static_cast<double>(p.lower_bound) * sigmoid(a_scale * gate);
+  throw std::invalid_argument("reference: unknown gate_mode " + std::to_string(p.gate_mode));
+}
+
+// The delta rule's step size b of activation row `row` under p's beta mode.
+double step_size_at(const Problem& p, int64_t row) {
+  const size_t at = static_cast<size_t>(row);
+  const double beta = p.beta_f32.empty() ? double(from_bf16(p.beta[at])) : double(p.beta_f32[at]);
+  if (p.beta_mode == FKDA_BETA_LOGITS) return sigmoid(beta);
+  if (p.beta_mode == FKDA_BETA_PROBABILITIES) return std::clamp(beta, 0.0, 1.0);
+  throw std::invalid_argument("reference: unknown beta_mode " + std::to_string(p.beta_mode));
+}
 
 // x / sqrt(Σ x² + 1e-6) of one token's bf16 row.
 void unit_vector(const uint16_t* bits, int64_t n, std::vector<double>& unit) {
@@ -188,17 +254,13 @@ Reference reference_recurrence(const Problem& p, const std::vector<int64_t>& sta
       const size_t state_base = static_cast<size_t>((n * H + h) * V * K);
       for (size_t i = 0; i < state.size(); ++i)
         state[i] = p.initial_state.empty() ? 0.0 : static_cast<double>(p.initial_state[state_base + i]);
-      const double a_scale = std::exp(static_cast<double>(p.A_log[h]));
-
       for (int64_t t = begin; t < end; ++t) {
         const int64_t token = (row * p.T + t) * H + h;
         unit_vector(&p.q[token * K], K, q_unit);
         unit_vector(&p.k[token * K], K, k_unit);
-        for (int64_t c = 0; c < K; ++c) {
-          const double gate = from_bf16(p.g[token * K + c]) + static_cast<double>(p.dt_bias[h * K + c]);
-          decay[c] = std::exp(static_cast<double>(p.lower_bound) * sigmoid(a_scale * gate));
-        }
-        const double b = sigmoid(from_bf16(p.beta[token]));
+        // exp(-inf) = 0: total forgetting zeroes the state, never NaN.
+        for (int64_t c = 0; c < K; ++c) decay[c] = std::exp(log_decay_at(p, token, h, c));
+        const double b = step_size_at(p, token);
         const uint16_t* v = &p.v[token * V];
 
         for (int64_t e = 0; e < V; ++e) {
@@ -227,6 +289,96 @@ Reference reference_recurrence(const Problem& p, const std::vector<int64_t>& sta
     }
   }
   return ref;
+}
+
+std::vector<double> log_decays(const Problem& p) {
+  std::vector<double> decays(static_cast<size_t>(p.B * p.T * p.H * p.K));
+  for (int64_t row = 0; row < p.B * p.T * p.H; ++row)
+    for (int64_t c = 0; c < p.K; ++c) decays[static_cast<size_t>(row * p.K + c)] = log_decay_at(p, row, row % p.H, c);
+  return decays;
+}
+
+Problem as_log_decay(const Problem& p, bool f32) {
+  const std::vector<double> decays = log_decays(p);
+  Problem q = p;
+  q.gate_mode = FKDA_GATE_LOG_DECAY;
+  q.lower_bound = -5.f;
+  q.A_log.clear();
+  q.dt_bias.clear();
+  q.g.clear();
+  q.g_f32.clear();
+  for (double a : decays) {
+    if (f32)
+      q.g_f32.push_back(static_cast<float>(a));
+    else
+      q.g.push_back(to_bf16(static_cast<float>(a)));
+  }
+  return q;
+}
+
+Problem as_probabilities(const Problem& p, bool f32) {
+  Problem q = p;
+  q.beta_mode = FKDA_BETA_PROBABILITIES;
+  q.beta.clear();
+  q.beta_f32.clear();
+  for (int64_t row = 0; row < p.B * p.T * p.H; ++row) {
+    const float b = static_cast<float>(step_size_at(p, row));
+    if (f32)
+      q.beta_f32.push_back(b);
+    else
+      q.beta.push_back(to_bf16(b));
+  }
+  return q;
+}
+
+std::vector<GateVariant> gate_variants(const ProblemShape& shape, uint64_t seed) {
+  Problem bounded_without_A_log = random_problem(slow_decay(shape), seed);
+  bounded_without_A_log.A_log.clear();
+  Problem bounded_without_dt_bias = random_problem(slow_decay(shape), seed + 1);
+  bounded_without_dt_bias.dt_bias.clear();
+  const Problem realistic = random_problem(realistic_softplus(shape), seed + 2);
+  const Problem extreme = random_problem(extreme_softplus(shape), seed + 3);
+  Problem softplus_without_dt_bias = random_problem(realistic_softplus(shape), seed + 4);
+  softplus_without_dt_bias.dt_bias.clear();
+  return {
+      {"bounded without A_log", bounded_without_A_log},
+      {"bounded without dt_bias", bounded_without_dt_bias},
+      {"softplus, realistic gates", realistic},
+      {"softplus, extreme gates", extreme},
+      {"softplus without dt_bias", softplus_without_dt_bias},
+      {"log-decay bf16 g (realistic)", as_log_decay(realistic, false)},
+      {"log-decay f32 g (realistic)", as_log_decay(realistic, true)},
+      {"log-decay bf16 g (extreme)", as_log_decay(extreme, false)},
+      {"log-decay f32 g (extreme)", as_log_decay(extreme, true)},
+      {"beta probabilities bf16 (softplus)", as_probabilities(realistic, false)},
+      {"beta probabilities f32 (log-decay f32)", as_probabilities(as_log_decay(extreme, true), true)},
+  };
+}
+
+Problem with_edge_log_decays(Problem p, int64_t all_minus_inf, int64_t all_minus_300) {
+  if (p.gate_mode != FKDA_GATE_LOG_DECAY) throw std::invalid_argument("with_edge_log_decays: not a log-decay problem");
+  const float infinity = std::numeric_limits<float>::infinity();
+  const float channel_decays[] = {-1e4f, 0.f, -infinity};
+  auto in_sequence = [&](int64_t t, int64_t n) {
+    return !p.cu_seqlens.empty() && n >= 0 && n < p.num_seqs() && t >= p.cu_seqlens[size_t(n)] &&
+           t < p.cu_seqlens[size_t(n) + 1];
+  };
+  auto edge = [&](int64_t t, int64_t c, float as_was) {
+    if (in_sequence(t, all_minus_inf)) return -infinity;
+    if (in_sequence(t, all_minus_300)) return -300.f;
+    return c % 4 == 3 ? as_was : channel_decays[c % 4];
+  };
+  for (int64_t row = 0; row < p.B * p.T * p.H; ++row) {
+    const int64_t t = row / p.H % p.T;
+    for (int64_t c = 0; c < p.K; ++c) {
+      const size_t at = static_cast<size_t>(row * p.K + c);
+      if (p.g_f32.empty())
+        p.g[at] = to_bf16(edge(t, c, from_bf16(p.g[at])));
+      else
+        p.g_f32[at] = edge(t, c, p.g_f32[at]);
+    }
+  }
+  return p;
 }
 
 double rel_l2(const std::vector<float>& a, const std::vector<double>& b) {
@@ -266,10 +418,10 @@ fkda_fwd_args make_args(const Problem& p, const Buffers& buffers, fkda_dtype sta
   args.q = tensor(buffers.q, FKDA_DTYPE_BF16, {p.B, p.T, p.H, p.K});
   args.k = tensor(buffers.k, FKDA_DTYPE_BF16, {p.B, p.T, p.H, p.K});
   args.v = tensor(buffers.v, FKDA_DTYPE_BF16, {p.B, p.T, p.H, p.V});
-  args.g = tensor(buffers.g, FKDA_DTYPE_BF16, {p.B, p.T, p.H, p.K});
-  args.beta = tensor(buffers.beta, FKDA_DTYPE_BF16, {p.B, p.T, p.H});
-  args.A_log = tensor(buffers.A_log, FKDA_DTYPE_F32, {p.H});
-  args.dt_bias = tensor(buffers.dt_bias, FKDA_DTYPE_F32, {p.H, p.K});
+  args.g = tensor(buffers.g, p.g_f32.empty() ? FKDA_DTYPE_BF16 : FKDA_DTYPE_F32, {p.B, p.T, p.H, p.K});
+  args.beta = tensor(buffers.beta, p.beta_f32.empty() ? FKDA_DTYPE_BF16 : FKDA_DTYPE_F32, {p.B, p.T, p.H});
+  if (!p.A_log.empty()) args.A_log = tensor(buffers.A_log, FKDA_DTYPE_F32, {p.H});
+  if (!p.dt_bias.empty()) args.dt_bias = tensor(buffers.dt_bias, FKDA_DTYPE_F32, {p.H, p.K});
   args.out = tensor(buffers.out, FKDA_DTYPE_BF16, {p.B, p.T, p.H, p.V});
   if (buffers.initial_state != nullptr)
     args.initial_state = tensor(buffers.initial_state, state_dtype, {N, p.H, p.V, p.K});
@@ -294,6 +446,25 @@ fkda_decode_args make_decode_args(const Problem& p, const Buffers& buffers) {
   args.cu_seqlens = fwd.cu_seqlens;
   args.scale = fwd.scale;
   return args;
+}
+
+Buffers host_buffers(Problem& p, void* out) {
+  Buffers buffers{p.q.data(),
+                  p.k.data(),
+                  p.v.data(),
+                  p.g_f32.empty() ? static_cast<void*>(p.g.data()) : p.g_f32.data(),
+                  p.beta_f32.empty() ? static_cast<void*>(p.beta.data()) : p.beta_f32.data(),
+                  p.A_log.data(),
+                  p.dt_bias.data(),
+                  out};
+  if (!p.cu_seqlens.empty()) buffers.cu_seqlens = p.cu_seqlens.data();
+  return buffers;
+}
+
+void apply_gate(const Problem& p, fkda_plan_desc* desc) {
+  desc->gate_mode = p.gate_mode;
+  desc->beta_mode = p.beta_mode;
+  desc->lower_bound = p.gate_mode == FKDA_GATE_BOUNDED ? p.lower_bound : fkda_plan_desc FKDA_PLAN_DESC_INIT.lower_bound;
 }
 
 }  // namespace fkda_ref

@@ -30,7 +30,8 @@ struct Problem {
   int32_t gate_mode = FKDA_GATE_BOUNDED;  // fkda_gate_mode
   int32_t beta_mode = FKDA_BETA_LOGITS;   // fkda_beta_mode
   // Non-empty: g (LOG_DECAY only) or beta passed as f32 [B, T, H, K] /
-  // [B, T, H] instead of their bf16 bits, which are then unused.
+  // [B, T, H] instead of their bf16 bits, which are then unused
+  // (as_log_decay and as_probabilities leave them empty).
   std::vector<float> g_f32, beta_f32;
 
   int64_t num_seqs() const { return cu_seqlens.empty() ? B : int64_t(cu_seqlens.size()) - 1; }
@@ -72,9 +73,28 @@ Problem as_log_decay(const Problem& p, bool f32);
 // `f32`, else to bf16.
 Problem as_probabilities(const Problem& p, bool f32);
 
-// q, k, v, beta ~ N(0, 1); A_log, dt_bias ~ U(0, 1); g and the initial state
-// as the shape says (by default the fast-decay accuracy case of
-// docs/BENCHMARKS.md). Deterministic in seed.
+// A problem of every gate and beta mode a plan takes on `shape` (whose own
+// gate fields are ignored): the bounded gate without A_log and without
+// dt_bias (slow decays), the softplus gate on realistic and extreme
+// distributions and without dt_bias, their log-decays as bf16 and f32 g, and
+// beta as bf16 and f32 probabilities. Named for messages; deterministic in seed.
+struct GateVariant {
+  std::string name;
+  Problem p;
+};
+std::vector<GateVariant> gate_variants(const ProblemShape& shape, uint64_t seed);
+
+// A LOG_DECAY problem's log-decays pushed to the edges, in g_f32 or g,
+// whichever p uses: channel c of every token at -1e4, exactly 0, -inf or as
+// it was (c % 4 = 0, 1, 2, 3), and sequences `all_minus_inf` and
+// `all_minus_300` (varlen) forgetting everything at every token.
+Problem with_edge_log_decays(Problem p, int64_t all_minus_inf, int64_t all_minus_300);
+
+// q, k, v, beta ~ N(0, 1); A_log, dt_bias ~ U(0, 1) (or as
+// model_gate_parameters says; none with the LOG_DECAY gate, whose g is then
+// the log-decay itself); g and the initial state as the shape says (by
+// default the fast-decay accuracy case of docs/BENCHMARKS.md). The gate mode
+// is the shape's, beta holds logits. Deterministic in seed.
 Problem random_problem(const ProblemShape& shape, uint64_t seed);
 
 // The same shape with slow decays (the long-memory case LM1): g ~ N(-6, 1)
@@ -86,7 +106,8 @@ ProblemShape slow_decay(ProblemShape shape);
 
 // Tokens [begin, end) of batch row `row` (of the packed row with
 // cu_seqlens) as a problem of its own: B = 1, no cu_seqlens, and no initial
-// state, which the caller sets for the sequence it cut from.
+// state, which the caller sets for the sequence it cut from. g_f32 and
+// beta_f32 are cut like g and beta.
 Problem token_range(const Problem& p, int64_t row, int64_t begin, int64_t end);
 
 // docs/BENCHMARKS.md's accuracy targets: the relative L2 error against the
@@ -98,7 +119,9 @@ struct AccuracyTargets {
 };
 AccuracyTargets accuracy_targets(fkda_dtype state_dtype, bool slow_decay);
 
-// The fp64 token-by-token recurrence on the bf16 inputs.
+// The fp64 token-by-token recurrence on the inputs as passed (bf16, or
+// g_f32 and beta_f32 where present) under p's gate and beta modes. A decay
+// of exp(-inf) is 0: total forgetting never makes a NaN.
 // out: [B, T, H, V]; final_state: [N, H, V, K] (V-first). states_after[c]
 // ([N, H, V, K]) is the state of every sequence after its first
 // state_tokens[c] tokens (zeros for a sequence shorter than that): what
@@ -120,7 +143,9 @@ fkda_tensor tensor(void* data, fkda_dtype dtype, std::vector<int64_t> shape);
 
 // fkda_fwd_args over the given buffers (host or device pointers alike):
 // q, k, v, g, beta, out are [B, T, H, D]; states [N, H, V, K] in state_dtype;
-// cu_seqlens i64 when non-null. Null optional pointers leave that tensor absent.
+// cu_seqlens i64 when non-null. Null optional pointers leave that tensor
+// absent, and so do p's empty A_log and dt_bias. g is f32 where p.g_f32 is
+// non-empty, beta where p.beta_f32 is.
 struct Buffers {
   void *q, *k, *v, *g, *beta, *A_log, *dt_bias, *out;
   void* initial_state = nullptr;
@@ -132,5 +157,13 @@ fkda_fwd_args make_args(const Problem& p, const Buffers& buffers, fkda_dtype sta
 // fkda_decode_args over the same buffers (states ignored): the caller adds
 // state_pool, state_indices and num_accepted_tokens.
 fkda_decode_args make_decode_args(const Problem& p, const Buffers& buffers);
+
+// Buffers over p's own host vectors (g_f32 and beta_f32 where p has them,
+// cu_seqlens where p is varlen) and `out`; states are left to the caller.
+Buffers host_buffers(Problem& p, void* out);
+
+// Sets desc's gate_mode, beta_mode and lower_bound to p's (lower_bound at
+// its FKDA_PLAN_DESC_INIT value, -5, for gates without a floor).
+void apply_gate(const Problem& p, fkda_plan_desc* desc);
 
 }  // namespace fkda_ref

@@ -23,6 +23,10 @@ namespace {
 
 constexpr int kChunk = FKDA_CHUNK;
 constexpr float kLog2e = FKDA_LOG2E;
+constexpr float kLn2 = 0.693147182f;  // ln 2 rounded to f32 (0x3F317218)
+// The any-decay products pair the tokens of blocks of 2, 4, 8 and 16.
+constexpr int kLevels = 4;
+static_assert(kChunk == 1 << kLevels, "a chunk is one block of the last level");
 
 // One (sequence, head) pair: the unit of work, since the recurrence is a
 // sequential chain over the chunks of one sequence and one head.
@@ -51,8 +55,12 @@ struct ChunkScratch {
   float* decay;        // 2^c_last, [K]
   float rq[kChunk] = {}, rk[kChunk] = {}, b[kChunk] = {};
 
-  // Step 3: bf16 operands of the 16x16 products, [kChunk][K].
+  // Step 3 of the bounded gate: bf16 operands of the 16x16 products, [kChunk][K].
   float *kd_bf16, *ki_bf16, *qd_bf16;
+  // The any-decay gates' operands of the same products, [kChunk][K], in the
+  // same memory (a chunk takes one path or the other): each token's decay
+  // 2^a2, and one level's key and query factors P_l and Qn_l at a time.
+  float *token_decay, *level_keys, *level_queries;
   // Step 3: f16 operands of the recurrence. Kd and Qd are stored K-major,
   // [K][kChunk], so that the products with the state run along the 16 tokens.
   float *kd_f16_kmajor, *qd_f16_kmajor;
@@ -89,9 +97,9 @@ struct ChunkScratch {
     v = take(rows_v);
     gate_cumsum = take(rows_k);
     decay = take(size_t(K));
-    kd_bf16 = take(rows_k);
-    ki_bf16 = take(rows_k);
-    qd_bf16 = take(rows_k);
+    kd_bf16 = token_decay = take(rows_k);
+    ki_bf16 = level_keys = take(rows_k);
+    qd_bf16 = level_queries = take(rows_k);
     kd_f16_kmajor = take(rows_k);
     qd_f16_kmajor = take(rows_k);
     kr_f16 = take(rows_k);
@@ -107,9 +115,24 @@ struct ChunkScratch {
 
 // ----------------------------------------------------------- addressing ---
 
+// Element offset of the row of `view` at the task's batch row and head and `token`.
+int64_t row_offset(const ActView& view, const HeadTask& task, int64_t token) {
+  return task.batch_row * view.stride_b + token * view.stride_t + int64_t(task.head) * view.stride_h;
+}
+
 const uint16_t* token_row(const ActView& view, const HeadTask& task, int64_t token) {
-  return static_cast<const uint16_t*>(view.data) + task.batch_row * view.stride_b + token * view.stride_t +
-         int64_t(task.head) * view.stride_h;
+  return static_cast<const uint16_t*>(view.data) + row_offset(view, task, token);
+}
+
+// The first n elements of a row of g or beta, bf16 or f32, widened to f32.
+void read_row(const ActView& view, bool is_f32, const HeadTask& task, int64_t token, int n, float* values) {
+  if (is_f32) {
+    const float* row = static_cast<const float*>(view.data) + row_offset(view, task, token);
+    std::copy(row, row + n, values);
+    return;
+  }
+  const uint16_t* row = token_row(view, task, token);
+  for (int c = 0; c < n; ++c) values[c] = float_of_bf16(row[c]);
 }
 
 uint16_t* out_row(const ActView& out, const HeadTask& task, int64_t token) {
@@ -237,6 +260,57 @@ void store_checkpoints(const PrefillProblem& p, const HeadTask& task, int64_t to
   }
 }
 
+// ------------------------------------------------------- gate and beta ---
+
+float sigmoid(float x) { return 1.f / (1.f + std::exp2(-x * kLog2e)); }
+
+// One head's gate parameters; absent A_log and dt_bias take their neutral
+// values (exp(A_log) = 1, dt_bias = 0).
+struct HeadGate {
+  int32_t mode = FKDA_GATE_BOUNDED;
+  float a_scale = 1.f;              // exp(A_log[h])
+  const float* dt_bias = nullptr;   // the head's [K] row
+  float gate_scale = 0.f;           // BOUNDED: lower_bound · log2 e
+};
+
+template <typename Problem>
+HeadGate head_gate(const Problem& p, int32_t head) {
+  HeadGate gate;
+  gate.mode = p.gate.gate_mode;
+  if (p.A_log != nullptr) gate.a_scale = std::exp(p.A_log[head]);
+  if (p.dt_bias != nullptr) gate.dt_bias = p.dt_bias + size_t(head) * size_t(p.head_dim_k);
+  gate.gate_scale = p.lower_bound * kLog2e;
+  return gate;
+}
+
+// Which softplus the gate uses: the prefill's base-2 form (what the
+// kernels compute with exp2 and log2), or decode's accurate one.
+enum class Softplus { kBase2, kAccurate };
+
+float softplus(float x, Softplus form) {
+  if (x > 20.f) return x;
+  if (form == Softplus::kAccurate) return std::log1p(std::exp(x));
+  return std::fmax(x, 0.f) + kLn2 * std::log2(1.f + std::exp2(-std::fabs(x) * kLog2e));
+}
+
+// The base-2 log-decay of channel c of one token with gate input g (step 1;
+// decode step 2). The bounded gate stays within [lower_bound · log2 e, 0];
+// the others are floored at FKDA_LOG2_DECAY_FLOOR, where 2^a2 is already 0
+// in f32, so that -inf and total forgetting make no NaN in a running sum.
+float log2_decay(const HeadGate& gate, float g, int c, Softplus form) {
+  const float bias = gate.dt_bias != nullptr ? gate.dt_bias[c] : 0.f;
+  if (gate.mode == FKDA_GATE_BOUNDED) return gate.gate_scale * sigmoid(gate.a_scale * (g + bias));
+  const float a = gate.mode == FKDA_GATE_SOFTPLUS ? -gate.a_scale * softplus(g + bias, form) : std::fmin(g, 0.f);
+  return std::fmax(a * kLog2e, FKDA_LOG2_DECAY_FLOOR);
+}
+
+// The delta rule's step size from beta: sigmoid of a logit, or a
+// probability clamped into [0, 1].
+float step_size(int32_t beta_mode, float beta) {
+  if (beta_mode == FKDA_BETA_PROBABILITIES) return std::fmin(std::fmax(beta, 0.f), 1.f);
+  return sigmoid(beta);
+}
+
 // ------------------------------------------------------- chunk steps 1-5 ---
 
 void load_chunk(const PrefillProblem& p, const HeadTask& task, int64_t first_token, ChunkScratch& s) {
@@ -258,39 +332,42 @@ void load_chunk(const PrefillProblem& p, const HeadTask& task, int64_t first_tok
     const int64_t token = first_token + i;
     const uint16_t* q_in = token_row(p.q, task, token);
     const uint16_t* k_in = token_row(p.k, task, token);
-    const uint16_t* g_in = token_row(p.g, task, token);
     const uint16_t* v_in = token_row(p.v, task, token);
     for (int c = 0; c < K; ++c) {
       q[c] = float_of_bf16(q_in[c]);
       k[c] = float_of_bf16(k_in[c]);
-      g[c] = float_of_bf16(g_in[c]);
     }
+    read_row(p.g, p.gate.g_is_f32, task, token, K, g);
     for (int e = 0; e < V; ++e) v[e] = float_of_bf16(v_in[e]);
-    s.beta[i] = float_of_bf16(*token_row(p.beta, task, token));
+    read_row(p.beta, p.gate.beta_is_f32, task, token, 1, &s.beta[i]);
   }
 }
 
-float sigmoid(float x) { return 1.f / (1.f + std::exp2(-x * kLog2e)); }
-
-// Step 1: the gate in base 2 and its running sum over the chunk's tokens.
+// Step 1: the gate in base 2 and its running sum over the chunk's tokens;
+// the any-decay gates keep each token's decay 2^a2 as well.
 void gate_cumsum(const PrefillProblem& p, const HeadTask& task, ChunkScratch& s) {
   const int K = s.K;
-  const float gate_scale = p.lower_bound * kLog2e;
-  const float a_scale = std::exp(p.A_log[task.head]);
-  const float* dt_bias = p.dt_bias + size_t(task.head) * K;
+  const HeadGate gate = head_gate(p, task.head);
+  const bool any_decay = gate.mode != FKDA_GATE_BOUNDED;
   for (int c = 0; c < K; ++c) {
     float running = 0.f;
     for (int i = 0; i < s.len; ++i) {
-      running += gate_scale * sigmoid(a_scale * (s.g[size_t(i) * K + c] + dt_bias[c]));
-      s.gate_cumsum[size_t(i) * K + c] = running;
+      const size_t at = size_t(i) * K + c;
+      const float a2 = log2_decay(gate, s.g[at], c, Softplus::kBase2);
+      if (any_decay) s.token_decay[at] = std::exp2(a2);
+      running += a2;
+      s.gate_cumsum[at] = running;
     }
-    for (int i = s.len; i < kChunk; ++i) s.gate_cumsum[size_t(i) * K + c] = 0.f;
+    for (int i = s.len; i < kChunk; ++i) {
+      s.gate_cumsum[size_t(i) * K + c] = 0.f;
+      if (any_decay) s.token_decay[size_t(i) * K + c] = 1.f;
+    }
     s.decay[c] = std::exp2(running);
   }
 }
 
-// Step 2: inverse L2 norms of q and k, and b = sigmoid(beta).
-void norms_and_beta(ChunkScratch& s) {
+// Step 2: inverse L2 norms of q and k, and b from beta.
+void norms_and_beta(int32_t beta_mode, ChunkScratch& s) {
   const int K = s.K;
   for (int i = 0; i < kChunk; ++i) {
     if (i >= s.len) {
@@ -304,21 +381,20 @@ void norms_and_beta(ChunkScratch& s) {
     }
     s.rq[i] = 1.f / std::sqrt(sum_q + 1e-6f);
     s.rk[i] = 1.f / std::sqrt(sum_k + 1e-6f);
-    s.b[i] = sigmoid(s.beta[i]);
+    s.b[i] = step_size(beta_mode, s.beta[i]);
   }
 }
 
-// Step 3: the gated operands. Ki spans up to 2^115, so the 16x16 products use
-// bf16 (f32's exponent range); the recurrence's operands are all at most 1 (or
-// |scale|) in magnitude and use f16 for its finer mantissa.
-void chunk_operands(float scale, ChunkScratch& s) {
+// Step 3, the recurrence's operands: all at most 1 (or |scale|) in magnitude,
+// in f16 for its finer mantissa. 2^c only shrinks, whatever the gate.
+void recurrence_operands(float scale, ChunkScratch& s) {
   const int K = s.K;
   for (int i = 0; i < kChunk; ++i) {
     for (int c = 0; c < K; ++c) {
       const size_t at = size_t(i) * K + c;
       const size_t at_kmajor = size_t(c) * kChunk + i;
       if (i >= s.len) {
-        s.kd_bf16[at] = s.ki_bf16[at] = s.qd_bf16[at] = s.kr_f16[at] = 0.f;
+        s.kr_f16[at] = 0.f;
         s.kd_f16_kmajor[at_kmajor] = s.qd_f16_kmajor[at_kmajor] = 0.f;
         continue;
       }
@@ -326,14 +402,30 @@ void chunk_operands(float scale, ChunkScratch& s) {
       const float cumsum_last = s.gate_cumsum[size_t(s.len - 1) * K + c];
       const float k_unit = s.k[at] * s.rk[i];
       const float q_scaled = s.q[at] * s.rq[i] * scale;
-      const float k_decayed = k_unit * std::exp2(cumsum);
-      const float q_decayed = q_scaled * std::exp2(cumsum);
-      s.kd_bf16[at] = round_to_bf16(k_decayed);
-      s.ki_bf16[at] = round_to_bf16(k_unit * std::exp2(-cumsum));
-      s.qd_bf16[at] = round_to_bf16(q_decayed);
-      s.kd_f16_kmajor[at_kmajor] = round_to_f16_satfinite(k_decayed);
-      s.qd_f16_kmajor[at_kmajor] = round_to_f16_satfinite(q_decayed);
+      s.kd_f16_kmajor[at_kmajor] = round_to_f16_satfinite(k_unit * std::exp2(cumsum));
+      s.qd_f16_kmajor[at_kmajor] = round_to_f16_satfinite(q_scaled * std::exp2(cumsum));
       s.kr_f16[at] = round_to_f16_satfinite(k_unit * std::exp2(cumsum_last - cumsum));
+    }
+  }
+}
+
+// Step 3, the bounded gate's operands of the 16x16 products: Ki spans up to
+// 2^115, so they use bf16 (f32's exponent range).
+void bounded_product_operands(float scale, ChunkScratch& s) {
+  const int K = s.K;
+  for (int i = 0; i < kChunk; ++i) {
+    for (int c = 0; c < K; ++c) {
+      const size_t at = size_t(i) * K + c;
+      if (i >= s.len) {
+        s.kd_bf16[at] = s.ki_bf16[at] = s.qd_bf16[at] = 0.f;
+        continue;
+      }
+      const float cumsum = s.gate_cumsum[at];
+      const float k_unit = s.k[at] * s.rk[i];
+      const float q_scaled = s.q[at] * s.rq[i] * scale;
+      s.kd_bf16[at] = round_to_bf16(k_unit * std::exp2(cumsum));
+      s.ki_bf16[at] = round_to_bf16(k_unit * std::exp2(-cumsum));
+      s.qd_bf16[at] = round_to_bf16(q_scaled * std::exp2(cumsum));
     }
   }
 }
@@ -344,8 +436,8 @@ float dot(const float* a, const float* b, int n) {
   return sum;
 }
 
-// Step 4: L = strict_lower(Kd Kiᵀ) with row i scaled by b_i, and
-// Mqk = lower_incl_diag(Qd Kiᵀ) rounded to f16.
+// Step 4 of the bounded gate: L = strict_lower(Kd Kiᵀ) with row i scaled by
+// b_i, and Mqk = lower_incl_diag(Qd Kiᵀ) rounded to f16.
 void intra_chunk_products(ChunkScratch& s) {
   const int K = s.K;
   for (int i = 0; i < kChunk; ++i) {
@@ -356,6 +448,64 @@ void intra_chunk_products(ChunkScratch& s) {
       const float* ki = &s.ki_bf16[size_t(j) * K];
       if (j < i) s.L[i][j] = s.b[i] * dot(&s.kd_bf16[size_t(i) * K], ki, K);
       s.Mqk[i][j] = round_to_f16_satfinite(dot(&s.qd_bf16[size_t(i) * K], ki, K));
+    }
+  }
+}
+
+// The any-decay factors of one level (docs/NUMERICS.md, "Any decay"): in
+// each block of 2^(level+1) tokens, with m the last token of its left half,
+// a right token i gets ρ = d[m+1]·…·d[i] and a left one λ = d[i+1]·…·d[m].
+// P = f16(kn·factor) for every token, Qn = f16(qn·ρ) for the right ones.
+void level_factors(int level, ChunkScratch& s) {
+  const int K = s.K, half = 1 << level;
+  for (int block = 0; block < kChunk; block += 2 * half) {
+    const int m = block + half - 1;
+    for (int c = 0; c < K; ++c) {
+      float rho = 1.f;
+      for (int i = m + 1; i < block + 2 * half; ++i) {
+        const size_t at = size_t(i) * K + c;
+        rho *= s.token_decay[at];
+        s.level_keys[at] = round_to_f16_satfinite(s.k[at] * s.rk[i] * rho);
+        s.level_queries[at] = round_to_f16_satfinite(s.q[at] * s.rq[i] * rho);
+      }
+      float lambda = 1.f;
+      for (int i = m; i >= block; --i) {
+        const size_t at = size_t(i) * K + c;
+        s.level_keys[at] = round_to_f16_satfinite(s.k[at] * s.rk[i] * lambda);
+        s.level_queries[at] = 0.f;
+        lambda *= s.token_decay[at];
+      }
+    }
+  }
+}
+
+// Steps 3 and 4 of the any-decay gates: A and B pair tokens j < i at the
+// level where they split (bit `level` of i set, of j clear, in one block),
+// from factors that are products of decays <= 1, so that no operand exceeds
+// 1 however strong the decay; the diagonal of B needs no decay at all.
+// Then L and Mqk as in the bounded gate's step 4.
+void any_decay_products(float scale, ChunkScratch& s) {
+  const int K = s.K;
+  for (int i = 0; i < kChunk; ++i)
+    for (int j = 0; j < kChunk; ++j) s.L[i][j] = s.Mqk[i][j] = 0.f;
+  for (int i = 0; i < s.len; ++i) {
+    const float* q = &s.q[size_t(i) * K];
+    const float* k = &s.k[size_t(i) * K];
+    s.Mqk[i][i] = round_to_f16_satfinite(scale * s.rq[i] * s.rk[i] * dot(q, k, K));
+  }
+  for (int level = 0; level < kLevels; ++level) {
+    level_factors(level, s);
+    const int half = 1 << level;
+    for (int i = 0; i < s.len; ++i) {
+      if ((i & half) == 0) continue;  // a left token of this level
+      const float* key_i = &s.level_keys[size_t(i) * K];
+      const float* query_i = &s.level_queries[size_t(i) * K];
+      const int block = i & ~(2 * half - 1);
+      for (int j = block; j < block + half; ++j) {
+        const float* key_j = &s.level_keys[size_t(j) * K];
+        s.L[i][j] = s.b[i] * dot(key_i, key_j, K);
+        s.Mqk[i][j] = round_to_f16_satfinite(scale * dot(query_i, key_j, K));
+      }
     }
   }
 }
@@ -487,9 +637,14 @@ void run_head(const PrefillProblem& p, const HeadTask& task, ChunkScratch& s) {
     s.len = static_cast<int>(std::min<int64_t>(kChunk, task.end - first));
     load_chunk(p, task, first, s);
     gate_cumsum(p, task, s);
-    norms_and_beta(s);
-    chunk_operands(p.scale, s);
-    intra_chunk_products(s);
+    norms_and_beta(p.gate.beta_mode, s);
+    recurrence_operands(p.scale, s);
+    if (p.gate.gate_mode == FKDA_GATE_BOUNDED) {
+      bounded_product_operands(p.scale, s);
+      intra_chunk_products(s);
+    } else {
+      any_decay_products(p.scale, s);
+    }
     invert_unit_lower(s);
     project_state(s);
     delta_updates(s);
@@ -571,17 +726,19 @@ void decode_head(const DecodeProblem& p, const HeadTask& task, DecodeScratch& s)
   }
   read_state(pool_slot(p.pool, p.state_dtype, start, head_offset), p.state_layout, V, K, s.state.data());
 
-  const float gate_scale = p.lower_bound * kLog2e;
-  const float a_scale = std::exp(p.A_log[task.head]);
-  const float* dt_bias = p.dt_bias + size_t(task.head) * K;
+  const HeadGate gate = head_gate(p, task.head);
   for (int64_t t = 0; t < length; ++t) {
     const int64_t token = task.begin + t;
     unit_row(token_row(p.q, task, token), K, p.scale, s.q.data());
     unit_row(token_row(p.k, task, token), K, 1.f, s.k.data());
-    const uint16_t* g = token_row(p.g, task, token);
-    for (int c = 0; c < K; ++c)
-      s.decay[size_t(c)] = std::exp2(gate_scale * sigmoid(a_scale * (float_of_bf16(g[c]) + dt_bias[c])));
-    const float b = sigmoid(float_of_bf16(*token_row(p.beta, task, token)));
+    // The token's g, widened in place of the decays it becomes.
+    read_row(p.g, p.gate.g_is_f32, task, token, K, s.decay.data());
+    for (int c = 0; c < K; ++c) {
+      s.decay[size_t(c)] = std::exp2(log2_decay(gate, s.decay[size_t(c)], c, Softplus::kAccurate));
+    }
+    float beta = 0.f;
+    read_row(p.beta, p.gate.beta_is_f32, task, token, 1, &beta);
+    const float b = step_size(p.gate.beta_mode, beta);
     const uint16_t* v = token_row(p.v, task, token);
     uint16_t* out = out_row(p.out, task, token);
     for (int e = 0; e < V; ++e) {

@@ -34,8 +34,9 @@
 //     pick its index first)
 //   workspace sizes: pick kMaxSizingHeads (heads - 1), value (total_tokens),
 //     value (num_seqs), 4 bytes (raw num_heads of the GPU sizing)
-//   fkda_plan_create: value for each field of fkda_plan_desc in order,
-//     then 4 bytes (the float passed to fkda_set_lower_bound)
+//   fkda_plan_create: value for each field of fkda_plan_desc in order
+//     (lower_bound's bits from -5's), then 4 bytes (the float passed to
+//     fkda_set_lower_bound)
 //   value: pick 4: 0 pick kEdges, 1 eight bytes little-endian, 2 current
 //     plus a signed byte, 3 current shifted left by pick 64
 #include <algorithm>
@@ -328,12 +329,14 @@ fkda_plan_t cpu_plan(int64_t heads, uint8_t flags) {
 }
 
 const std::vector<int32_t> kBf16 = {FKDA_DTYPE_BF16}, kF32 = {FKDA_DTYPE_F32},
+                           kBf16OrF32 = {FKDA_DTYPE_BF16, FKDA_DTYPE_F32},
                            kIntegers = {FKDA_DTYPE_I32, FKDA_DTYPE_I64},
                            kFlags = {FKDA_DTYPE_BOOL, FKDA_DTYPE_I32, FKDA_DTYPE_I64},
                            kStates = {FKDA_DTYPE_BF16, FKDA_DTYPE_F32};
 
 // The arguments fkda_fwd and fkda_decode share, with a gap after each
-// head's row when padded.
+// head's row when padded. The plan's gate is the bounded one: A_log and
+// dt_bias may be absent, g is bf16; beta (logits) may be bf16 or f32.
 template <typename Args>
 void add_shared(Call& call, const Sizes& s, uint8_t flags, Args& a) {
   const int64_t pad = flags & kFlagPadded ? 8 : 0, B = s.B, T = s.T, H = s.H;
@@ -343,9 +346,9 @@ void add_shared(Call& call, const Sizes& s, uint8_t flags, Args& a) {
   call.add({"k", &a.k, nullptr, true, 4, kBf16}, FKDA_DTYPE_BF16, act, act_strides, false, 0xbe);
   call.add({"v", &a.v, nullptr, true, 4, kBf16}, FKDA_DTYPE_BF16, act, act_strides, false, 0x3f);
   call.add({"g", &a.g, nullptr, true, 4, kBf16}, FKDA_DTYPE_BF16, act, act_strides, false, 0x3d);
-  call.add({"beta", &a.beta, nullptr, true, 3, kBf16}, FKDA_DTYPE_BF16, beta, beta_strides, false, 0x3e);
-  call.add({"A_log", &a.A_log, nullptr, true, 1, kF32}, FKDA_DTYPE_F32, {H}, {1}, false);
-  call.add({"dt_bias", &a.dt_bias, nullptr, true, 2, kF32}, FKDA_DTYPE_F32, {H, kD}, {kD, 1}, false);
+  call.add({"beta", &a.beta, nullptr, true, 3, kBf16OrF32}, FKDA_DTYPE_BF16, beta, beta_strides, false, 0x3e);
+  call.add({"A_log", &a.A_log, nullptr, false, 1, kF32}, FKDA_DTYPE_F32, {H}, {1}, false);
+  call.add({"dt_bias", &a.dt_bias, nullptr, false, 2, kF32}, FKDA_DTYPE_F32, {H, kD}, {kD, 1}, false);
   call.add({"out", &a.out, nullptr, true, 4, kBf16}, FKDA_DTYPE_BF16, act, act_strides, true);
   const Slot cu = {"cu_seqlens", &a.cu_seqlens, nullptr, false, 1, kIntegers};
   if (!s.varlen) {
@@ -656,27 +659,44 @@ void fuzz_plan_create(Input& in) {
   desc.state_dtype = int32_t(value(in, desc.state_dtype));
   desc.state_layout = int32_t(value(in, desc.state_layout));
   desc.backend = int32_t(value(in, desc.backend));
-  const uint32_t floor_bits = uint32_t(value(in, 0));
+  // From -5's bits, which the gates without a floor need.
+  uint32_t floor_bits = 0;
+  std::memcpy(&floor_bits, &desc.lower_bound, 4);
+  floor_bits = uint32_t(value(in, floor_bits));
   std::memcpy(&desc.lower_bound, &floor_bits, 4);
   desc.null_slot_rule = int32_t(value(in, desc.null_slot_rule));
   desc.debug_checks = int32_t(value(in, desc.debug_checks));
+  desc.gate_mode = int32_t(value(in, desc.gate_mode));
+  desc.beta_mode = int32_t(value(in, desc.beta_mode));
   fkda_plan_t plan = nullptr;
   const fkda_status status = fkda_plan_create(&desc, &plan);
   if (status != FKDA_SUCCESS) {
     if (plan != nullptr) finding("a refused plan was returned");
     if (!names_an_argument(fkda_last_error(), {"desc", "desc.num_heads", "desc.head_dim_k", "desc.head_dim_v",
                                                "desc.state_dtype", "desc.state_layout", "desc.backend",
-                                               "desc.lower_bound", "desc.null_slot_rule", "desc.debug_checks"})) {
+                                               "desc.lower_bound", "desc.null_slot_rule", "desc.debug_checks",
+                                               "desc.gate_mode", "desc.beta_mode"})) {
       finding(std::string("a refused plan names no field: ") + fkda_last_error());
     }
     return;
+  }
+  // Only a bounded plan has a floor to get and set. Sizes short of the full
+  // struct may not reach gate_mode (it then takes its _INIT value, BOUNDED).
+  float current = 0;
+  const bool bounded = fkda_get_lower_bound(plan, &current) == FKDA_SUCCESS;
+  if (!bounded && !names_an_argument(fkda_last_error(), {"plan"})) {
+    finding(std::string("fkda_get_lower_bound refused a plan without naming it: ") + fkda_last_error());
+  }
+  if (desc.struct_size == sizeof(fkda_plan_desc) && bounded != (desc.gate_mode == FKDA_GATE_BOUNDED)) {
+    finding("fkda_get_lower_bound disagrees with gate_mode " + std::to_string(desc.gate_mode));
   }
   const uint32_t bits = uint32_t(in.bytes(4));
   float lower_bound = 0;
   std::memcpy(&lower_bound, &bits, 4);
   const bool in_range = lower_bound >= -5.f && lower_bound <= 0.f;
-  if ((fkda_set_lower_bound(plan, lower_bound) == FKDA_SUCCESS) != in_range) {
-    finding("fkda_set_lower_bound disagrees with [-5, 0] for " + std::to_string(lower_bound));
+  if ((fkda_set_lower_bound(plan, lower_bound) == FKDA_SUCCESS) != (in_range && bounded)) {
+    finding("fkda_set_lower_bound disagrees with [-5, 0] on a " + std::string(bounded ? "bounded" : "floorless") +
+            " plan for " + std::to_string(lower_bound));
   }
   fkda_plan_destroy(plan);
 }

@@ -56,6 +56,12 @@ def workspace_sizes(heads, total_tokens, num_seqs, gpu_heads):
     return bytes([WORKSPACE_SIZES, heads - 1]) + raw(total_tokens) + raw(num_seqs) + struct.pack("<i", gpu_heads)
 
 
+def plan_create(gate_mode, beta_mode):
+    """A valid CPU-or-GPU description with 2 heads, then -2.5 for fkda_set_lower_bound."""
+    return (bytes([PLAN_CREATE]) + plus(0) + plus(2) + plus(0) * 8 + plus(gate_mode) + plus(beta_mode)
+            + struct.pack("<f", -2.5))
+
+
 def fault(slots, name, field, value):
     return bytes([slots.index(name), field]) + value
 
@@ -100,7 +106,11 @@ SEEDS = {
     "finding_empty_varlen_any_strides": fwd(2, INITIAL | FINAL | IN_PLACE, lenient=LENIENT_EMPTY | LENIENT_UNIT_AXES,
                                             lengths=[0, 0, 0]),
     "finding_empty_pool_any_strides": fwd(1, serving=POOL | CHECKPOINTS, lenient=LENIENT_EMPTY, batch=0, tokens=0),
-    "valid_plan_desc": bytes([PLAN_CREATE]) + plus(0) * 9 + struct.pack("<f", -2.5),
+    # struct_size, num_heads 2, head dims, state dtype and layout, backend,
+    # lower_bound -5, null slot rule, debug checks, gate and beta modes.
+    "valid_plan_desc": plan_create(0, 0),
+    "valid_plan_desc_softplus_probabilities": plan_create(1, 1),
+    "valid_plan_desc_log_decay": plan_create(2, 0),
 }
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ struct PlanOptions {
   fkda_state_layout layout = FKDA_STATE_LAYOUT_VK;
   fkda_null_slot_rule null_rule = FKDA_NULL_SLOT_NEGATIVE;
   int32_t debug_checks = 0;
+  int32_t gate_mode = FKDA_GATE_BOUNDED;  // at lower_bound -5
+  int32_t beta_mode = FKDA_BETA_LOGITS;
 };
 
 class CpuPlan {
@@ -56,6 +58,8 @@ class CpuPlan {
     d.state_layout = o.layout;
     d.null_slot_rule = o.null_rule;
     d.debug_checks = o.debug_checks;
+    d.gate_mode = o.gate_mode;
+    d.beta_mode = o.beta_mode;
     return d;
   }
   fkda_ref::Plan plan_;

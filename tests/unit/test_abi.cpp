@@ -148,12 +148,14 @@ TEST_CASE("struct layouts are frozen", "[abi]") {
   STATIC_REQUIRE(offsetof(fkda_tensor, shape) == 16);
   STATIC_REQUIRE(offsetof(fkda_tensor, strides) == 64);
   // 0.1 ended fkda_plan_desc after lower_bound and fkda_fwd_args after
-  // scale: those prefixes never move; 0.2 appended after them.
+  // scale: those prefixes never move; 0.2 and 0.3 appended after them.
   STATIC_REQUIRE(offsetof(fkda_plan_desc, num_heads) == 8);
   STATIC_REQUIRE(offsetof(fkda_plan_desc, lower_bound) == 32);
   STATIC_REQUIRE(offsetof(fkda_plan_desc, null_slot_rule) == 36);
   STATIC_REQUIRE(offsetof(fkda_plan_desc, debug_checks) == 40);
-  STATIC_REQUIRE(sizeof(fkda_plan_desc) == 48);
+  STATIC_REQUIRE(offsetof(fkda_plan_desc, gate_mode) == 44);
+  STATIC_REQUIRE(offsetof(fkda_plan_desc, beta_mode) == 48);
+  STATIC_REQUIRE(sizeof(fkda_plan_desc) == 56);
   STATIC_REQUIRE(offsetof(fkda_fwd_args, q) == 8);
   STATIC_REQUIRE(offsetof(fkda_fwd_args, cu_seqlens) == 8 + 10 * 112);
   STATIC_REQUIRE(offsetof(fkda_fwd_args, scale) == 8 + 11 * 112);

@@ -9,12 +9,14 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "flashkda.h"
 #include "kda_reference.h"
 #include "resource_owners.h"
+#include "serving_support.h"
 
 namespace {
 
@@ -23,6 +25,12 @@ using namespace fkda_ref;
 // bf16 and f32 quiet NaNs with a payload no computation produces.
 constexpr uint16_t kPoisonBf16 = 0x7FC1;
 constexpr uint32_t kPoisonF32 = 0x7FC00001u;
+
+float poison_f32() {
+  float poison;
+  std::memcpy(&poison, &kPoisonF32, sizeof poison);
+  return poison;
+}
 
 // Every test of state handling runs on both kinds of input: the default fast
 // decays, and slow decays where the initial state and every hand-off matter.
@@ -83,16 +91,18 @@ bool same(const std::vector<T>& a, const std::vector<T>& b) {
 
 bool is_poison(uint16_t bits) { return bits == kPoisonBf16; }
 
-// An activation [B, T, H, D] (D = 1 for beta) placed in memory with the
-// chosen strides; the gaps hold NaNs, so reading them would show in the output.
+// An activation [B, T, H, D] (D = 1 for beta) of bf16 bits or f32 values
+// placed in memory with the chosen strides; the gaps hold NaNs, so reading
+// them would show in the output.
+template <typename Element>
 struct Placed {
-  std::vector<uint16_t> storage;
+  std::vector<Element> storage;
   std::vector<size_t> offsets;  // storage offset of element i of the contiguous tensor
   int64_t stride_b = 0, stride_t = 0, stride_h = 0;
   std::vector<int64_t> shape;
 
   fkda_tensor view() {
-    fkda_tensor t = tensor(storage.data(), FKDA_DTYPE_BF16, shape);
+    fkda_tensor t = tensor(storage.data(), std::is_same_v<Element, float> ? FKDA_DTYPE_F32 : FKDA_DTYPE_BF16, shape);
     t.strides[0] = stride_b;
     t.strides[1] = stride_t;
     t.strides[2] = stride_h;
@@ -100,9 +110,12 @@ struct Placed {
   }
 };
 
-Placed place(const std::vector<uint16_t>& contiguous, int64_t B, int64_t T, int64_t H, int64_t D,
-             Layout layout, uint16_t gap_fill) {
-  Placed placed;
+// Nothing is placed for an empty vector (a g or beta the problem passes in the other dtype).
+template <typename Element>
+Placed<Element> place(const std::vector<Element>& contiguous, int64_t B, int64_t T, int64_t H, int64_t D,
+                      Layout layout, Element gap_fill) {
+  Placed<Element> placed;
+  if (contiguous.empty()) return placed;
   placed.shape = D == 1 ? std::vector<int64_t>{B, T, H} : std::vector<int64_t>{B, T, H, D};
   size_t size = 0;
   switch (layout) {
@@ -154,12 +167,10 @@ StateBuffer state_buffer(const Problem& p, const std::vector<float>* values_vk, 
                          fkda_state_layout layout) {
   StateBuffer buffer{{}, {}, dtype};
   const size_t count = size_t(p.state_elems());
-  float poison_f32;
-  std::memcpy(&poison_f32, &kPoisonF32, sizeof poison_f32);
   if (dtype == FKDA_DTYPE_BF16)
     buffer.bf16.assign(count, kPoisonBf16);
   else
-    buffer.f32.assign(count, poison_f32);
+    buffer.f32.assign(count, poison_f32());
   if (values_vk == nullptr) return buffer;
   size_t not_bf16 = 0;
   for (int64_t head = 0; head < p.num_seqs() * p.H; ++head) {
@@ -227,7 +238,8 @@ RunResult run_cpu(const Problem& p, const RunOptions& o) {
   desc.state_dtype = o.state_dtype;
   desc.state_layout = o.state_layout;
   desc.backend = FKDA_BACKEND_CPU;
-  desc.lower_bound = o.set_lower_bound_after_create ? -5.f : p.lower_bound;
+  apply_gate(p, &desc);
+  if (o.set_lower_bound_after_create) desc.lower_bound = -5.f;
   const fkda_ref::Plan plan(desc);
   fkda_backend backend = FKDA_BACKEND_AUTO;
   REQUIRE(fkda_plan_get_backend(plan.get(), &backend) == FKDA_SUCCESS);
@@ -239,15 +251,19 @@ RunResult run_cpu(const Problem& p, const RunOptions& o) {
     REQUIRE(lower_bound == p.lower_bound);
   }
 
-  Placed q = place(p.q, p.B, p.T, p.H, p.K, o.layout, kPoisonBf16);
-  Placed k = place(p.k, p.B, p.T, p.H, p.K, o.layout, kPoisonBf16);
-  Placed v = place(p.v, p.B, p.T, p.H, p.V, o.layout, kPoisonBf16);
-  Placed g = place(p.g, p.B, p.T, p.H, p.K, o.layout, kPoisonBf16);
-  Placed beta = place(p.beta, p.B, p.T, p.H, 1, o.beta_layout, kPoisonBf16);
-  Placed out = place(std::vector<uint16_t>(p.B * p.T * p.H * p.V, kPoisonBf16), p.B, p.T, p.H, p.V, o.layout,
-                     kPoisonBf16);
+  Placed<uint16_t> q = place(p.q, p.B, p.T, p.H, p.K, o.layout, kPoisonBf16);
+  Placed<uint16_t> k = place(p.k, p.B, p.T, p.H, p.K, o.layout, kPoisonBf16);
+  Placed<uint16_t> v = place(p.v, p.B, p.T, p.H, p.V, o.layout, kPoisonBf16);
+  // g and beta in whichever dtype the problem passes them.
+  Placed<uint16_t> g = place(p.g, p.B, p.T, p.H, p.K, o.layout, kPoisonBf16);
+  Placed<float> g_f32 = place(p.g_f32, p.B, p.T, p.H, p.K, o.layout, poison_f32());
+  Placed<uint16_t> beta = place(p.beta, p.B, p.T, p.H, 1, o.beta_layout, kPoisonBf16);
+  Placed<float> beta_f32 = place(p.beta_f32, p.B, p.T, p.H, 1, o.beta_layout, poison_f32());
+  Placed<uint16_t> out = place(std::vector<uint16_t>(p.B * p.T * p.H * p.V, kPoisonBf16), p.B, p.T, p.H, p.V,
+                               o.layout, kPoisonBf16);
   const std::vector<uint16_t> q_before = q.storage, k_before = k.storage, v_before = v.storage,
                               g_before = g.storage, beta_before = beta.storage;
+  const std::vector<float> g_f32_before = g_f32.storage, beta_f32_before = beta_f32.storage;
   std::vector<float> A_log = p.A_log, dt_bias = p.dt_bias;
 
   StateBuffer initial =
@@ -263,8 +279,8 @@ RunResult run_cpu(const Problem& p, const RunOptions& o) {
   args.q = q.view();
   args.k = k.view();
   args.v = v.view();
-  args.g = g.view();
-  args.beta = beta.view();
+  args.g = p.g_f32.empty() ? g.view() : g_f32.view();
+  args.beta = p.beta_f32.empty() ? beta.view() : beta_f32.view();
   args.out = out.view();
 
   // cu_seqlens in the requested dtype and stride, gaps filled with offsets
@@ -312,6 +328,9 @@ RunResult run_cpu(const Problem& p, const RunOptions& o) {
   CHECK(same(v.storage, v_before));
   CHECK(same(g.storage, g_before));
   CHECK(same(beta.storage, beta_before));
+  // NaN gaps compare unequal as floats: compare the bits.
+  CHECK(std::memcmp(g_f32.storage.data(), g_f32_before.data(), g_f32_before.size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(beta_f32.storage.data(), beta_f32_before.data(), beta_f32_before.size() * sizeof(float)) == 0);
   CHECK(same(A_log, p.A_log));
   CHECK(same(dt_bias, p.dt_bias));
   if (has_initial && !o.in_place_state) {
@@ -721,5 +740,144 @@ TEST_CASE("CPU backend: the same inputs give bitwise equal results", "[cpu]") {
     const RunResult a = run_cpu(p, o), b = run_cpu(p, o);
     CHECK(bitwise_equal(a.out, b.out));
     CHECK(bitwise_equal(a.final_state, b.final_state));
+  }
+}
+
+// ------------------------------------------------------------ gate modes ---
+
+namespace {
+
+// Varlen with an initial state and partial chunks, a few hundred tokens.
+ProblemShape gate_test_shape() {
+  ProblemShape shape;
+  shape.H = 2;
+  shape.lengths = {300, 0, 77, 129};
+  return shape;
+}
+
+// Every gate variant with its initial state rounded for bf16 state plans.
+std::vector<GateVariant> gate_cases() {
+  std::vector<GateVariant> cases = gate_variants(gate_test_shape(), 31);
+  for (GateVariant& c : cases) round_initial_state_to_bf16(c.p);
+  return cases;
+}
+
+// The relative L2 of one run, printed so that the figures can be quoted.
+void report_accuracy(const char* what, fkda_dtype state_dtype, const Errors& errors) {
+  std::printf("CPU %-40s %s state: out %.3e  final state %.3e\n", what,
+              state_dtype == FKDA_DTYPE_BF16 ? "bf16" : "f32 ", errors.out, errors.state);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+TEST_CASE("CPU backend: every gate and beta mode meets the accuracy targets", "[cpu][gate]") {
+  for (const GateVariant& c : gate_cases()) {
+    for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+      INFO(c.name);
+      RunOptions o;
+      o.state_dtype = dtype;
+      o.state_layout = dtype == FKDA_DTYPE_BF16 ? FKDA_STATE_LAYOUT_KV : FKDA_STATE_LAYOUT_VK;
+      report_accuracy(c.name.c_str(), dtype, check_accuracy(c.p, o, run_cpu(c.p, o), targets_for(dtype, Decay::slow)));
+    }
+  }
+}
+
+TEST_CASE("CPU backend: the gate tests fail by a wide margin on a wrong gate or beta", "[cpu][gate][mutation]") {
+  // The comparison of the test above against the fp64 recurrence of a
+  // problem read the wrong way: what a backend that took the wrong mode, or
+  // dropped A_log or dt_bias, would be measured against.
+  const AccuracyTargets targets = targets_for(FKDA_DTYPE_F32, Decay::slow);
+  const Problem softplus = random_problem(realistic_softplus(gate_test_shape()), 36);
+  const Problem probabilities = as_probabilities(as_log_decay(softplus, true), true);
+  RunOptions o;
+  const RunResult softplus_run = run_cpu(softplus, o), probabilities_run = run_cpu(probabilities, o);
+  CHECK(rel_l2(softplus_run.out, reference_recurrence(softplus).out) <= targets.out);
+  CHECK(rel_l2(probabilities_run.out, reference_recurrence(probabilities).out) <= targets.out);
+
+  struct Misreading {
+    const char* name;
+    const RunResult& run;
+    Problem read_as;
+  };
+  std::vector<Misreading> misreadings = {{"softplus read as the bounded gate", softplus_run, softplus},
+                                         {"softplus without A_log", softplus_run, softplus},
+                                         {"softplus without dt_bias", softplus_run, softplus},
+                                         {"probabilities read as logits", probabilities_run, probabilities}};
+  misreadings[0].read_as.gate_mode = FKDA_GATE_BOUNDED;
+  misreadings[1].read_as.A_log.clear();
+  misreadings[2].read_as.dt_bias.clear();
+  misreadings[3].read_as.beta_mode = FKDA_BETA_LOGITS;
+  for (const Misreading& m : misreadings) {
+    const Reference wrong = reference_recurrence(m.read_as);
+    serving::require_mutation_caught(m.name, rel_l2(m.run.out, wrong.out), targets.out);
+    serving::require_mutation_caught(m.name, rel_l2(m.run.final_state, wrong.final_state), targets.state);
+  }
+}
+
+namespace {
+
+// Out rows and final state of sequence n of a varlen run, against the fp64 ones.
+Errors sequence_errors(const Problem& p, const RunResult& r, const Reference& ref, int64_t n) {
+  const int64_t begin = p.cu_seqlens[size_t(n)], end = p.cu_seqlens[size_t(n) + 1], row = p.H * p.V;
+  const std::vector<float> out(r.out.begin() + std::ptrdiff_t(begin * row), r.out.begin() + std::ptrdiff_t(end * row));
+  const std::vector<float> state = sequence_state(p, r.final_state, n);
+  const size_t per_sequence = size_t(p.H * p.V * p.K);
+  const std::vector<double> ref_state(ref.final_state.begin() + std::ptrdiff_t(size_t(n) * per_sequence),
+                                      ref.final_state.begin() + std::ptrdiff_t(size_t(n + 1) * per_sequence));
+  return {rel_l2(out, token_range(p, ref.out, begin, end)), rel_l2(state, ref_state)};
+}
+
+}  // namespace
+
+TEST_CASE("CPU backend: log-decays of -1e4, 0 and -inf, and sequences that forget everything", "[cpu][gate][edge]") {
+  // Sequences 0 and 3: channels at -1e4, exactly 0, -inf and realistic
+  // decays in turn; 1: -inf everywhere; 2: -300 everywhere (total
+  // forgetting at every token: each output and the final state come from
+  // one token alone). With g as bf16 and as f32.
+  ProblemShape shape = realistic_softplus(ProblemShape{});
+  shape.H = 2;
+  shape.lengths = {70, 33, 20, 45};
+  const Problem softplus = random_problem(shape, 37);
+  for (bool f32 : {false, true}) {
+    Problem p = with_edge_log_decays(as_log_decay(softplus, f32), 1, 2);
+    round_initial_state_to_bf16(p);
+    const Reference ref = reference_recurrence(p);
+    for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+      INFO((f32 ? "f32 g" : "bf16 g"));
+      RunOptions o;
+      o.state_dtype = dtype;
+      const RunResult r = run_cpu(p, o);  // checks that every output is finite and written
+      const AccuracyTargets targets = targets_for(dtype, Decay::slow);
+      for (int64_t n = 0; n < p.num_seqs(); ++n) {
+        CAPTURE(n);
+        const Errors errors = sequence_errors(p, r, ref, n);
+        const std::string what = std::string("log-decay edges, ") + (f32 ? "f32" : "bf16") + " g, sequence " +
+                                 std::to_string(n);
+        report_accuracy(what.c_str(), dtype, errors);
+        CHECK(errors.out <= targets.out);
+        CHECK(errors.state <= targets.state);
+      }
+    }
+  }
+}
+
+TEST_CASE("CPU backend: softplus gate inputs of +-inf and +-1e4", "[cpu][gate][edge]") {
+  // softplus(+inf) is +inf (total forgetting), softplus(-inf) is 0 (no decay).
+  ProblemShape shape = realistic_softplus(ProblemShape{});
+  shape.H = 2;
+  shape.lengths = {50, 37};
+  Problem p = random_problem(shape, 38);
+  round_initial_state_to_bf16(p);
+  const float kInfinity = std::numeric_limits<float>::infinity();
+  const float gates[] = {kInfinity, -kInfinity, 1e4f, -1e4f};
+  for (size_t i = 0; i < p.g.size(); ++i) {
+    const size_t channel = i % size_t(p.K);
+    if (channel % 5 < 4) p.g[i] = to_bf16(gates[channel % 5]);  // the fifth channels keep their gates
+  }
+  for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+    RunOptions o;
+    o.state_dtype = dtype;
+    check_accuracy(p, o, run_cpu(p, o), targets_for(dtype, Decay::slow));
   }
 }

@@ -55,11 +55,7 @@ Problem step(const Problem& p, int64_t t) {
 
 std::vector<uint16_t> poisoned_out(const Problem& p) { return std::vector<uint16_t>(size_t(p.B * p.T * p.H * p.V), kPoisonBf16); }
 
-Buffers buffers_of(Problem& p, std::vector<uint16_t>& out) {
-  Buffers b{p.q.data(), p.k.data(), p.v.data(), p.g.data(), p.beta.data(), p.A_log.data(), p.dt_bias.data(), out.data()};
-  if (!p.cu_seqlens.empty()) b.cu_seqlens = p.cu_seqlens.data();
-  return b;
-}
+Buffers buffers_of(Problem& p, std::vector<uint16_t>& out) { return host_buffers(p, out.data()); }
 
 // fkda_decode of p on the pool; cu_seqlens as i32, the runtimes' form.
 std::vector<uint16_t> run_decode(const CpuPlan& plan, Problem p, Pool& pool, fkda_tensor indices,
@@ -134,6 +130,47 @@ double state_tolerance(fkda_dtype dtype, double f32_tolerance) {
   return dtype == FKDA_DTYPE_BF16 ? kStateBf16 : f32_tolerance;
 }
 
+// One fkda_decode of p from and into pool slots ([N] indices), and the fp64
+// recurrence from the same states.
+struct DecodeRun {
+  std::vector<uint16_t> out;
+  Problem as_run;  // p starting from the pool's states
+  Reference ref;
+  std::vector<float> states;       // the slots of the sequences with tokens, after the call
+  std::vector<float> states_before;
+  std::vector<double> expected;    // their fp64 final states
+
+  double out_error() const { return rel_l2(bf16_to_float(out), ref.out); }
+  double state_error() const { return rel_l2(states, expected); }
+};
+
+DecodeRun decode_against_reference(const CpuPlan& plan, const Problem& p, Pool& pool, std::vector<int32_t> slots) {
+  const Pool before = pool;
+  DecodeRun run;
+  run.out = run_decode(plan, p, pool, tensor(slots.data(), FKDA_DTYPE_I32, {int64_t(slots.size())}));
+  run.as_run = p;
+  const std::vector<int64_t> slot_list(slots.begin(), slots.end());
+  run.as_run.initial_state = before.states(slot_list, FKDA_NULL_SLOT_NEGATIVE);
+  run.ref = reference_recurrence(run.as_run);
+  for (int64_t n = 0; n < p.num_seqs(); ++n) {
+    if (p.cu_seqlens[size_t(n) + 1] == p.cu_seqlens[size_t(n)]) continue;  // untouched
+    const std::vector<float> got = pool.state(slots[size_t(n)]), old = before.state(slots[size_t(n)]);
+    const std::vector<double> want = block(run.ref.final_state, n, p.H);
+    run.states.insert(run.states.end(), got.begin(), got.end());
+    run.states_before.insert(run.states_before.end(), old.begin(), old.end());
+    run.expected.insert(run.expected.end(), want.begin(), want.end());
+  }
+  return run;
+}
+
+PlanOptions plan_options(fkda_dtype state_dtype, const Problem& p) {
+  PlanOptions o;
+  o.state_dtype = state_dtype;
+  o.gate_mode = p.gate_mode;
+  o.beta_mode = p.beta_mode;
+  return o;
+}
+
 }  // namespace
 
 TEST_CASE("CPU decode: 0 to 16 tokens per sequence against the fp64 recurrence", "[cpu][decode]") {
@@ -146,41 +183,68 @@ TEST_CASE("CPU decode: 0 to 16 tokens per sequence against the fp64 recurrence",
         CpuPlan plan(p.H, {dtype, layout});
         Pool pool(8, p.H, dtype, 5, layout);
         const Pool before = pool;
-        std::vector<int32_t> slots = {6, 0, 3, 2, 1};
-        const std::vector<uint16_t> out = run_decode(plan, p, pool, tensor(slots.data(), FKDA_DTYPE_I32, {5}));
-
-        Problem as_run = p;
-        as_run.initial_state = before.states({6, 0, 3, 2, 1}, FKDA_NULL_SLOT_NEGATIVE);
-        const Reference ref = reference_recurrence(as_run);
-        const double out_error = rel_l2(bf16_to_float(out), ref.out);
-        std::vector<float> states;
-        std::vector<double> expected;
-        for (int64_t n : {0, 1, 2, 4}) {  // sequence 3 is empty and its slot untouched
-          const std::vector<float> got = pool.state(slots[size_t(n)]);
-          const std::vector<double> want = block(ref.final_state, n, p.H);
-          states.insert(states.end(), got.begin(), got.end());
-          expected.insert(expected.end(), want.begin(), want.end());
-        }
-        const double state_error = rel_l2(states, expected);
+        const DecodeRun run = decode_against_reference(plan, p, pool, {6, 0, 3, 2, 1});
         const double tolerance = state_tolerance(dtype, kDecodeStateF32);
-        INFO("out rel L2 " << out_error << ", state rel L2 " << state_error);
-        CHECK(out_error <= kDecodeOut);
-        CHECK(state_error <= tolerance);
-        CHECK(inspect_rows(out, p.H, {}).poisoned == 0);
+        INFO("out rel L2 " << run.out_error() << ", state rel L2 " << run.state_error());
+        CHECK(run.out_error() <= kDecodeOut);
+        CHECK(run.state_error() <= tolerance);
+        CHECK(inspect_rows(run.out, p.H, {}).poisoned == 0);
+        // Sequence 3 is empty and its slot 2 untouched.
         CHECK(bytes_changed_outside(before, pool, {6, 0, 3, 1}) == 0);
 
         Problem from_zeros = p;
         from_zeros.initial_state.clear();
         require_mutation_caught("decode ignoring the pool's states",
-                                rel_l2(bf16_to_float(out), reference_recurrence(from_zeros).out), kDecodeOut);
-        std::vector<float> unchanged;
-        for (int64_t n : {0, 1, 2, 4}) {
-          const std::vector<float> old = before.state(slots[size_t(n)]);
-          unchanged.insert(unchanged.end(), old.begin(), old.end());
-        }
-        require_mutation_caught("decode not writing the state back", rel_l2(unchanged, expected), tolerance);
+                                rel_l2(bf16_to_float(run.out), reference_recurrence(from_zeros).out), kDecodeOut);
+        require_mutation_caught("decode not writing the state back", rel_l2(run.states_before, run.expected),
+                                tolerance);
       }
     }
+  }
+}
+
+TEST_CASE("CPU decode: every gate and beta mode against the fp64 recurrence", "[cpu][decode][gate]") {
+  ProblemShape shape;
+  shape.H = 2;
+  shape.lengths = {1, 4, 16, 0, 7};
+  shape.with_initial_state = false;  // the pool's states are the initial states
+  std::vector<GateVariant> cases = gate_variants(shape, 51);
+  const Problem realistic = random_problem(realistic_softplus(shape), 52);
+  // Log-decays of -1e4, 0 and -inf by channel; sequences 2 and 4 forget everything.
+  cases.push_back({"log-decay bf16 g: -1e4, 0, -inf, forgetting", with_edge_log_decays(as_log_decay(realistic, false), 2, 4)});
+  cases.push_back({"log-decay f32 g: -1e4, 0, -inf, forgetting", with_edge_log_decays(as_log_decay(realistic, true), 2, 4)});
+  for (const GateVariant& c : cases) {
+    for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+      INFO(c.name << ", " << (dtype == FKDA_DTYPE_BF16 ? "bf16" : "f32") << " pool");
+      const CpuPlan plan(c.p.H, plan_options(dtype, c.p));
+      Pool pool(8, c.p.H, dtype, 7);
+      const DecodeRun run = decode_against_reference(plan, c.p, pool, {6, 0, 3, 2, 1});
+      std::printf("CPU decode %-44s %s pool: out %.3e  state %.3e\n", c.name.c_str(),
+                  dtype == FKDA_DTYPE_BF16 ? "bf16" : "f32 ", run.out_error(), run.state_error());
+      std::fflush(stdout);
+      CHECK(run.out_error() <= kDecodeOut);
+      CHECK(run.state_error() <= state_tolerance(dtype, kDecodeStateF32));
+      CHECK(inspect_rows(run.out, c.p.H, {}).poisoned == 0);
+    }
+  }
+
+  // The same comparison against the problem read the wrong way.
+  struct Misreading {
+    const char* name;
+    Problem p;
+    int32_t read_gate_mode, read_beta_mode;
+  };
+  const Misreading misreadings[] = {
+      {"softplus decode read as the bounded gate", realistic, FKDA_GATE_BOUNDED, FKDA_BETA_LOGITS},
+      {"probabilities read as logits", as_probabilities(realistic, true), FKDA_GATE_SOFTPLUS, FKDA_BETA_LOGITS}};
+  for (const Misreading& m : misreadings) {
+    const CpuPlan plan(m.p.H, plan_options(FKDA_DTYPE_F32, m.p));
+    Pool pool(8, m.p.H, FKDA_DTYPE_F32, 7);
+    const DecodeRun run = decode_against_reference(plan, m.p, pool, {6, 0, 3, 2, 1});
+    Problem misread = run.as_run;
+    misread.gate_mode = m.read_gate_mode;
+    misread.beta_mode = m.read_beta_mode;
+    require_mutation_caught(m.name, rel_l2(bf16_to_float(run.out), reference_recurrence(misread).out), kDecodeOut);
   }
 }
 

@@ -285,3 +285,214 @@ TEST_CASE("tensor and make_args describe the buffers row-major", "[reference]") 
   CHECK(args.initial_state.rank == 0);
   CHECK(args.scale == p.scale);
 }
+
+TEST_CASE("reference: each gate mode's log-decay, worked out by hand", "[reference][gate]") {
+  ProblemShape shape;
+  shape.T = 1;
+  shape.H = 2;
+  Problem p = random_problem(shape, 16);
+  const float gates[] = {-30.f, -1.f, 0.f, 0.5f, 19.5f, 24.f};  // bf16-exact
+  for (size_t i = 0; i < p.g.size(); ++i) p.g[i] = to_bf16(gates[i % 6]);
+  auto g_of = [&](size_t i) { return double(gates[i % 6]); };
+
+  p.A_log.clear();  // exp(A_log) = 1
+  p.lower_bound = -2.f;
+  std::vector<double> a = log_decays(p);
+  REQUIRE(a.size() == p.g.size());
+  CHECK(a[1] == Approx(-2.0 / (1.0 + std::exp(-(-1.0 + double(p.dt_bias[1]))))).epsilon(1e-14));
+  p.dt_bias.clear();  // dt_bias = 0
+  a = log_decays(p);
+  for (size_t i = 0; i < a.size(); ++i) CHECK(a[i] == Approx(-2.0 / (1.0 + std::exp(-g_of(i)))).epsilon(1e-14));
+
+  p.gate_mode = FKDA_GATE_SOFTPLUS;
+  p.A_log = {1.5f, 0.f};
+  a = log_decays(p);
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double a_scale = std::exp(i < size_t(p.K) ? 1.5 : 0.0);
+    // softplus(x) = log(1 + e^x), taken as x above 20 only.
+    const double softplus = g_of(i) > 20 ? g_of(i) : std::log1p(std::exp(g_of(i)));
+    CHECK(a[i] == Approx(-a_scale * softplus).epsilon(1e-14));
+  }
+  const size_t past_20 = size_t(p.K) + 3;  // head 1, exp(A_log) = 1
+  REQUIRE(g_of(past_20) == 24.0);
+  CHECK(a[past_20] == -24.0);
+
+  p.gate_mode = FKDA_GATE_LOG_DECAY;
+  p.A_log.clear();
+  a = log_decays(p);
+  for (size_t i = 0; i < a.size(); ++i) CHECK(a[i] == std::min(g_of(i), 0.0));  // above 0 reads as 0
+  p.g_f32.assign(p.g.size(), -0.125f);
+  for (double x : log_decays(p)) CHECK(x == -0.125);  // f32 g wins over the bf16 bits
+}
+
+TEST_CASE("reference: a log-decay of -inf forgets the state entirely, without a NaN", "[reference][gate]") {
+  ProblemShape shape;
+  shape.T = 2;
+  shape.H = 1;
+  shape.gate_mode = FKDA_GATE_LOG_DECAY;
+  Problem p = random_problem(shape, 17);  // random initial state
+  for (uint16_t& g : p.g) g = to_bf16(-std::numeric_limits<float>::infinity());
+  const Reference ref = reference_recurrence(p);
+  // Only the last token's rank-one write b · v k̂ᵀ is left.
+  const int64_t t = 1;
+  const double b = 1.0 / (1.0 + std::exp(-double(from_bf16(p.beta[t]))));
+  const double k_norm = norm_of(&p.k[t * p.K], p.K);
+  size_t off = 0;
+  for (int64_t e = 0; e < p.V; ++e)
+    for (int64_t c = 0; c < p.K; ++c) {
+      const double expected = b * from_bf16(p.v[t * p.V + e]) * from_bf16(p.k[t * p.K + c]) / k_norm;
+      off += !(ref.final_state[e * p.K + c] == Approx(expected).epsilon(1e-12).margin(1e-15));
+    }
+  CHECK(off == 0);
+  std::vector<float> out(ref.out.begin(), ref.out.end());
+  CHECK(std::isfinite(rel_l2(out, ref.out)));
+  // An f32 -300 (exp(-300) is about 5e-131, not 0) gives the same.
+  p.g_f32.assign(p.g.size(), -300.f);
+  std::vector<float> state(ref.final_state.begin(), ref.final_state.end());  // rounded to f32: 6e-8
+  CHECK(rel_l2(state, reference_recurrence(p).final_state) < 1e-7);
+}
+
+TEST_CASE("reference: as_log_decay and as_probabilities keep the problem's recurrence", "[reference][gate]") {
+  ProblemShape shape;
+  shape.H = 2;
+  shape.lengths = {9, 0, 20};
+  for (const ProblemShape& s : {realistic_softplus(shape), extreme_softplus(shape), slow_decay(shape)}) {
+    const Problem p = random_problem(s, 18);
+    const Reference original = reference_recurrence(p);
+    const std::vector<float> out(original.out.begin(), original.out.end());
+    for (bool f32 : {true, false}) {
+      CAPTURE(f32);
+      const Problem log_decay = as_log_decay(p, f32);
+      CHECK(log_decay.gate_mode == FKDA_GATE_LOG_DECAY);
+      CHECK(log_decay.A_log.empty());
+      CHECK(log_decay.dt_bias.empty());
+      CHECK((f32 ? log_decay.g.empty() && log_decay.g_f32.size() == p.g.size()
+                 : log_decay.g_f32.empty() && log_decay.g.size() == p.g.size()));
+      const Problem probabilities = as_probabilities(log_decay, f32);
+      CHECK(probabilities.beta_mode == FKDA_BETA_PROBABILITIES);
+      CHECK((f32 ? probabilities.beta_f32.size() : probabilities.beta.size()) == p.beta.size());
+      // Only the rounding of the log-decays and step sizes differs.
+      const double tolerance = f32 ? 1e-5 : 1e-2;
+      CHECK(rel_l2(out, reference_recurrence(log_decay).out) < tolerance);
+      CHECK(rel_l2(out, reference_recurrence(probabilities).out) < tolerance);
+    }
+  }
+}
+
+TEST_CASE("random_problem: the softplus distributions use the model's gate parameters", "[reference][gate]") {
+  ProblemShape shape;
+  shape.T = 64;
+  shape.H = 4;
+  const Problem realistic = random_problem(realistic_softplus(shape), 19);
+  const Problem extreme = random_problem(extreme_softplus(shape), 19);
+  CHECK(realistic.gate_mode == FKDA_GATE_SOFTPLUS);
+  CHECK(realistic.beta_mode == FKDA_BETA_LOGITS);
+  for (float x : realistic.A_log) CHECK((std::exp(double(x)) >= 1.0 - 1e-6 && std::exp(double(x)) <= 16.0 + 1e-5));
+  for (float x : realistic.dt_bias) {
+    const double softplus = std::log1p(std::exp(double(x)));
+    CHECK((softplus >= 0.001 * (1 - 1e-5) && softplus <= 0.1 * (1 + 1e-5)));
+  }
+  // The same draws but g's spread: extreme gates decay far more.
+  CHECK(realistic.A_log == extreme.A_log);
+  const std::vector<double> mild = log_decays(realistic), strong = log_decays(extreme);
+  const double mild_min = *std::min_element(mild.begin(), mild.end());
+  const double strong_min = *std::min_element(strong.begin(), strong.end());
+  CHECK((mild_min < -5 && mild_min > -60));
+  CHECK(strong_min < -60);
+  for (double x : mild) CHECK(x <= 0);
+
+  ProblemShape log_decay = shape;
+  log_decay.gate_mode = FKDA_GATE_LOG_DECAY;
+  const Problem p = random_problem(log_decay, 19);
+  CHECK(p.A_log.empty());
+  CHECK(p.dt_bias.empty());
+  CHECK(p.initial_state == random_problem(shape, 19).initial_state);  // the same draws as the bounded gate
+}
+
+TEST_CASE("make_args, host_buffers and apply_gate follow the problem's gate", "[reference][gate]") {
+  ProblemShape shape;
+  shape.H = 2;
+  shape.lengths = {3, 5};
+  const Problem softplus = random_problem(realistic_softplus(shape), 20);
+  Problem p = as_probabilities(as_log_decay(softplus, true), true);
+  std::vector<uint16_t> out(size_t(p.T * p.H * p.V));
+  const Buffers buffers = host_buffers(p, out.data());
+  CHECK(buffers.g == p.g_f32.data());
+  CHECK(buffers.beta == p.beta_f32.data());
+  CHECK(buffers.cu_seqlens == p.cu_seqlens.data());
+  const fkda_fwd_args args = make_args(p, buffers, FKDA_DTYPE_F32);
+  CHECK(args.g.dtype == FKDA_DTYPE_F32);
+  CHECK(args.beta.dtype == FKDA_DTYPE_F32);
+  CHECK((args.A_log.data == nullptr && args.A_log.rank == 0));
+  CHECK((args.dt_bias.data == nullptr && args.dt_bias.rank == 0));
+  const fkda_decode_args decode = make_decode_args(p, buffers);
+  CHECK(decode.g.dtype == FKDA_DTYPE_F32);
+  CHECK(decode.A_log.rank == 0);
+
+  const fkda_fwd_args softplus_args = make_args(softplus, buffers, FKDA_DTYPE_F32);
+  CHECK(softplus_args.g.dtype == FKDA_DTYPE_BF16);
+  CHECK(softplus_args.A_log.rank == 1);
+
+  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+  desc.lower_bound = -1.f;
+  apply_gate(p, &desc);
+  CHECK(desc.gate_mode == FKDA_GATE_LOG_DECAY);
+  CHECK(desc.beta_mode == FKDA_BETA_PROBABILITIES);
+  CHECK(desc.lower_bound == -5.f);  // what a gate without a floor needs
+  Problem bounded = random_problem(shape, 21);
+  bounded.lower_bound = -0.5f;
+  apply_gate(bounded, &desc);
+  CHECK(desc.gate_mode == FKDA_GATE_BOUNDED);
+  CHECK(desc.beta_mode == FKDA_BETA_LOGITS);
+  CHECK(desc.lower_bound == -0.5f);
+
+  // token_range cuts the f32 forms too.
+  const Problem part = token_range(p, 0, 3, 8);
+  CHECK(part.g_f32 == std::vector<float>(p.g_f32.begin() + 3 * p.H * p.K, p.g_f32.end()));
+  CHECK(part.beta_f32 == std::vector<float>(p.beta_f32.begin() + 3 * p.H, p.beta_f32.end()));
+  CHECK(part.g.empty());
+}
+
+TEST_CASE("gate_variants and with_edge_log_decays cover what they say", "[reference][gate]") {
+  ProblemShape shape;
+  shape.H = 1;
+  shape.lengths = {3, 4, 0, 2};
+  const std::vector<GateVariant> variants = gate_variants(shape, 22);
+  int bounded = 0, softplus = 0, log_decay = 0, probabilities = 0, f32_g = 0, f32_beta = 0, no_A_log = 0, no_dt_bias = 0;
+  for (const GateVariant& v : variants) {
+    CAPTURE(v.name);
+    CHECK(v.p.cu_seqlens == std::vector<int64_t>{0, 3, 7, 7, 9});
+    bounded += v.p.gate_mode == FKDA_GATE_BOUNDED;
+    softplus += v.p.gate_mode == FKDA_GATE_SOFTPLUS;
+    log_decay += v.p.gate_mode == FKDA_GATE_LOG_DECAY;
+    probabilities += v.p.beta_mode == FKDA_BETA_PROBABILITIES;
+    f32_g += !v.p.g_f32.empty();
+    f32_beta += !v.p.beta_f32.empty();
+    no_A_log += v.p.gate_mode != FKDA_GATE_LOG_DECAY && v.p.A_log.empty();
+    no_dt_bias += v.p.gate_mode != FKDA_GATE_LOG_DECAY && v.p.dt_bias.empty();
+  }
+  CHECK(bounded == 2);
+  CHECK(softplus == 4);
+  CHECK(log_decay == 5);
+  CHECK(probabilities == 2);
+  CHECK(f32_g == 3);
+  CHECK(f32_beta == 1);
+  CHECK(no_A_log == 1);
+  CHECK(no_dt_bias == 2);
+
+  for (bool f32 : {false, true}) {
+    const Problem edges = with_edge_log_decays(as_log_decay(variants[2].p, f32), 1, 3);
+    const std::vector<double> a = log_decays(edges);
+    const double infinity = std::numeric_limits<double>::infinity();
+    for (int64_t t = 0; t < edges.T; ++t)
+      for (int64_t c = 0; c < edges.K; ++c) {
+        const double x = a[size_t(t * edges.K + c)];
+        if (t >= 3 && t < 7) CHECK(x == -infinity);
+        else if (t >= 7) CHECK(x == -300.0);
+        else if (c % 4 == 0) CHECK(x == double(f32 ? -1e4f : from_bf16(to_bf16(-1e4f))));
+        else if (c % 4 == 1) CHECK(x == 0.0);
+        else if (c % 4 == 2) CHECK(x == -infinity);
+        else CHECK((x < 0.0 && x > -1e3));
+      }
+  }
+}

@@ -317,6 +317,31 @@ TEST_CASE("structs of the 0.1 sizes keep working; larger ones are rejected", "[v
     expect_invalid(fkda_plan_create(&desc, &plan), "desc: struct_size is " + std::to_string(kDesc01 - 4));
   }
 
+  SECTION("fkda_plan_desc of the 0.2 size") {
+    // 0.2 ended the struct after debug_checks; its sizeof rounds that up to
+    // 48 bytes, where 0.3's gate_mode sits: garbage in a 0.2 caller's padding.
+    constexpr size_t kDesc02 = offsetof(fkda_plan_desc, debug_checks) + sizeof(int32_t);
+    STATIC_REQUIRE(offsetof(fkda_plan_desc, gate_mode) == kDesc02);
+    fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+    desc.num_heads = 1;
+    desc.backend = FKDA_BACKEND_CPU;
+    desc.gate_mode = 7;
+    desc.beta_mode = 9;
+    for (size_t size : {kDesc02, kDesc02 + 4}) {
+      CAPTURE(size);
+      desc.struct_size = size;
+      fkda_plan_t plan = nullptr;
+      FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
+      float lower_bound = 0.f;
+      FKDA_REQUIRE(fkda_get_lower_bound(plan, &lower_bound));  // the bounded gate
+      CHECK(lower_bound == -5.f);
+      fkda_plan_destroy(plan);
+    }
+    desc.struct_size = sizeof(fkda_plan_desc);
+    fkda_plan_t plan = nullptr;
+    expect_invalid(fkda_plan_create(&desc, &plan), "desc.gate_mode: expected");
+  }
+
   SECTION("fkda_fwd_args") {
     CpuPlan plan(1);
     PrefillFixture f;
@@ -359,6 +384,36 @@ TEST_CASE("structs of the 0.1 sizes keep working; larger ones are rejected", "[v
     info.struct_size += 16;
     expect_invalid(fkda_query_device(-1, &info), "info: struct_size is 304, expected 296");
   }
+}
+
+TEST_CASE("fkda_decode takes the gate and beta inputs of the plan's modes", "[validation][serving][gate]") {
+  DecodeFixture f;
+  std::vector<float> g_f32(f.p.g.size(), -0.5f), beta_f32(f.p.beta.size(), 0.25f);
+  auto with_f32 = [&](fkda_decode_args a) {
+    a.g = tensor(g_f32.data(), FKDA_DTYPE_F32, {1, f.p.T, f.p.H, kD});
+    a.beta = tensor(beta_f32.data(), FKDA_DTYPE_F32, {1, f.p.T, f.p.H});
+    return a;
+  };
+  PlanOptions softplus;
+  softplus.gate_mode = FKDA_GATE_SOFTPLUS;
+  const CpuPlan softplus_plan(f.p.H, softplus);
+  fkda_decode_args a = f.packed();
+  FKDA_REQUIRE(softplus_plan.decode(a));
+  a.A_log = FKDA_TENSOR_NONE;
+  expect_invalid(softplus_plan.decode(a), "A_log: required tensor is missing");
+  expect_invalid(softplus_plan.decode(with_f32(f.packed())), "g: expected dtype bf16 (the plan's gate is softplus");
+
+  PlanOptions log_decay;
+  log_decay.gate_mode = FKDA_GATE_LOG_DECAY;
+  log_decay.beta_mode = FKDA_BETA_PROBABILITIES;
+  const CpuPlan log_decay_plan(f.p.H, log_decay);
+  expect_invalid(log_decay_plan.decode(f.packed()), "A_log: must be absent");
+  a = with_f32(f.packed());
+  a.A_log = FKDA_TENSOR_NONE;
+  expect_invalid(log_decay_plan.decode(a), "dt_bias: must be absent");
+  a.dt_bias = FKDA_TENSOR_NONE;
+  FKDA_REQUIRE(log_decay_plan.decode(a));
+  CHECK(inspect_rows(f.out, f.p.H, {}).poisoned == 0);
 }
 
 TEST_CASE("debug checks report two sequences sharing a slot", "[validation][serving][debug]") {

@@ -21,15 +21,16 @@ namespace {
 constexpr int64_t kB = 2, kT = 20, kH = 2, kD = 128;
 
 // Host buffers for a valid CPU call with B = 2, T = 20, H = 2 and f32
-// states; varlen calls reuse them as one row of 40 tokens.
+// states, on a plan of the given gate and beta modes; varlen calls reuse them
+// as one row of 40 tokens. g and beta also in f32, for the calls that pass them so.
 struct Fixture {
   std::vector<uint16_t> q, k, v, g, beta, out;
-  std::vector<float> A_log, dt_bias, initial_state, final_state;
+  std::vector<float> A_log, dt_bias, initial_state, final_state, g_f32, beta_f32;
   std::vector<int64_t> cu_seqlens = {0, 10, 25, 40};
   std::vector<uint8_t> workspace;
   fkda_plan_t plan = nullptr;
 
-  Fixture() {
+  explicit Fixture(int32_t gate_mode = FKDA_GATE_BOUNDED, int32_t beta_mode = FKDA_BETA_LOGITS) {
     const size_t act = kB * kT * kH * kD;
     q.assign(act, fkda_ref::to_bf16(0.5f));
     k.assign(act, fkda_ref::to_bf16(-0.25f));
@@ -41,9 +42,13 @@ struct Fixture {
     dt_bias.assign(kH * kD, 0.1f);
     initial_state.assign(3 * kH * kD * kD, 0.01f);
     final_state.assign(3 * kH * kD * kD, -7.f);
+    g_f32.assign(act, -0.25f);
+    beta_f32.assign(kB * kT * kH, 0.4f);
     fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
     desc.num_heads = kH;
     desc.backend = FKDA_BACKEND_CPU;
+    desc.gate_mode = gate_mode;
+    desc.beta_mode = beta_mode;
     REQUIRE(fkda_plan_create(&desc, &plan) == FKDA_SUCCESS);
     size_t bytes = 0;
     REQUIRE(fkda_plan_workspace_size(plan, kB * kT, 3, &bytes) == FKDA_SUCCESS);
@@ -80,6 +85,18 @@ struct Fixture {
   }
 
   fkda_status run(const fkda_fwd_args& a) { return fkda_fwd(plan, &a, workspace.data(), workspace.size(), nullptr); }
+
+  fkda_tensor g_as_f32() { return fkda_ref::tensor(g_f32.data(), FKDA_DTYPE_F32, {kB, kT, kH, kD}); }
+  fkda_tensor beta_as_f32() { return fkda_ref::tensor(beta_f32.data(), FKDA_DTYPE_F32, {kB, kT, kH}); }
+
+  // A call that must fail with this message and write nothing.
+  void check_rejected(const fkda_fwd_args& a, const std::string& message_start) {
+    std::fill(out.begin(), out.end(), uint16_t(0xFFFF));
+    std::fill(final_state.begin(), final_state.end(), -7.f);
+    check_failure(run(a), FKDA_ERROR_INVALID_ARGUMENT, message_start);
+    CHECK(std::all_of(out.begin(), out.end(), [](uint16_t o) { return o == 0xFFFF; }));
+    CHECK(std::all_of(final_state.begin(), final_state.end(), [](float s) { return s == -7.f; }));
+  }
 };
 
 struct BadCall {
@@ -128,15 +145,17 @@ std::vector<BadCall> bad_fwd_calls() {
       {"v head dim 64", [](fkda_fwd_args& a, Fixture&) { a.v.shape[3] = 64; }, BAD, "v: expected shape"},
       {"v data NULL", [](fkda_fwd_args& a, Fixture&) { a.v.data = nullptr; }, BAD, "v: data is NULL"},
       {"g batch mismatch", [](fkda_fwd_args& a, Fixture&) { a.g.shape[0] = 1; }, BAD, "g: expected shape"},
+      {"g f32 with the bounded gate", [](fkda_fwd_args& a, Fixture& f) { a.g = f.g_as_f32(); }, BAD, "g: expected dtype bf16 (the plan's gate is bounded; f32 g is taken with the log-decay gate only), got f32"},
       {"beta rank 4", [](fkda_fwd_args& a, Fixture&) { a.beta.rank = 4; a.beta.shape[3] = 1; }, BAD, "beta: expected rank 3, got 4"},
-      {"beta f32", [](fkda_fwd_args& a, Fixture&) { a.beta.dtype = FKDA_DTYPE_F32; }, BAD, "beta: expected dtype bf16, got f32"},
+      {"beta f16", [](fkda_fwd_args& a, Fixture&) { a.beta.dtype = FKDA_DTYPE_F16; }, BAD, "beta: expected dtype bf16 or f32, got f16"},
       {"beta missing", [](fkda_fwd_args& a, Fixture&) { a.beta = FKDA_TENSOR_NONE; }, BAD, "beta: required tensor is missing"},
       {"A_log too long", [](fkda_fwd_args& a, Fixture&) { a.A_log.shape[0] = 3; }, BAD, "A_log: expected shape [2], got [3]"},
       {"A_log bf16", [](fkda_fwd_args& a, Fixture&) { a.A_log.dtype = FKDA_DTYPE_BF16; }, BAD, "A_log: expected dtype f32, got bf16"},
       {"A_log strided", [](fkda_fwd_args& a, Fixture&) { a.A_log.strides[0] = 2; }, BAD, "A_log: the last axis must be contiguous"},
       {"dt_bias rank 1", [](fkda_fwd_args& a, Fixture&) { a.dt_bias.rank = 1; a.dt_bias.shape[0] = kH * kD; }, BAD, "dt_bias: expected rank 2, got 1"},
       {"dt_bias padded rows", [](fkda_fwd_args& a, Fixture&) { set_strides(a.dt_bias, {256, 1}); }, BAD, "dt_bias: expected contiguous strides [128, 1], got [256, 1]"},
-      {"dt_bias missing", [](fkda_fwd_args& a, Fixture&) { a.dt_bias = FKDA_TENSOR_NONE; }, BAD, "dt_bias: required tensor is missing"},
+      {"dt_bias data NULL", [](fkda_fwd_args& a, Fixture&) { a.dt_bias.data = nullptr; }, BAD, "dt_bias: data is NULL"},
+      {"A_log data NULL", [](fkda_fwd_args& a, Fixture&) { a.A_log.data = nullptr; }, BAD, "A_log: data is NULL"},
       {"out f32", [](fkda_fwd_args& a, Fixture&) { a.out.dtype = FKDA_DTYPE_F32; }, BAD, "out: expected dtype bf16, got f32"},
       {"out shape", [](fkda_fwd_args& a, Fixture&) { a.out.shape[2] = 1; }, BAD, "out: expected shape"},
       {"out tokens overlap", [](fkda_fwd_args& a, Fixture&) { a.out.strides[1] = 0; }, BAD, "out: strides"},
@@ -382,6 +401,84 @@ TEST_CASE("bad plan descriptions", "[validation]") {
   expect([](fkda_plan_desc& d) { d.backend = 9; }, BAD, "desc.backend: expected FKDA_BACKEND_AUTO, _CPU or _GPU, got 9");
   expect([](fkda_plan_desc& d) { d.lower_bound = -6.f; }, BAD, "desc.lower_bound: -6");
   expect([](fkda_plan_desc& d) { d.lower_bound = kNaN; }, BAD, "desc.lower_bound: must be a finite number");
+  const std::string gate_modes = "desc.gate_mode: expected FKDA_GATE_BOUNDED (0), _SOFTPLUS (1) or _LOG_DECAY (2), got ";
+  expect([](fkda_plan_desc& d) { d.gate_mode = 3; }, BAD, gate_modes + "3");
+  expect([](fkda_plan_desc& d) { d.gate_mode = -1; }, BAD, gate_modes + "-1");
+  const std::string beta_modes = "desc.beta_mode: expected FKDA_BETA_LOGITS (0) or FKDA_BETA_PROBABILITIES (1), got ";
+  expect([](fkda_plan_desc& d) { d.beta_mode = 2; }, BAD, beta_modes + "2");
+  expect([](fkda_plan_desc& d) { d.beta_mode = int32_t(0x80000000u); }, BAD, beta_modes + "-2147483648");
+  // lower_bound belongs to the bounded gate: the others need its _INIT value.
+  expect([](fkda_plan_desc& d) { d.gate_mode = FKDA_GATE_SOFTPLUS; d.lower_bound = -4.f; }, BAD,
+         "desc.lower_bound: set to -4.000000, but the softplus gate has no floor");
+  expect([](fkda_plan_desc& d) { d.gate_mode = FKDA_GATE_LOG_DECAY; d.lower_bound = 0.f; }, BAD,
+         "desc.lower_bound: set to 0.000000, but the log-decay gate has no floor");
+  expect([](fkda_plan_desc& d) { d.gate_mode = FKDA_GATE_SOFTPLUS; d.lower_bound = kNaN; }, BAD, "desc.lower_bound: set to");
+}
+
+TEST_CASE("gate and beta modes: the inputs each plan takes, and the combinations it rejects by name", "[validation][gate]") {
+  SECTION("bounded: A_log and dt_bias optional, g bf16 only") {
+    Fixture f;
+    fkda_fwd_args a = f.batched();
+    a.A_log = FKDA_TENSOR_NONE;
+    FKDA_REQUIRE(f.run(a));
+    a.dt_bias = FKDA_TENSOR_NONE;
+    FKDA_REQUIRE(f.run(a));
+    a.beta = f.beta_as_f32();
+    FKDA_REQUIRE(f.run(a));
+    a.g = f.g_as_f32();
+    f.check_rejected(a, "g: expected dtype bf16 (the plan's gate is bounded; f32 g is taken with the log-decay gate only), got f32");
+  }
+  SECTION("softplus: A_log required, dt_bias optional, g bf16 only") {
+    Fixture f(FKDA_GATE_SOFTPLUS);
+    fkda_fwd_args a = f.batched();
+    FKDA_REQUIRE(f.run(a));
+    a.dt_bias = FKDA_TENSOR_NONE;
+    FKDA_REQUIRE(f.run(a));
+    a.A_log = FKDA_TENSOR_NONE;
+    f.check_rejected(a, "A_log: required tensor is missing (data NULL, rank 0): the plan's gate is softplus");
+    a = f.batched();
+    a.g = f.g_as_f32();
+    f.check_rejected(a, "g: expected dtype bf16 (the plan's gate is softplus; f32 g is taken with the log-decay gate only), got f32");
+    a = f.batched();
+    a.A_log.dtype = FKDA_DTYPE_BF16;
+    f.check_rejected(a, "A_log: expected dtype f32, got bf16");
+  }
+  SECTION("log-decay: g bf16 or f32, A_log and dt_bias absent") {
+    Fixture f(FKDA_GATE_LOG_DECAY);
+    fkda_fwd_args a = f.batched();
+    a.A_log = a.dt_bias = FKDA_TENSOR_NONE;
+    FKDA_REQUIRE(f.run(a));
+    a.g = f.g_as_f32();
+    FKDA_REQUIRE(f.run(a));
+    a.g.dtype = FKDA_DTYPE_F16;
+    f.check_rejected(a, "g: expected dtype bf16 or f32, got f16");
+    a = f.batched();
+    a.dt_bias = FKDA_TENSOR_NONE;
+    f.check_rejected(a, "A_log: must be absent: the plan's gate is log-decay, g is the log-decay itself");
+    a = f.batched();
+    a.A_log = FKDA_TENSOR_NONE;
+    f.check_rejected(a, "dt_bias: must be absent: the plan's gate is log-decay, g is the log-decay itself");
+  }
+  SECTION("probabilities: beta bf16 or f32") {
+    Fixture f(FKDA_GATE_BOUNDED, FKDA_BETA_PROBABILITIES);
+    fkda_fwd_args a = f.batched();
+    FKDA_REQUIRE(f.run(a));
+    a.beta = f.beta_as_f32();
+    FKDA_REQUIRE(f.run(a));
+    a.beta.dtype = FKDA_DTYPE_I32;
+    f.check_rejected(a, "beta: expected dtype bf16 or f32, got i32");
+  }
+  SECTION("the gate floor calls refuse plans without a floor") {
+    for (int32_t gate_mode : {FKDA_GATE_SOFTPLUS, FKDA_GATE_LOG_DECAY}) {
+      Fixture f(gate_mode);
+      float lower = 1.f;
+      const std::string why = "plan: lower_bound belongs to the bounded gate; this plan's gate is ";
+      const std::string name = gate_mode == FKDA_GATE_SOFTPLUS ? "softplus" : "log-decay";
+      check_failure(fkda_set_lower_bound(f.plan, -1.f), FKDA_ERROR_INVALID_ARGUMENT, why + name + ", which has no floor");
+      check_failure(fkda_get_lower_bound(f.plan, &lower), FKDA_ERROR_INVALID_ARGUMENT, why + name);
+      CHECK(lower == 1.f);
+    }
+  }
 }
 
 TEST_CASE("bad device queries", "[validation]") {
