@@ -358,9 +358,11 @@ struct AccuracyCells {
 
 AccuracyCells accuracy_cells(const AccuracyTarget& target, const AccuracyTarget& flashkda,
                              const AccuracyTarget& fla) {
-  return {format("%.1e", target.out), format("%.1e", target.final_state),
-          format("%.1e / %.1e", flashkda.out, flashkda.final_state),
-          format("%.1e / %.1e", fla.out, fla.final_state)};
+  // A peer without figures (FlashKDA has no softplus gate) shows "-".
+  const auto pair = [](const AccuracyTarget& t) {
+    return std::isnan(t.out) ? std::string("-") : format("%.1e / %.1e", t.out, t.final_state);
+  };
+  return {format("%.1e", target.out), format("%.1e", target.final_state), pair(flashkda), pair(fla)};
 }
 
 void print_case_list(const Options& options) {

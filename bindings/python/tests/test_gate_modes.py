@@ -111,7 +111,11 @@ def test_bounded_equals_log_decay_given_the_same_log_decays(rng):
                                 bounded.lower_bound, "bounded").astype(np.float32)
     log_decay = rerun_as(bounded, g=log_decays, A_log=None, dt_bias=None, lower_bound=None,
                          gate_mode="log_decay")
-    assert_close(log_decay, bounded, EQUIVALENT_TOLERANCE)
+    # The two gates take different chunk products (bf16 operands with the
+    # floor, f16 level factors without: docs/NUMERICS.md), so each is held to
+    # the recurrence (assert_accurate) and they to each other within its bound.
+    assert_accurate(log_decay)
+    assert_close(log_decay, bounded, 6e-3)
 
 
 def test_probabilities_equal_logits_given_their_sigmoid(rng):
