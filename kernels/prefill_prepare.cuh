@@ -27,10 +27,11 @@
 // the 16x16 products on the tensor cores: warp 3 B and Mqk, warp 2 A and the
 // inverse, whose products run on the tensor cores too (3xTF32, below).
 //
-// With an unbounded gate (SOFTPLUS, LOG_DECAY; docs/NUMERICS.md, "Unbounded
-// gates") the key factor 2^-c has no bound, so 2^c, Kr's factors and the
-// decay are running products of the per-token decays d = 2^a2 (each <= 1),
-// and A and B come from the four levels' tiles below, one level per warp.
+// With an unbounded gate (SOFTPLUS, LOG_DECAY; docs/NUMERICS.md, "Any
+// decay") the key factor 2^-c has no bound: A and B come instead from four
+// levels of pair factors built from the per-token decays d = 2^a2 (each
+// <= 1), one level per warp. The running sums c stay finite through the
+// per-token floor, so 2^c, 2^(c_last - c) and the decay are as above.
 #pragma once
 
 #include <type_traits>
@@ -363,10 +364,8 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
       if ((lane & 3) == 0) norm_parts[kAnyDecay ? 2 : 0][half][warp & 1][(lane >> 2) & 7] = qk_part;
     }
   }
-  // Bounded: a2, then its running sum c. Any decay: the running products
-  // of the decays, 2^c, formed as products so that every factor is <= 1.
-  float c[8][2];
-  float d[8][2];  // any decay: the per-token decays 2^a2 (1 past the chunk's end)
+  float c[8][2];  // a2, then its running sum
+  float d[8][2];  // any decay: the per-token decays 2^a2
   {
     const float rate = gate_rate(p.A_log, head, false);
     float2 dt = make_float2(0.f, 0.f);
@@ -374,8 +373,10 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
       if constexpr (kAnyDecay) {
-        d[r][0] = r < rows ? exp2_fast(unbounded_log2_decay_fast(p.gate.mode, g_of(r, 0) + dt.x, rate)) : 1.f;
-        d[r][1] = r < rows ? exp2_fast(unbounded_log2_decay_fast(p.gate.mode, g_of(r, 1) + dt.y, rate)) : 1.f;
+        c[r][0] = r < rows ? unbounded_log2_decay_fast(p.gate.mode, g_of(r, 0) + dt.x, rate) : 0.f;
+        c[r][1] = r < rows ? unbounded_log2_decay_fast(p.gate.mode, g_of(r, 1) + dt.y, rate) : 0.f;
+        d[r][0] = exp2_fast(c[r][0]);
+        d[r][1] = exp2_fast(c[r][1]);
       } else {
         c[r][0] = p.gate_scale * sigmoid_fast(rate * (g_of(r, 0) + dt.x));
         c[r][1] = p.gate_scale * sigmoid_fast(rate * (g_of(r, 1) + dt.y));
@@ -388,19 +389,7 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
       }
     }
   }
-  if constexpr (kAnyDecay) {
-    // Each half's running product; half 0 hands its total (2^c after token
-    // 7) to half 1 and half 1 its own (the decay over tokens 8-15, the tail
-    // of half 0's Kr) to half 0.
-    c[0][0] = d[0][0];
-    c[0][1] = d[0][1];
-#pragma unroll
-    for (int r = 1; r < 8; ++r) {
-      c[r][0] = c[r - 1][0] * d[r][0];
-      c[r][1] = c[r - 1][1] * d[r][1];
-    }
-    (half == 0 ? carry : last_sum)[pair] = make_float2(c[7][0], c[7][1]);
-  } else if (half == 0) {
+  if (half == 0) {
 #pragma unroll
     for (int r = 1; r < 8; ++r) {
       c[r][0] += c[r - 1][0];
@@ -411,15 +400,7 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
   __syncthreads();
 
   float2 c_last = make_float2(0.f, 0.f);
-  if (kAnyDecay && half == 1) {
-    const float2 before = carry[pair];
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      c[r][0] *= before.x;
-      c[r][1] *= before.y;
-    }
-    reinterpret_cast<float2*>(record + FKDA_WS_DECAY_OFFSET)[pair] = make_float2(c[7][0], c[7][1]);
-  } else if (!kAnyDecay && half == 1) {
+  if (half == 1) {
     const float2 before = carry[pair];
     c[0][0] += before.x;
     c[0][1] += before.y;
@@ -457,7 +438,7 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
     for (int e = 0; e < 2; ++e) {
       kn[r][e] = (e ? bf16_hi(kv[r]) : bf16_lo(kv[r])) * rk;
       const float qn = (e ? bf16_hi(qv[r]) : bf16_lo(qv[r])) * rq;
-      const float up = kAnyDecay ? c[r][e] : exp2_fast(c[r][e]);
+      const float up = exp2_fast(c[r][e]);
       kd[e] = kn[r][e] * up;
       qd[e] = qn * p.scale * up;
       if constexpr (!kAnyDecay) ki[e] = kn[r][e] * exp2_fast(-c[r][e]);
@@ -479,22 +460,9 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
     }
   };
   const int g = lane >> 2, t = lane & 3;
-  if constexpr (kAnyDecay) {
-    // Kr = f16(kn * the product of the decays after the token): downward
-    // from the half's end, starting from the decay over the tokens after it.
-    float2 after = half == 0 ? last_sum[pair] : make_float2(1.f, 1.f);
-#pragma unroll
-    for (int r = 7; r >= 0; --r) {
-      const uint32_t kr = pack_f16x2(kn[r][0] * after.x, kn[r][1] * after.y);
-      *reinterpret_cast<uint32_t*>(record + FKDA_WS_KR_OFFSET + wide_at(r)) = kr;
-      after.x *= d[r][0];
-      after.y *= d[r][1];
-    }
-  } else {
-    if (half == 1) write_kr(c_last);
-    __syncthreads();
-    if (half == 0) write_kr(last_sum[pair]);
-  }
+  if (half == 1) write_kr(c_last);
+  __syncthreads();
+  if (half == 0) write_kr(last_sum[pair]);
   if constexpr (kAnyDecay) {
     // Level tiles (rows [24 l, 24 l + 24) for level l): rows 0-7 hold
     // f16(kn rho) and rows 8-15 f16(qn rho) of the level's right tokens,
@@ -533,6 +501,7 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
     write_level(std::integral_constant<int, 1>());
     write_level(std::integral_constant<int, 2>());
     write_level(std::integral_constant<int, 3>());
+    // After Kr, so that the running sums are no longer live beside the factors.
     __syncthreads();
   }
 
