@@ -51,9 +51,7 @@ struct ChunkScratch {
   float beta[kChunk] = {};
 
   // Step 1 and 2.
-  // [kChunk][K]: c (bounded), or 2^c as the running product of the
-  // decays (any decay)
-  float* gate_cumsum;
+  float* gate_cumsum;  // c, [kChunk][K]
   float* decay;        // 2^c_last, [K]
   float rq[kChunk] = {}, rk[kChunk] = {}, b[kChunk] = {};
 
@@ -345,31 +343,26 @@ void load_chunk(const PrefillProblem& p, const HeadTask& task, int64_t first_tok
   }
 }
 
-// Step 1: the gate in base 2 and its running sum over the chunk's tokens.
-// The any-decay gates keep each token's decay 2^a2 and, instead of the sum,
-// the running product of the decays (2^c, never above 1).
+// Step 1: the gate in base 2 and its running sum over the chunk's tokens;
+// the any-decay gates keep each token's decay 2^a2 as well.
 void gate_cumsum(const PrefillProblem& p, const HeadTask& task, ChunkScratch& s) {
   const int K = s.K;
   const HeadGate gate = head_gate(p, task.head);
   const bool any_decay = gate.mode != FKDA_GATE_BOUNDED;
   for (int c = 0; c < K; ++c) {
-    float running = any_decay ? 1.f : 0.f;
+    float running = 0.f;
     for (int i = 0; i < s.len; ++i) {
       const size_t at = size_t(i) * K + c;
       const float a2 = log2_decay(gate, s.g[at], c, Softplus::kBase2);
-      if (any_decay) {
-        s.token_decay[at] = std::exp2(a2);
-        running *= s.token_decay[at];
-      } else {
-        running += a2;
-      }
+      if (any_decay) s.token_decay[at] = std::exp2(a2);
+      running += a2;
       s.gate_cumsum[at] = running;
     }
     for (int i = s.len; i < kChunk; ++i) {
       s.gate_cumsum[size_t(i) * K + c] = 0.f;
       if (any_decay) s.token_decay[size_t(i) * K + c] = 1.f;
     }
-    s.decay[c] = any_decay ? running : std::exp2(running);
+    s.decay[c] = std::exp2(running);
   }
 }
 
@@ -393,9 +386,8 @@ void norms_and_beta(int32_t beta_mode, ChunkScratch& s) {
 }
 
 // Step 3, the recurrence's operands: all at most 1 (or |scale|) in magnitude,
-// in f16 for its finer mantissa. 2^c only shrinks, whatever the gate. The
-// any-decay gates form 2^c and Kr's factors as products of the decays.
-void recurrence_operands(float scale, bool any_decay, ChunkScratch& s) {
+// in f16 for its finer mantissa. 2^c only shrinks, whatever the gate.
+void recurrence_operands(float scale, ChunkScratch& s) {
   const int K = s.K;
   for (int i = 0; i < kChunk; ++i) {
     for (int c = 0; c < K; ++c) {
@@ -410,20 +402,9 @@ void recurrence_operands(float scale, bool any_decay, ChunkScratch& s) {
       const float cumsum_last = s.gate_cumsum[size_t(s.len - 1) * K + c];
       const float k_unit = s.k[at] * s.rk[i];
       const float q_scaled = s.q[at] * s.rq[i] * scale;
-      const float up = any_decay ? cumsum : std::exp2(cumsum);
-      s.kd_f16_kmajor[at_kmajor] = round_to_f16_satfinite(k_unit * up);
-      s.qd_f16_kmajor[at_kmajor] = round_to_f16_satfinite(q_scaled * up);
-      if (!any_decay) s.kr_f16[at] = round_to_f16_satfinite(k_unit * std::exp2(cumsum_last - cumsum));
-    }
-  }
-  if (!any_decay) return;
-  // Kr: the decays after each token, multiplied downward from the chunk's end.
-  for (int c = 0; c < K; ++c) {
-    float after = 1.f;
-    for (int i = s.len - 1; i >= 0; --i) {
-      const size_t at = size_t(i) * K + c;
-      s.kr_f16[at] = round_to_f16_satfinite(s.k[at] * s.rk[i] * after);
-      after *= s.token_decay[at];
+      s.kd_f16_kmajor[at_kmajor] = round_to_f16_satfinite(k_unit * std::exp2(cumsum));
+      s.qd_f16_kmajor[at_kmajor] = round_to_f16_satfinite(q_scaled * std::exp2(cumsum));
+      s.kr_f16[at] = round_to_f16_satfinite(k_unit * std::exp2(cumsum_last - cumsum));
     }
   }
 }
@@ -657,7 +638,7 @@ void run_head(const PrefillProblem& p, const HeadTask& task, ChunkScratch& s) {
     load_chunk(p, task, first, s);
     gate_cumsum(p, task, s);
     norms_and_beta(p.gate.beta_mode, s);
-    recurrence_operands(p.scale, p.gate.gate_mode != FKDA_GATE_BOUNDED, s);
+    recurrence_operands(p.scale, s);
     if (p.gate.gate_mode == FKDA_GATE_BOUNDED) {
       bounded_product_operands(p.scale, s);
       intra_chunk_products(s);
