@@ -209,14 +209,13 @@ namespace fkda_dev {
 // ------------------------------------------ the any-decay chunk products ---
 // With an unbounded gate the bounded path's key factor 2^(-c) overflows, so
 // A and B are formed from factors that never exceed 1 (docs/NUMERICS.md,
-// "Unbounded gates"): the pair (i, j), j < i, splits at level
+// "Any decay"): the pair (i, j), j < i, splits at level
 // l = floor(log2(i ^ j)), where j is in the left and i in the right half
 // of one block of 2^(l + 1) tokens whose left half ends at token m; then
 // 2^(c_i - c_j) = rho_l[i] * lambda_l[j] with rho_l[i] = d[m+1] ... d[i] and
 // lambda_l[j] = d[j+1] ... d[m], products of per-token decays d <= 1.
 constexpr int kLevels = 4;
 
-__device__ __forceinline__ int split_level(int i, int j) { return 31 - __clz(i ^ j); }
 
 // Per thread: the level factors of its 8 tokens (first = 8 half) for one
 // channel, from the per-token decays d. Levels 0-2 are blocks inside a
@@ -373,6 +372,7 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
       if constexpr (kAnyDecay) {
+        // dt is 0 with LOG_DECAY (validation rejects dt_bias there), so x = g.
         c[r][0] = r < rows ? unbounded_log2_decay_fast(p.gate.mode, g_of(r, 0) + dt.x, rate) : 0.f;
         c[r][1] = r < rows ? unbounded_log2_decay_fast(p.gate.mode, g_of(r, 1) + dt.y, rate) : 0.f;
         d[r][0] = exp2_fast(c[r][0]);
@@ -640,7 +640,7 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
 }
 
 // Bounded-gate kernels are compiled for 8 resident blocks per multiprocessor
-// (7 on sm_80, above); the any-decay ones hold the level tiles (35 KB of
+// (7 on sm_80, above); the any-decay ones hold the level tiles (31 KB of
 // shared memory) and more registers, and are compiled for 5.
 extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_BLOCKS_COMPILED)
     fkda_prefill_prepare_chunks(const FkdaPrefillParams p) {
