@@ -68,10 +68,14 @@ __device__ __forceinline__ float gate_rate(const float* A_log, int head, bool ac
 // The base-2 log-decay of an unbounded gate for x = g + dt_bias (SOFTPLUS)
 // or g (LOG_DECAY). softplus(x) = max(x, 0) + log(1 + exp(-|x|)), taken as
 // x above 20; the hardware's exp2 and log2 approximations err by about
-// 2^-22 absolute in the log-decay, a relative 2^-22 in the decay.
-__device__ __forceinline__ float unbounded_log2_decay_fast(int32_t mode, float x, float rate) {
+// 2^-22 absolute in the log-decay, a relative 2^-22 in the decay. The mode
+// is a template argument: a run-time test per element costs the prefill's
+// preparation a branch per element.
+template <int32_t kMode>
+__device__ __forceinline__ float unbounded_log2_decay_fast(float x, float rate) {
+  static_assert(kMode == FKDA_KERNEL_GATE_SOFTPLUS || kMode == FKDA_KERNEL_GATE_LOG_DECAY, "an unbounded gate");
   float a2;
-  if (mode == FKDA_KERNEL_GATE_SOFTPLUS) {
+  if constexpr (kMode == FKDA_KERNEL_GATE_SOFTPLUS) {
     const float softplus = x > 20.f ? x : fmaxf(x, 0.f) + kLn2 * log2_fast(1.f + exp2_fast(-fabsf(x) * kLog2e));
     a2 = -rate * softplus * kLog2e;
   } else {

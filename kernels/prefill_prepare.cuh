@@ -31,7 +31,9 @@
 // decay") the key factor 2^-c has no bound: A and B come instead from four
 // levels of pair factors built from the per-token decays d = 2^a2 (each
 // <= 1), one level per warp. The running sums c stay finite through the
-// per-token floor, so 2^c, 2^(c_last - c) and the decay are as above.
+// per-token floor; 2^c and 2^(c_last - c) are running products of the d
+// from one exp2 per half of the chunk (docs/NUMERICS.md), which spares the
+// multi-function unit two thirds of its exp2s there.
 #pragma once
 
 #include <type_traits>
@@ -194,15 +196,19 @@ __device__ __forceinline__ WarpTile negated_unit_lower_inverse(const WarpTile& L
 
 }  // namespace fkda_dev
 
-// The resident blocks per multiprocessor the kernel is compiled for: 8 (64
-// registers a thread) from sm_90 on; sm_80's code generation spills at 64
-// registers, so 7 (72) there.
+// The resident blocks per multiprocessor the kernels are compiled for. The
+// bounded gate's: 8 (64 registers a thread) from sm_90 on; sm_80's code
+// generation spills at 64 registers, so 7 (72) there. The unbounded gates'
+// (31 KB of shared memory a block): 6 (80 registers, a few bytes spilled,
+// faster on the H200 than 5 without spills) from sm_90 on; sm_80's 164 KB
+// of shared memory hold only 5, so 96 registers there.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define FKDA_PREPARE_BLOCKS_COMPILED 7
+#define FKDA_PREPARE_ANY_DECAY_BLOCKS 5
 #else
 #define FKDA_PREPARE_BLOCKS_COMPILED FKDA_PREPARE_MIN_BLOCKS
+#define FKDA_PREPARE_ANY_DECAY_BLOCKS 6
 #endif
-#define FKDA_PREPARE_ANY_DECAY_BLOCKS 5
 
 namespace fkda_dev {
 
@@ -254,12 +260,15 @@ __device__ __forceinline__ bool is_right(int r, int half) {
 
 }  // namespace fkda_dev
 
-// The preparation kernel's body. kAnyDecay: an unbounded gate (SOFTPLUS or
-// LOG_DECAY) and the chunk products of the levels above; else the bounded
-// gate and the 2^(+-c) factors. kGF32: g is f32 (LOG_DECAY), else bf16.
-template <bool kAnyDecay, bool kGF32>
+// The preparation kernel's body for the gate form kGate (FKDA_KERNEL_GATE_*):
+// an unbounded gate (SOFTPLUS or LOG_DECAY) takes the chunk products of the
+// levels above, the bounded gate the 2^(+-c) factors. kGF32: g is f32
+// (LOG_DECAY only), else bf16.
+template <int32_t kGate, bool kGF32>
 __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
   using namespace fkda_dev;
+  constexpr bool kAnyDecay = kGate != FKDA_KERNEL_GATE_BOUNDED;
+  static_assert(!kGF32 || kGate == FKDA_KERNEL_GATE_LOG_DECAY, "g is f32 only under LOG_DECAY");
   // Rows of 128 16-bit values. Bounded: Kd_b, Ki_b, Qd_b (bf16), 16 rows
   // each. Any decay: the level tiles (f16), 24 rows a level.
   constexpr int kTileRows = kAnyDecay ? 24 * kLevels : 3 * FKDA_CHUNK;
@@ -373,19 +382,26 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
     for (int r = 0; r < 8; ++r) {
       if constexpr (kAnyDecay) {
         // dt is 0 with LOG_DECAY (validation rejects dt_bias there), so x = g.
-        c[r][0] = r < rows ? unbounded_log2_decay_fast(p.gate.mode, g_of(r, 0) + dt.x, rate) : 0.f;
-        c[r][1] = r < rows ? unbounded_log2_decay_fast(p.gate.mode, g_of(r, 1) + dt.y, rate) : 0.f;
-        d[r][0] = exp2_fast(c[r][0]);
-        d[r][1] = exp2_fast(c[r][1]);
+        c[r][0] = unbounded_log2_decay_fast<kGate>(g_of(r, 0) + dt.x, rate);
+        c[r][1] = unbounded_log2_decay_fast<kGate>(g_of(r, 1) + dt.y, rate);
       } else {
         c[r][0] = p.gate_scale * sigmoid_fast(rate * (g_of(r, 0) + dt.x));
         c[r][1] = p.gate_scale * sigmoid_fast(rate * (g_of(r, 1) + dt.y));
       }
     }
-    if (!kAnyDecay && rows < 8) {  // only in a sequence's last chunk
+    // Tokens past the chunk's end (g read as 0) decay nothing. Zeroed apart,
+    // in a sequence's last chunk only, rather than tested per element.
+    if (rows < 8) {
 #pragma unroll
       for (int r = 0; r < 8; ++r) {
         if (r >= rows) c[r][0] = c[r][1] = 0.f;
+      }
+    }
+    if constexpr (kAnyDecay) {
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        d[r][0] = exp2_fast(c[r][0]);
+        d[r][1] = exp2_fast(c[r][1]);
       }
     }
   }
@@ -428,6 +444,9 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
   // (pair / 4) ^ r (prefill_params.h), at the same offset in Kd, Qd and Kr.
   auto wide_at = [&](int r) { return wide_tile_offset(first + r, 2 * pair); };
   float kn[8][2];
+  // Unbounded gates: 2^c as a running product of the per-token decays (each
+  // <= 1), one exp2 per half instead of one per element.
+  float up_run[2];
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
     const int i = first + r;
@@ -438,7 +457,13 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
     for (int e = 0; e < 2; ++e) {
       kn[r][e] = (e ? bf16_hi(kv[r]) : bf16_lo(kv[r])) * rk;
       const float qn = (e ? bf16_hi(qv[r]) : bf16_lo(qv[r])) * rq;
-      const float up = exp2_fast(c[r][e]);
+      float up;
+      if constexpr (kAnyDecay) {
+        up_run[e] = r == 0 ? exp2_fast(c[0][e]) : up_run[e] * d[r][e];
+        up = up_run[e];
+      } else {
+        up = exp2_fast(c[r][e]);
+      }
       kd[e] = kn[r][e] * up;
       qd[e] = qn * p.scale * up;
       if constexpr (!kAnyDecay) ki[e] = kn[r][e] * exp2_fast(-c[r][e]);
@@ -453,10 +478,24 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
     }
   }
   auto write_kr = [&](float2 last) {
+    if constexpr (kAnyDecay) {
+      // 2^(c_last - c) downward from the half's last token, as a running
+      // product of the decays after each token.
+      float2 after = make_float2(exp2_fast(last.x - c[7][0]), exp2_fast(last.y - c[7][1]));
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      const uint32_t kr = pack_f16x2(kn[r][0] * exp2_fast(last.x - c[r][0]), kn[r][1] * exp2_fast(last.y - c[r][1]));
-      *reinterpret_cast<uint32_t*>(record + FKDA_WS_KR_OFFSET + wide_at(r)) = kr;
+      for (int r = 7; r >= 0; --r) {
+        const uint32_t kr = pack_f16x2(kn[r][0] * after.x, kn[r][1] * after.y);
+        *reinterpret_cast<uint32_t*>(record + FKDA_WS_KR_OFFSET + wide_at(r)) = kr;
+        after.x *= d[r][0];
+        after.y *= d[r][1];
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const uint32_t kr =
+            pack_f16x2(kn[r][0] * exp2_fast(last.x - c[r][0]), kn[r][1] * exp2_fast(last.y - c[r][1]));
+        *reinterpret_cast<uint32_t*>(record + FKDA_WS_KR_OFFSET + wide_at(r)) = kr;
+      }
     }
   };
   const int g = lane >> 2, t = lane & 3;
@@ -639,20 +678,24 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
   }
 }
 
-// Bounded-gate kernels are compiled for 8 resident blocks per multiprocessor
-// (7 on sm_80, above); the any-decay ones hold the level tiles (31 KB of
-// shared memory) and more registers, and are compiled for 5.
+// One kernel per gate form and g dtype (LOG_DECAY takes g in bf16 or f32,
+// the others bf16), each compiled for its resident blocks (above).
 extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_BLOCKS_COMPILED)
     fkda_prefill_prepare_chunks(const FkdaPrefillParams p) {
-  prepare_chunks<false, false>(p);
+  prepare_chunks<FKDA_KERNEL_GATE_BOUNDED, false>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_ANY_DECAY_BLOCKS)
-    fkda_prefill_prepare_chunks_any_decay(const FkdaPrefillParams p) {
-  prepare_chunks<true, false>(p);
+    fkda_prefill_prepare_chunks_softplus(const FkdaPrefillParams p) {
+  prepare_chunks<FKDA_KERNEL_GATE_SOFTPLUS, false>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_ANY_DECAY_BLOCKS)
-    fkda_prefill_prepare_chunks_any_decay_f32_gate(const FkdaPrefillParams p) {
-  prepare_chunks<true, true>(p);
+    fkda_prefill_prepare_chunks_log_decay(const FkdaPrefillParams p) {
+  prepare_chunks<FKDA_KERNEL_GATE_LOG_DECAY, false>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_ANY_DECAY_BLOCKS)
+    fkda_prefill_prepare_chunks_log_decay_f32_gate(const FkdaPrefillParams p) {
+  prepare_chunks<FKDA_KERNEL_GATE_LOG_DECAY, true>(p);
 }

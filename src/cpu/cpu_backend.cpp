@@ -386,11 +386,27 @@ void norms_and_beta(int32_t beta_mode, ChunkScratch& s) {
 }
 
 // Step 3, the recurrence's operands: all at most 1 (or |scale|) in magnitude,
-// in f16 for its finer mantissa. 2^c only shrinks, whatever the gate.
-void recurrence_operands(float scale, ChunkScratch& s) {
+// in f16 for its finer mantissa. 2^c only shrinks, whatever the gate. The
+// bounded gate takes 2^c and 2^(c_last - c) as exp2 of the sums; the
+// unbounded ones as the GPU forms them, exp2 at one token of each half of
+// the chunk and running products of the token decays from there (rows past
+// the chunk's end continue the sum with a2 = 0, d = 1).
+void recurrence_operands(float scale, bool running_products, ChunkScratch& s) {
   const int K = s.K;
-  for (int i = 0; i < kChunk; ++i) {
-    for (int c = 0; c < K; ++c) {
+  constexpr int kHalf = kChunk / 2;
+  for (int c = 0; c < K; ++c) {
+    const float cumsum_last = s.gate_cumsum[size_t(s.len - 1) * K + c];
+    auto cumsum = [&](int i) { return i < s.len ? s.gate_cumsum[size_t(i) * K + c] : cumsum_last; };
+    auto token_decay = [&](int i) { return s.token_decay[size_t(i) * K + c]; };
+    float up[kChunk], after[kChunk];
+    for (int i = 0; i < kChunk; ++i) {
+      up[i] = running_products && i % kHalf != 0 ? up[i - 1] * token_decay(i) : std::exp2(cumsum(i));
+    }
+    for (int i = kChunk - 1; i >= 0; --i) {
+      after[i] = running_products && i % kHalf != kHalf - 1 ? after[i + 1] * token_decay(i + 1)
+                                                            : std::exp2(cumsum_last - cumsum(i));
+    }
+    for (int i = 0; i < kChunk; ++i) {
       const size_t at = size_t(i) * K + c;
       const size_t at_kmajor = size_t(c) * kChunk + i;
       if (i >= s.len) {
@@ -398,13 +414,11 @@ void recurrence_operands(float scale, ChunkScratch& s) {
         s.kd_f16_kmajor[at_kmajor] = s.qd_f16_kmajor[at_kmajor] = 0.f;
         continue;
       }
-      const float cumsum = s.gate_cumsum[at];
-      const float cumsum_last = s.gate_cumsum[size_t(s.len - 1) * K + c];
       const float k_unit = s.k[at] * s.rk[i];
       const float q_scaled = s.q[at] * s.rq[i] * scale;
-      s.kd_f16_kmajor[at_kmajor] = round_to_f16_satfinite(k_unit * std::exp2(cumsum));
-      s.qd_f16_kmajor[at_kmajor] = round_to_f16_satfinite(q_scaled * std::exp2(cumsum));
-      s.kr_f16[at] = round_to_f16_satfinite(k_unit * std::exp2(cumsum_last - cumsum));
+      s.kd_f16_kmajor[at_kmajor] = round_to_f16_satfinite(k_unit * up[i]);
+      s.qd_f16_kmajor[at_kmajor] = round_to_f16_satfinite(q_scaled * up[i]);
+      s.kr_f16[at] = round_to_f16_satfinite(k_unit * after[i]);
     }
   }
 }
@@ -638,7 +652,7 @@ void run_head(const PrefillProblem& p, const HeadTask& task, ChunkScratch& s) {
     load_chunk(p, task, first, s);
     gate_cumsum(p, task, s);
     norms_and_beta(p.gate.beta_mode, s);
-    recurrence_operands(p.scale, s);
+    recurrence_operands(p.scale, p.gate.gate_mode != FKDA_GATE_BOUNDED, s);
     if (p.gate.gate_mode == FKDA_GATE_BOUNDED) {
       bounded_product_operands(p.scale, s);
       intra_chunk_products(s);

@@ -165,9 +165,9 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t /*workspa
   params.checkpoint_is_bf16 = problem.checkpoint_dtype == FKDA_DTYPE_BF16;
 
   const unsigned heads = unsigned(problem.num_heads);
-  const NamedKernel& prepare = problem.gate.gate_mode == FKDA_GATE_BOUNDED
-                                   ? context.kernels.prepare
-                                   : context.kernels.prepare_any_decay[problem.gate.g_is_f32 ? 1 : 0];
+  const NamedKernel& prepare = problem.gate.gate_mode == FKDA_GATE_BOUNDED    ? context.kernels.prepare
+                               : problem.gate.gate_mode == FKDA_GATE_SOFTPLUS ? context.kernels.prepare_softplus
+                                                                              : context.kernels.prepare_log_decay[problem.gate.g_is_f32 ? 1 : 0];
   const NamedKernel& recurrence = context.kernels.recurrence[vsplit_index(params.vsplit)];
   // The carries follow the window's records (a multiple of 16 bytes).
   float* carry = reinterpret_cast<float*>(params.workspace + windows.slots * int64_t(problem.num_heads) *

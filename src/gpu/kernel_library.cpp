@@ -43,8 +43,9 @@ Kernels load_kernels(const cuda::Driver& d) {
     }
   };
   get(&kernels.prepare, "fkda_prefill_prepare_chunks");
-  get(&kernels.prepare_any_decay[0], "fkda_prefill_prepare_chunks_any_decay");
-  get(&kernels.prepare_any_decay[1], "fkda_prefill_prepare_chunks_any_decay_f32_gate");
+  get(&kernels.prepare_softplus, "fkda_prefill_prepare_chunks_softplus");
+  get(&kernels.prepare_log_decay[0], "fkda_prefill_prepare_chunks_log_decay");
+  get(&kernels.prepare_log_decay[1], "fkda_prefill_prepare_chunks_log_decay_f32_gate");
   const char* recurrence[kVsplitCount] = {"fkda_prefill_chunk_recurrence_v1", "fkda_prefill_chunk_recurrence_v2",
                                           "fkda_prefill_chunk_recurrence_v4", "fkda_prefill_chunk_recurrence_v8"};
   for (int i = 0; i < kVsplitCount; ++i) get(&kernels.recurrence[i], recurrence[i]);

@@ -33,7 +33,8 @@ struct NamedKernel {
 
 struct Kernels {
   NamedKernel prepare;                // bounded gate
-  NamedKernel prepare_any_decay[2];   // unbounded gates: g bf16, g f32
+  NamedKernel prepare_softplus;       // SOFTPLUS gate (g bf16)
+  NamedKernel prepare_log_decay[2];   // LOG_DECAY gate: g bf16, g f32
   NamedKernel recurrence[kVsplitCount];
   NamedKernel decode[kDecodeKernelCount];
 };
