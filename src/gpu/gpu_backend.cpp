@@ -102,6 +102,19 @@ int choose_vsplit(int64_t seqs_times_heads, const DeviceFacts& facts) {
   return vsplit;
 }
 
+// The preparation kernel of the gate form: one per form, and per g dtype
+// under LOG_DECAY.
+const NamedKernel& prepare_kernel(const Kernels& kernels, const GateForm& gate) {
+  switch (gate.gate_mode) {
+    case FKDA_GATE_SOFTPLUS:
+      return kernels.prepare_softplus;
+    case FKDA_GATE_LOG_DECAY:
+      return kernels.prepare_log_decay[gate.g_is_f32 ? 1 : 0];
+    default:
+      return kernels.prepare;
+  }
+}
+
 }  // namespace
 
 // The workspace: one window's records, then a carry matrix per head for
@@ -165,10 +178,11 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t /*workspa
   params.checkpoint_is_bf16 = problem.checkpoint_dtype == FKDA_DTYPE_BF16;
 
   const unsigned heads = unsigned(problem.num_heads);
-  const NamedKernel& prepare = problem.gate.gate_mode == FKDA_GATE_BOUNDED    ? context.kernels.prepare
-                               : problem.gate.gate_mode == FKDA_GATE_SOFTPLUS ? context.kernels.prepare_softplus
-                                                                              : context.kernels.prepare_log_decay[problem.gate.g_is_f32 ? 1 : 0];
-  const NamedKernel& recurrence = context.kernels.recurrence[vsplit_index(params.vsplit)];
+  const NamedKernel& prepare = prepare_kernel(context.kernels, problem.gate);
+  const bool serving = params.state_indices.data != nullptr || params.has_initial_state.data != nullptr ||
+                       params.checkpoint_offsets.data != nullptr;
+  const NamedKernel& recurrence =
+      (serving ? context.kernels.recurrence_serving : context.kernels.recurrence)[vsplit_index(params.vsplit)];
   // The carries follow the window's records (a multiple of 16 bytes).
   float* carry = reinterpret_cast<float*>(params.workspace + windows.slots * int64_t(problem.num_heads) *
                                                                  FKDA_WS_RECORD_BYTES);

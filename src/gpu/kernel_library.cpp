@@ -48,7 +48,13 @@ Kernels load_kernels(const cuda::Driver& d) {
   get(&kernels.prepare_log_decay[1], "fkda_prefill_prepare_chunks_log_decay_f32_gate");
   const char* recurrence[kVsplitCount] = {"fkda_prefill_chunk_recurrence_v1", "fkda_prefill_chunk_recurrence_v2",
                                           "fkda_prefill_chunk_recurrence_v4", "fkda_prefill_chunk_recurrence_v8"};
-  for (int i = 0; i < kVsplitCount; ++i) get(&kernels.recurrence[i], recurrence[i]);
+  const char* recurrence_serving[kVsplitCount] = {
+      "fkda_prefill_chunk_recurrence_serving_v1", "fkda_prefill_chunk_recurrence_serving_v2",
+      "fkda_prefill_chunk_recurrence_serving_v4", "fkda_prefill_chunk_recurrence_serving_v8"};
+  for (int i = 0; i < kVsplitCount; ++i) {
+    get(&kernels.recurrence[i], recurrence[i]);
+    get(&kernels.recurrence_serving[i], recurrence_serving[i]);
+  }
   get(&kernels.decode[decode_kernel_index(false, false)], "fkda_decode_f32_vk");
   get(&kernels.decode[decode_kernel_index(false, true)], "fkda_decode_f32_kv");
   get(&kernels.decode[decode_kernel_index(true, false)], "fkda_decode_bf16_vk");
@@ -94,12 +100,14 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
   for (int vsplit = 1; vsplit <= kMaxVsplit; vsplit *= 2) {
     const int bytes = fkda_recurrence_smem_bytes(vsplit);
     if (bytes > facts.max_dynamic_smem) continue;
-    const NamedKernel& recurrence = k.recurrence[vsplit_index(vsplit)];
-    CUresult result =
-        d.cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes, recurrence.kernel, device);
-    if (result != CUDA_SUCCESS) {
-      fail(FKDA_ERROR_DRIVER, std::string("cuKernelSetAttribute(") + recurrence.name +
-                                  ", max dynamic shared memory) failed: " + cuda::describe(result));
+    const int at = vsplit_index(vsplit);
+    for (const NamedKernel* recurrence : {&k.recurrence[at], &k.recurrence_serving[at]}) {
+      CUresult result =
+          d.cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes, recurrence->kernel, device);
+      if (result != CUDA_SUCCESS) {
+        fail(FKDA_ERROR_DRIVER, std::string("cuKernelSetAttribute(") + recurrence->name +
+                                    ", max dynamic shared memory) failed: " + cuda::describe(result));
+      }
     }
   }
   known.emplace_back(device, facts);

@@ -35,7 +35,8 @@ struct Kernels {
   NamedKernel prepare;                // bounded gate
   NamedKernel prepare_softplus;       // SOFTPLUS gate (g bf16)
   NamedKernel prepare_log_decay[2];   // LOG_DECAY gate: g bf16, g f32
-  NamedKernel recurrence[kVsplitCount];
+  NamedKernel recurrence[kVsplitCount];          // contiguous states or none
+  NamedKernel recurrence_serving[kVsplitCount];  // pool slots, has_initial_state, checkpoints
   NamedKernel decode[kDecodeKernelCount];
 };
 
