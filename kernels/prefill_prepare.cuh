@@ -32,8 +32,8 @@
 // levels of pair factors built from the per-token decays d = 2^a2 (each
 // <= 1), one level per warp. The running sums c stay finite through the
 // per-token floor; 2^c and 2^(c_last - c) are running products of the d
-// from one exp2 per half of the chunk (docs/NUMERICS.md), which spares the
-// multi-function unit two thirds of its exp2s there.
+// from one exp2 per half of the chunk (docs/NUMERICS.md): 20 exp2s a thread
+// instead of 48, besides the gate's own.
 #pragma once
 
 #include <type_traits>
@@ -201,7 +201,8 @@ __device__ __forceinline__ WarpTile negated_unit_lower_inverse(const WarpTile& L
 // generation spills at 64 registers, so 7 (72) there. The unbounded gates'
 // (31 KB of shared memory a block): 6 (80 registers, a few bytes spilled,
 // faster on the H200 than 5 without spills) from sm_90 on; sm_80's 164 KB
-// of shared memory hold only 5, so 96 registers there.
+// of shared memory hold only 5, so 96 registers there. GPUs with about
+// 100 KB (sm_86, sm_89, sm_120) hold 3 of these blocks whatever the bound.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define FKDA_PREPARE_BLOCKS_COMPILED 7
 #define FKDA_PREPARE_ANY_DECAY_BLOCKS 5

@@ -207,10 +207,10 @@ __device__ __forceinline__ bool checkpoint_destination(const FkdaPrefillParams& 
   return slot >= 0;
 }
 
-// kServing: the call may address states in a pool (state_indices,
-// has_initial_state) or keep checkpoints. Without it those paths are
-// compiled out: the chunk loop then holds 10-17 fewer registers and runs
-// 2-11% faster on an H200 (bench/RESULTS.md).
+// kServing: the call may address states in a pool (state_indices), start
+// some sequences from zeros (has_initial_state) or keep checkpoints.
+// Without it those paths are compiled out: on sm_90a the kernels then hold
+// 8-17 fewer registers and run 2-11% faster on an H200 (bench/RESULTS.md).
 template <int kVsplit, bool kServing>
 __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   constexpr int kWarps = 8 / kVsplit;
