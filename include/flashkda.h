@@ -28,7 +28,7 @@
 #include <stdint.h>
 
 #define FKDA_VERSION_MAJOR 0
-#define FKDA_VERSION_MINOR 3
+#define FKDA_VERSION_MINOR 4
 #define FKDA_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, the value fkda_version() returns. */
 #define FKDA_VERSION_NUMBER \
@@ -198,12 +198,30 @@ typedef struct fkda_plan_desc {
   /* Appended in 0.3 (a desc of an earlier size takes the _INIT values): */
   int32_t gate_mode;      /* fkda_gate_mode */
   int32_t beta_mode;      /* fkda_beta_mode */
+  /* Appended in 0.4: how GPU prefill is launched, fixed for the plan's
+   * lifetime (section "Launch report and tuning" below). 0 everywhere is the
+   * automatic choice. None of them changes the result beyond rounding. */
+  int32_t vsplit;          /* 0, or 1, 2, 4, 8: blocks sharing a head's V rows */
+  int32_t chunk_parallel;  /* fkda_chunk_parallel */
+  int64_t window_slots;    /* 0, or > 0: chunk slots per window */
+  int64_t segment_chunks;  /* 0, or > 0: chunks per segment of the
+                              chunk-parallel path */
 } fkda_plan_desc;
+
+/* Whether GPU prefill cuts long sequences into segments that run in
+ * parallel (appended in 0.4; docs/ARCHITECTURE.md, "Chunk-parallel
+ * prefill"). AUTO decides from the call's T, N and H alone. */
+typedef enum fkda_chunk_parallel {
+  FKDA_CHUNK_PARALLEL_AUTO = 0,
+  FKDA_CHUNK_PARALLEL_OFF = 1, /* one chain of chunks per sequence */
+  FKDA_CHUNK_PARALLEL_ON = 2   /* segments whenever a sequence may have more than one */
+} fkda_chunk_parallel;
 
 #define FKDA_PLAN_DESC_INIT                                                 \
   { sizeof(fkda_plan_desc), 0, 128, 128, FKDA_DTYPE_F32,                    \
     FKDA_STATE_LAYOUT_VK, FKDA_BACKEND_AUTO, -5.0f,                         \
-    FKDA_NULL_SLOT_NEGATIVE, 0, FKDA_GATE_BOUNDED, FKDA_BETA_LOGITS }
+    FKDA_NULL_SLOT_NEGATIVE, 0, FKDA_GATE_BOUNDED, FKDA_BETA_LOGITS,        \
+    0, FKDA_CHUNK_PARALLEL_AUTO, 0, 0 }
 
 /* Validates `desc` and creates a plan. A plan is a small host object: it
  * allocates no device memory and loads nothing until its first GPU call. */
@@ -395,6 +413,92 @@ FKDA_API fkda_status fkda_decode(fkda_plan_t plan, const fkda_decode_args* args,
                                  fkda_stream_t stream);
 
 /* ------------------------------------------------------------------------ */
+/* Segment transitions (appended in 0.4): context parallelism               */
+/* ------------------------------------------------------------------------ */
+
+/* A segment of a sequence's tokens maps any state entering it to the state
+ * leaving it affinely. With S the V x K state (V-first):
+ *     S_out = S_in M + E
+ * M (K x K) is the ordered product over the segment's tokens of
+ * diag(exp(a_t)) (I - b_t k_t k_t^T) (k normalised), and E (V x K) is the
+ * segment's final state from a zero state. Two segments in order compose as
+ * (M1, E1) then (M2, E2) = (M1 M2, E1 M2 + E2). A runtime that holds a
+ * sequence's tokens on several ranks computes each rank's transitions
+ * (fkda_transitions), gathers them, applies those of the ranks before it to
+ * the sequence's initial state (fkda_apply_transitions) and runs fkda_fwd on
+ * its own tokens from that state. The library never communicates.
+ *
+ * Layouts follow the plan's state layout:
+ *   VK plans  M [.., H, K, K] with S_out[v][j] = sum_i S_in[v][i] M[i][j] + E[v][j],
+ *             E [.., H, V, K]
+ *   KV plans  M and E stored transposed: M [.., H, K, K] holding M^T and
+ *             E [.., H, K, V] holding E^T, so S_out^T = M^T S_in^T + E^T
+ * Both are f32, packed. An empty segment has M = I and E = 0.
+ *
+ * fkda_transitions: the transitions of each sequence's tokens, as if each
+ * started from an unknown state.
+ *   k, v, g, beta, A_log, dt_bias, cu_seqlens   as in fkda_fwd (q and out are
+ *                      not needed; the plan's gate and beta modes apply)
+ *   transition_m       f32 [N, H, K, K], written
+ *   transition_e       f32 [N, H, V, K] (KV plans [N, H, K, V]), written
+ * GPU plans enqueue on `stream`, allocate nothing and never synchronise;
+ * the workspace is sized by fkda_plan_transitions_workspace_size. */
+typedef struct fkda_transition_args {
+  size_t struct_size; /* sizeof(fkda_transition_args) */
+  fkda_tensor k;
+  fkda_tensor v;
+  fkda_tensor g;
+  fkda_tensor beta;
+  fkda_tensor A_log;   /* as in fkda_fwd */
+  fkda_tensor dt_bias; /* optional */
+  fkda_tensor cu_seqlens; /* optional */
+  fkda_tensor transition_m;
+  fkda_tensor transition_e;
+} fkda_transition_args;
+
+#define FKDA_TRANSITION_ARGS_INIT                                            \
+  { sizeof(fkda_transition_args), FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,        \
+    FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
+    FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE }
+
+FKDA_API fkda_status fkda_plan_transitions_workspace_size(fkda_plan_t plan,
+                                                          int64_t total_tokens,
+                                                          int64_t num_seqs,
+                                                          size_t* bytes);
+FKDA_API fkda_status fkda_transitions(fkda_plan_t plan,
+                                      const fkda_transition_args* args,
+                                      void* workspace, size_t workspace_bytes,
+                                      fkda_stream_t stream);
+
+/* fkda_apply_transitions: R transitions per sequence applied in order,
+ * r = 0 first, to each sequence's state:
+ *   transition_m       f32 [R, N, H, K, K] (R >= 0), layouts as above
+ *   transition_e       f32 [R, N, H, V, K] (KV plans [R, N, H, K, V])
+ *   initial_state      optional, plan's state dtype and layout, [N, H, V, K]:
+ *                      absent means zeros
+ *   final_state        plan's state dtype and layout, [N, H, V, K], written;
+ *                      may be the same buffer as initial_state
+ * The state is carried in f32 between transitions and rounded once. No
+ * workspace is needed today (NULL and 0 are accepted). */
+typedef struct fkda_apply_args {
+  size_t struct_size; /* sizeof(fkda_apply_args) */
+  fkda_tensor transition_m;
+  fkda_tensor transition_e;
+  fkda_tensor initial_state; /* optional */
+  fkda_tensor final_state;
+} fkda_apply_args;
+
+#define FKDA_APPLY_ARGS_INIT                                                 \
+  { sizeof(fkda_apply_args), FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,             \
+    FKDA_TENSOR_NONE, FKDA_TENSOR_NONE }
+
+FKDA_API fkda_status fkda_apply_transitions(fkda_plan_t plan,
+                                            const fkda_apply_args* args,
+                                            void* workspace,
+                                            size_t workspace_bytes,
+                                            fkda_stream_t stream);
+
+/* ------------------------------------------------------------------------ */
 /* Devices                                                                  */
 /* ------------------------------------------------------------------------ */
 
@@ -431,22 +535,30 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info);
  * preparation and one recurrence launch, the state crossing a window
  * boundary in f32. None of it changes a bit of the result.
  *
- * Two environment variables, read at every GPU fkda_fwd and
- * fkda_plan_workspace_size call, override the automatic choice (unset or
- * empty: automatic). A value not listed is rejected by the call with
- * FKDA_ERROR_INVALID_ARGUMENT and a message naming the variable:
- *   FKDA_VSPLIT        1, 2, 4 or 8 (raised to the smallest split whose
- *                      shared memory the device allows)
- *   FKDA_WINDOW_SLOTS  a positive integer: slots per window (the workspace
- *                      size follows it: ask for it under the same setting) */
+ * The plan's tuning fields (fkda_plan_desc.vsplit, chunk_parallel,
+ * window_slots, segment_chunks; 0 is automatic) override the automatic
+ * choice. For a field left at 0, fkda_plan_create reads an environment
+ * variable once (unset or empty: automatic); later changes of the
+ * environment do not affect existing plans. A value not listed is rejected
+ * by fkda_plan_create with FKDA_ERROR_INVALID_ARGUMENT naming the field or
+ * the variable:
+ *   FKDA_VSPLIT           vsplit: 1, 2, 4 or 8 (raised to the smallest split
+ *                         whose shared memory the device allows)
+ *   FKDA_WINDOW_SLOTS     window_slots: a positive integer (the workspace size
+ *                         follows it)
+ *   FKDA_CHUNK_PARALLEL   chunk_parallel: "auto", "off" or "on"
+ *   FKDA_SEGMENT_CHUNKS   segment_chunks: a positive integer */
 typedef struct fkda_launch_report {
   size_t struct_size;       /* sizeof(fkda_launch_report), set by the caller */
   int64_t vsplit;           /* 1, 2, 4 or 8 */
   int64_t windows;          /* launch pairs, >= 1 */
   int64_t slots_per_window;
+  /* Appended in 0.4: */
+  int64_t chunk_parallel;   /* 1 when the chunk-parallel path ran, else 0 */
+  int64_t segment_chunks;   /* its chunks per segment (0 when it did not run) */
 } fkda_launch_report;
 
-#define FKDA_LAUNCH_REPORT_INIT { sizeof(fkda_launch_report), 0, 0, 0 }
+#define FKDA_LAUNCH_REPORT_INIT { sizeof(fkda_launch_report), 0, 0, 0, 0, 0 }
 
 /* How the plan's last successful GPU fkda_fwd with at least one sequence
  * was launched (known once fkda_fwd returns, before the kernels finish).
