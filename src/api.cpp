@@ -135,8 +135,9 @@ FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args, void*
       if (problem.debug_checks) fkda::gpu::debug_check(problem, cu_stream);
       const fkda::gpu::LaunchShape shape = fkda::gpu::fwd(problem, workspace, workspace_bytes, cu_stream);
       std::lock_guard<std::mutex> lock(p.launch_mutex);
-      p.last_launch = fkda_launch_report{sizeof(fkda_launch_report), shape.vsplit, shape.windows,
-                                         shape.slots_per_window};
+      p.last_launch = fkda_launch_report{sizeof(fkda_launch_report), shape.vsplit,          shape.windows,
+                                         shape.slots_per_window,       shape.segment_chunks > 0,
+                                         shape.segment_chunks};
     } else {
       fkda::cpu::fwd(problem, workspace, workspace_bytes);
     }

@@ -51,6 +51,30 @@ int64_t forced_window_slots() {
   return int64_t(value);
 }
 
+// FKDA_CHUNK_PARALLEL=auto|off|on; AUTO when unset.
+int forced_chunk_parallel() {
+  const char* text = tuning_variable("FKDA_CHUNK_PARALLEL");
+  if (text == nullptr) return FKDA_CHUNK_PARALLEL_AUTO;
+  const std::string value(text);
+  if (value == "auto") return FKDA_CHUNK_PARALLEL_AUTO;
+  if (value == "off") return FKDA_CHUNK_PARALLEL_OFF;
+  if (value == "on") return FKDA_CHUNK_PARALLEL_ON;
+  invalid("FKDA_CHUNK_PARALLEL: expected auto, off or on (or unset), got \"" + value + "\"");
+}
+
+// FKDA_SEGMENT_CHUNKS=<positive integer>: chunks per segment; 0 when automatic.
+int64_t forced_segment_chunks() {
+  const char* text = tuning_variable("FKDA_SEGMENT_CHUNKS");
+  if (text == nullptr) return 0;
+  errno = 0;
+  char* end = nullptr;
+  const long long value = std::strtoll(text, &end, 10);
+  if (errno != 0 || end == text || *end != '\0' || value <= 0) {
+    invalid(std::string("FKDA_SEGMENT_CHUNKS: expected a positive integer (or unset), got \"") + text + "\"");
+  }
+  return int64_t(value);
+}
+
 // The records of one window take at most kWindowBudgetBytes, unless the
 // window must be larger to hold kWindowSlotsPerSequence slots for each
 // sequence of the call. A quarter of a GB keeps docs/BENCHMARKS.md's P1 (8192
@@ -90,6 +114,56 @@ Windows windows_for(int64_t total_tokens, int64_t num_seqs, int32_t num_heads) {
   return w;
 }
 
+// Chunk-parallel prefill (docs/ARCHITECTURE.md, "Chunk-parallel prefill"):
+// a transition pass (E and M of each segment: 2 * vsplit blocks per segment
+// and head), the scan, and a segment pass (vsplit blocks). Each pass does the
+// work of the whole serial recurrence spread over many more blocks, so it
+// pays where the serial grid leaves the GPU idle: the segments are cut so
+// that the transition pass about fills the GPU once. The count comes from
+// the call's sizes alone (the host never reads the offsets), and from a
+// reference GPU rather than the current one, so that the workspace size does
+// not depend on the device.
+constexpr int kSegmentVsplit = 2;
+// Blocks of the segment kernels resident at once on the reference GPU: 132
+// multiprocessors (an H100 or H200) with three 128-thread blocks each (their
+// registers and shared memory allow three).
+constexpr int64_t kResidentSegmentBlocks = 3 * 132;
+// Fewer segments per sequence than this leave too little parallelism to
+// repay three passes over the chunks instead of one.
+constexpr int64_t kMinSegmentsPerSequence = 4;
+// Nor do segments shorter than this: each pass starts with its stages empty
+// and ends with a state store, a cost that a few chunks do not amortise.
+constexpr int64_t kMinAutomaticSegmentChunks = 16;
+
+struct Segments {
+  int64_t chunks = 0;    // per segment; 0: the serial path
+  int64_t per_seq = 0;   // grid x = N * per_seq
+  int64_t capacity = 0;  // records per head in each of seg_m and seg_e
+};
+
+Segments segments_for(int64_t window_slots, int64_t total_slots, int64_t num_seqs, int32_t num_heads) {
+  Segments seg;
+  const int mode = forced_chunk_parallel();
+  if (mode == FKDA_CHUNK_PARALLEL_OFF || num_seqs <= 0) return seg;
+  const int64_t chunks_per_seq = ceil_div(total_slots, num_seqs);
+  int64_t chunks = forced_segment_chunks();
+  if (chunks == 0) {
+    const int64_t blocks_per_segment = 2 * kSegmentVsplit * int64_t(num_heads) * num_seqs;
+    const int64_t segments = kResidentSegmentBlocks / blocks_per_segment;
+    if (mode == FKDA_CHUNK_PARALLEL_AUTO && segments < kMinSegmentsPerSequence) return seg;
+    chunks = ceil_div(chunks_per_seq, std::max<int64_t>(segments, 2));
+    if (mode == FKDA_CHUNK_PARALLEL_AUTO) {
+      chunks = std::max(chunks, kMinAutomaticSegmentChunks);
+      if (chunks_per_seq < kMinSegmentsPerSequence * chunks) return seg;
+    }
+  }
+  chunks = std::max<int64_t>(chunks, 1);
+  seg.chunks = chunks;
+  seg.per_seq = ceil_div(window_slots, chunks) + 1;
+  seg.capacity = fkda_segment_capacity(window_slots, chunks, num_seqs);
+  return seg;
+}
+
 // Enough blocks to fill the GPU: the largest power of two <= 8 with
 // N * H * vsplit <= 2 * SMs, at least 1, and within the shared memory limit.
 int choose_vsplit(int64_t seqs_times_heads, const DeviceFacts& facts) {
@@ -127,11 +201,13 @@ size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads)
   const int64_t per_boundary = int64_t(num_heads) * FKDA_CARRY_BYTES_PER_HEAD;
   const Windows w =
       num_seqs < limit ? windows_for(total_tokens, num_seqs, num_heads) : Windows{limit, limit, limit};
-  if (w.slots > limit / per_slot || w.count - 1 > limit / per_boundary) {
+  const Segments seg = num_seqs < limit ? segments_for(w.slots, w.total_slots, num_seqs, num_heads) : Segments{};
+  if (w.slots > limit / per_slot || w.count - 1 > limit / per_boundary ||
+      seg.capacity > limit / (2 * per_boundary)) {
     fail(FKDA_ERROR_UNSUPPORTED, "workspace for " + std::to_string(total_tokens) + " tokens and " +
                                      std::to_string(num_heads) + " heads exceeds the address space");
   }
-  return size_t(w.slots * per_slot + (w.count - 1) * per_boundary);
+  return size_t(w.slots * per_slot + (w.count - 1) * per_boundary + 2 * seg.capacity * per_boundary);
 }
 
 // sm_80 machine code runs on every 8.x device, sm_90a on 9.0, and the
@@ -183,10 +259,26 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t /*workspa
                        params.checkpoint_offsets.data != nullptr;
   const NamedKernel& recurrence =
       (serving ? context.kernels.recurrence_serving : context.kernels.recurrence)[vsplit_index(params.vsplit)];
-  // The carries follow the window's records (a multiple of 16 bytes).
+  // The carries follow the window's records (a multiple of 16 bytes), then
+  // the segments' M and E records.
   float* carry = reinterpret_cast<float*>(params.workspace + windows.slots * int64_t(problem.num_heads) *
                                                                  FKDA_WS_RECORD_BYTES);
   const int64_t carry_step = int64_t(problem.num_heads) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
+  Segments seg = segments_for(windows.slots, windows.total_slots, problem.num_seqs, problem.num_heads);
+  if (!context.facts.segment_scan_fits || seg.per_seq > max_grid_x / std::max<int64_t>(problem.num_seqs, 1)) {
+    seg = Segments{};
+  }
+  if (seg.chunks > 0) {
+    params.vsplit = kSegmentVsplit;
+    params.segment_chunks = seg.chunks;
+    params.segments_per_seq = seg.per_seq;
+    params.segment_capacity = seg.capacity;
+    params.seg_m = carry + (windows.count - 1) * carry_step;
+    params.seg_e = params.seg_m + seg.capacity * carry_step;
+  }
+  const unsigned segment_threads = unsigned(32 * fkda_recurrence_warps(kSegmentVsplit));
+  const unsigned segment_smem = unsigned(fkda_recurrence_smem_bytes(kSegmentVsplit));
+  const unsigned segment_grid_x = unsigned(problem.num_seqs * seg.per_seq);
   // Each window's preparation overwrites the records the previous window's
   // recurrence read: the stream orders them.
   for (int64_t w = 0; w < windows.count; ++w) {
@@ -198,13 +290,22 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t /*workspa
       launch(context, prepare, unsigned(params.window_end - params.window_first), heads, 1,
              FKDA_PREPARE_THREADS, 0, stream, &params);
     }
+    if (seg.chunks > 0) {
+      launch(context, context.kernels.segment_transitions[kSegmentVsplit - 1], segment_grid_x, heads,
+             unsigned(2 * kSegmentVsplit), segment_threads, segment_smem, stream, &params);
+      launch(context, context.kernels.segment_scan, unsigned(problem.num_seqs), heads,
+             unsigned(FKDA_HEAD_DIM / FKDA_SCAN_ROWS), FKDA_SCAN_THREADS, FKDA_SCAN_SMEM_BYTES, stream, &params);
+      launch(context, context.kernels.segment_recurrence[kSegmentVsplit - 1], segment_grid_x, heads,
+             unsigned(kSegmentVsplit), segment_threads, segment_smem, stream, &params);
+      continue;
+    }
     // Launched even without tokens: zero-length sequences still copy their
     // initial state (or zeros) to the final state.
     launch(context, recurrence, unsigned(problem.num_seqs), heads, unsigned(params.vsplit),
            unsigned(32 * fkda_recurrence_warps(params.vsplit)),
            unsigned(fkda_recurrence_smem_bytes(params.vsplit)), stream, &params);
   }
-  return LaunchShape{params.vsplit, windows.count, windows.slots};
+  return LaunchShape{params.vsplit, windows.count, windows.slots, seg.chunks};
 }
 
 }  // namespace fkda::gpu

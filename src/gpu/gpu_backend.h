@@ -27,6 +27,7 @@ struct LaunchShape {
   int32_t vsplit = 0;            // blocks sharing the V rows of one (sequence, head)
   int64_t windows = 0;           // preparation + recurrence launch pairs
   int64_t slots_per_window = 0;  // chunk slots of each window; the last may hold fewer
+  int64_t segment_chunks = 0;    // chunks per segment of the chunk-parallel path; 0: serial
 };
 
 // Enqueues the forward pass and says how it was launched. Throws

@@ -21,6 +21,9 @@ constexpr int kVsplitCount = 4;
 constexpr int kMaxVsplit = 8;
 inline int vsplit_index(int vsplit) { return vsplit == 1 ? 0 : vsplit == 2 ? 1 : vsplit == 4 ? 2 : 3; }
 
+// The chunk-parallel passes exist for V splits 1 and 2.
+constexpr int kSegmentVsplitCount = 2;
+
 // One decode kernel per pool dtype and layout, indexed by decode_kernel_index.
 constexpr int kDecodeKernelCount = 4;
 inline int decode_kernel_index(bool bf16, bool kv) { return (bf16 ? 2 : 0) + (kv ? 1 : 0); }
@@ -37,6 +40,11 @@ struct Kernels {
   NamedKernel prepare_log_decay[2];   // LOG_DECAY gate: g bf16, g f32
   NamedKernel recurrence[kVsplitCount];          // contiguous states or none
   NamedKernel recurrence_serving[kVsplitCount];  // pool slots, has_initial_state, checkpoints
+  // Chunk-parallel prefill: the transition and segment passes (V split 1
+  // and 2, indexed by vsplit - 1) and the scan between them.
+  NamedKernel segment_transitions[kSegmentVsplitCount];
+  NamedKernel segment_recurrence[kSegmentVsplitCount];
+  NamedKernel segment_scan;
   NamedKernel decode[kDecodeKernelCount];
 };
 
@@ -46,6 +54,7 @@ struct DeviceFacts {
   int cc_minor = 0;
   int sm_count = 0;
   int max_dynamic_smem = 0;  // opt-in limit per block
+  bool segment_scan_fits = false;  // the chunk-parallel kernels' shared memory fits
 };
 
 // Everything a launch needs: the driver, the kernels and the current

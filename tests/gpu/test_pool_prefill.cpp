@@ -25,6 +25,7 @@
 #include "flashkda.h"
 #include "gpu_support.h"
 #include "kda_reference.h"
+#include "prefill_harness.h"
 #include "serving_support.h"
 
 namespace {
@@ -530,6 +531,50 @@ TEST_CASE("pool prefill: checkpoints equal prefills cut at their offsets", "[gpu
       error = rel_l2(run.checkpoints.get(2, 1), widen(e.state));
     }
     require_detected(m.name, "checkpoint", error, kF32StateTolerance);
+  }
+}
+
+TEST_CASE("pool prefill: chunk-parallel, checkpoints across segment boundaries", "[gpu][pool][segments]") {
+  // Segments of 3 chunks (48 tokens): checkpoints at 16, 48, 64, 256 and 288
+  // tokens fall inside segments and at their ends. The pool run and the
+  // contiguous run it is compared with are cut the same way, so they agree
+  // bit for bit; the checkpoints are held to fp64 only, since the prefills
+  // cut at their offsets have other segments.
+  const fkda_test::Tuning segments(-1, -1, FKDA_CHUNK_PARALLEL_ON, 3);
+  const std::vector<int64_t> lengths = {64, 48, 300, 15, 0, 257};
+  const std::vector<std::vector<int64_t>> offsets = {
+      {16, 48, 64}, {32, 48, -1}, {16, 256, 288}, {-1, -1, -1}, {-1, -1, -1}, {48, 96, 256}};
+  for (CheckpointsTo to : {CheckpointsTo::kTensor, CheckpointsTo::kSlots}) {
+    PoolCase c = varlen(to == CheckpointsTo::kTensor ? "segments: checkpoints to a tensor, fresh, padding"
+                                                     : "segments: checkpoints to slots, bf16 pool, KV",
+                        lengths, 3, to == CheckpointsTo::kTensor ? 30 : 31);
+    c.checkpoint_offsets = offsets;
+    c.checkpoints_to = to;
+    c.with_flags = true;
+    c.fresh = {2};
+    c.padded = {1};
+    if (to == CheckpointsTo::kSlots) {
+      c.state_dtype = FKDA_DTYPE_BF16;
+      c.layout = FKDA_STATE_LAYOUT_KV;
+    }
+    const PoolSetup s = make_setup(c);
+    INFO(s.c.name);
+    const Findings f = examine(s, run_pool(s));
+    const fkda_dtype checkpoint_dtype = to == CheckpointsTo::kSlots ? c.state_dtype : c.checkpoint_dtype;
+    std::printf("%-44s  out %.3e state %.3e checkpoints %.3e (%zu taken); %zu output values, %zu states differ "
+                "from the contiguous run\n",
+                s.c.name.c_str(), f.out_error, f.state_error, f.checkpoint_error, f.checkpoints_taken,
+                f.out_differing, f.states_differing);
+    std::fflush(stdout);
+    CHECK(f.out_error <= kOutTolerance);
+    CHECK(f.state_error <= state_tolerance(c.state_dtype));
+    CHECK(f.checkpoint_error <= state_tolerance(checkpoint_dtype));
+    CHECK(f.checkpoints_taken > 0);
+    CHECK(f.out_differing == 0);
+    CHECK(f.states_differing == 0);
+    CHECK(f.padding_nonzero == 0);
+    CHECK(f.pool_touched == 0);
+    CHECK(f.checkpoint_bytes_touched == 0);
   }
 }
 
