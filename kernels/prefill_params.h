@@ -244,13 +244,15 @@ typedef struct FkdaApplyParams {
   int32_t state_is_bf16;
   int32_t reserved; /* zero */
 } FkdaApplyParams;
-#define FKDA_APPLY_SMEM_BYTES (FKDA_HEAD_DIM * FKDA_HEAD_DIM * 4 + FKDA_HEAD_DIM * FKDA_SCAN_ROWS * 4)
+#define FKDA_APPLY_SMEM_BYTES (FKDA_HEAD_DIM * FKDA_HEAD_DIM * 4 + FKDA_HEAD_DIM * FKDA_SCAN_ROWS * 4 * 5)
 
 /* The scan over a window's segments: one block of FKDA_SCAN_THREADS threads
  * per (sequence, head, FKDA_SCAN_ROWS rows of the state), holding M of the
  * current and the next segment in shared memory. */
 #define FKDA_SCAN_ROWS 8
-#define FKDA_SCAN_THREADS 128
-#define FKDA_SCAN_SMEM_BYTES (2 * FKDA_HEAD_DIM * FKDA_HEAD_DIM * 4 + FKDA_HEAD_DIM * FKDA_SCAN_ROWS * 4)
+#define FKDA_SCAN_THREADS 256
+/* Two M stages, X^T, and the four partial products of the K split. */
+#define FKDA_SCAN_SMEM_BYTES \
+  (2 * FKDA_HEAD_DIM * FKDA_HEAD_DIM * 4 + FKDA_HEAD_DIM * FKDA_SCAN_ROWS * 4 * 5)
 
 #endif /* FLASHKDA_KERNELS_KDA_PARAMS_H */

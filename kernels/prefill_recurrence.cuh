@@ -273,6 +273,13 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   bool first_segment = true, last_segment = true;
   int64_t segment_index = 0;  // its record in seg_m / seg_e
   if constexpr (kMode != kWholeRange) {
+    if (chunks == 0) {
+      // A zero-length sequence: its one empty segment copies the state in
+      // the segment pass (no record needed); nothing to form before.
+      if (kMode == kTransition || int64_t(blockIdx.x) % p.segments_per_seq != 0) return;
+    }
+  }
+  if (kMode != kWholeRange && chunks > 0) {
     const int64_t L = p.segment_chunks;
     const int64_t s0 = chunk_first / L;
     const int64_t s_last = chunk_end > chunk_first ? (chunk_end - 1) / L : s0;

@@ -1,4 +1,4 @@
-// The scan of chunk-parallel prefill: each sequence's segments in order.
+// The scan of chunk-parallel prefill, and fkda_apply_transitions.
 //
 // A segment maps the state entering it affinely, S_out = S_in M + E
 // (docs/ARCHITECTURE.md, "Chunk-parallel prefill"); the transition pass left
@@ -11,17 +11,18 @@
 //                the first segment (or the running transition that earlier
 //                windows left in trans_e / trans_m) to the last, ending in
 //                trans_e / trans_m
-// in f32 FMAs (the scan is a chain of K x K products whose rounding adds up
-// over the segments; tensor-core formats would cost accuracy the target
-// leaves no room for).
+// in f32 FMAs: the scan is a chain of K x K products whose rounding adds up
+// over the segments, and tensor-core formats would cost accuracy the state
+// target leaves no room for.
 //
 // The rows of X are independent, so block (n, h, z) takes FKDA_SCAN_ROWS of
-// them (z < 16: E rows, z >= 16: M rows) with all K columns; M_s of the
+// them (z < 16: E rows, z >= 16: M rows) with all K columns. M_s of the
 // current and the next segment sit in shared memory, filled by cp.async
-// while the block works on the previous one. Thread layout: warp w owns
-// columns [32 w, 32 w + 32), lane l rows 2 (l / 8) and 2 (l / 8) + 1 of the
-// block and columns 32 w + 4 (l % 8) .. + 3: per k, one float2 of X^T and
-// one float4 of M, each a single shared-memory wavefront per warp.
+// while the block works on the current one. The product X M is split along
+// K over four warp pairs, so that each thread's chain of dependent FMAs is
+// 32 long rather than 128 (one step is on the scan's critical path, and the
+// scan is one block per SM: latency, not throughput, is what it costs);
+// the four partial products meet in shared memory.
 #pragma once
 
 #include "device_common.cuh"
@@ -29,6 +30,8 @@
 namespace fkda_dev {
 
 constexpr int kScanMatrix = FKDA_HEAD_DIM * FKDA_HEAD_DIM;
+constexpr int kScanSlice = FKDA_HEAD_DIM * FKDA_SCAN_ROWS;  // floats of X^T, and of one partial product
+constexpr int kScanQuarters = 4;
 
 // Element (row, col) of an f32 [N, H, 128, 128] output, stored transposed
 // for KV plans.
@@ -46,22 +49,57 @@ __device__ __forceinline__ void stage_transition_m(float* buffer, const float* m
   for (int i = threadIdx.x; i < kScanMatrix / 4; i += FKDA_SCAN_THREADS) cp_async_16(to + 16 * i, m + 4 * i, 16);
 }
 
-// x += (X M) at the lane's two rows and four columns, X^T in xt
-// ([128][FKDA_SCAN_ROWS]) and M row-major in m, both in shared memory.
-__device__ __forceinline__ void multiply_add_transition(const float* xt, const float* m, int lr, int col,
-                                                        float (&x)[2][4]) {
+// Each thread owns, between products, row owner_row() and columns
+// owner_col() .. + 3 of the block's rows of X.
+__device__ __forceinline__ int owner_row() { return threadIdx.x >> 5; }
+__device__ __forceinline__ int owner_col() { return 4 * (threadIdx.x & 31); }
+
+__device__ __forceinline__ void put_transposed(float* xt, const float (&x)[4]) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) xt[(owner_col() + c) * FKDA_SCAN_ROWS + owner_row()] = x[c];
+}
+
+// x = X M + x at the owner's four elements, X^T in xt ([128][FKDA_SCAN_ROWS])
+// and M row-major in m, both in shared memory, through `partial` (four
+// slices). Warp w sums k in [32 (w / 2), + 32) for columns [64 (w % 2), + 64);
+// lane l rows 2 (l / 8), + 1 and columns 4 (l % 8) + {0..3, 32..35} of them:
+// per k one float2 of X^T and two float4 of M, one wavefront each.
+__device__ __forceinline__ void multiply_add_transition(const float* xt, const float* m, float* partial,
+                                                        float (&x)[4]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int quarter = warp >> 1;
+  const int lr = 2 * (lane >> 3);
+  const int col = 64 * (warp & 1) + 4 * (lane & 7);
+  float acc[2][8] = {};
 #pragma unroll 8
-  for (int i = 0; i < FKDA_HEAD_DIM; ++i) {
+  for (int i = 32 * quarter; i < 32 * quarter + 32; ++i) {
     const float2 xi = *reinterpret_cast<const float2*>(xt + i * FKDA_SCAN_ROWS + lr);
-    const float4 mi = *reinterpret_cast<const float4*>(m + i * FKDA_HEAD_DIM + col);
-    x[0][0] = fmaf(xi.x, mi.x, x[0][0]);
-    x[0][1] = fmaf(xi.x, mi.y, x[0][1]);
-    x[0][2] = fmaf(xi.x, mi.z, x[0][2]);
-    x[0][3] = fmaf(xi.x, mi.w, x[0][3]);
-    x[1][0] = fmaf(xi.y, mi.x, x[1][0]);
-    x[1][1] = fmaf(xi.y, mi.y, x[1][1]);
-    x[1][2] = fmaf(xi.y, mi.z, x[1][2]);
-    x[1][3] = fmaf(xi.y, mi.w, x[1][3]);
+    const float4 m0 = *reinterpret_cast<const float4*>(m + i * FKDA_HEAD_DIM + col);
+    const float4 m1 = *reinterpret_cast<const float4*>(m + i * FKDA_HEAD_DIM + col + 32);
+    const float mv[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      acc[0][c] = fmaf(xi.x, mv[c], acc[0][c]);
+      acc[1][c] = fmaf(xi.y, mv[c], acc[1][c]);
+    }
+  }
+  float* mine = partial + quarter * kScanSlice;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    *reinterpret_cast<float4*>(mine + (lr + r) * FKDA_HEAD_DIM + col) =
+        make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+    *reinterpret_cast<float4*>(mine + (lr + r) * FKDA_HEAD_DIM + col + 32) =
+        make_float4(acc[r][4], acc[r][5], acc[r][6], acc[r][7]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int q = 0; q < kScanQuarters; ++q) {
+    const float4 part = *reinterpret_cast<const float4*>(partial + q * kScanSlice + owner_row() * FKDA_HEAD_DIM +
+                                                         owner_col());
+    x[0] += part.x;
+    x[1] += part.y;
+    x[2] += part.z;
+    x[3] += part.w;
   }
 }
 
@@ -70,14 +108,13 @@ __device__ void segment_scan(const FkdaPrefillParams& p) {
   // M of two segments in turn: stage (k & 1) at scan_smem + (k & 1) * kScanMatrix.
   auto m_stage = [&](int64_t k) { return scan_smem + (k & 1) * kScanMatrix; };
   float* xt = scan_smem + 2 * kScanMatrix;  // X^T: [128 columns][FKDA_SCAN_ROWS rows]
+  float* partial = xt + kScanSlice;
 
   const int64_t n = blockIdx.x;
   const int head = blockIdx.y;
   const bool m_rows = blockIdx.z >= FKDA_HEAD_DIM / FKDA_SCAN_ROWS;
-  const int row0 = int(blockIdx.z % (FKDA_HEAD_DIM / FKDA_SCAN_ROWS)) * FKDA_SCAN_ROWS;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int lr = 2 * (lane >> 3);                 // first of the lane's two rows, within the block
-  const int col = 32 * warp + 4 * (lane & 7);     // first of its four columns
+  const int row = int(blockIdx.z % (FKDA_HEAD_DIM / FKDA_SCAN_ROWS)) * FKDA_SCAN_ROWS + owner_row();
+  const int col = owner_col();
   const bool transitions = p.transitions_only != 0;
 
   // The sequence's chunks in this window, as the recurrence finds them.
@@ -91,19 +128,12 @@ __device__ void segment_scan(const FkdaPrefillParams& p) {
   if (chunk_end > chunks) chunk_end = chunks;
   if (chunk_end < 0) chunk_end = 0;
 
-  float x[2][4];
+  float* output = m_rows ? p.trans_m : p.trans_e;
   if (chunks == 0) {
     // Only fkda_transitions has work here: the empty transition (I, 0), once.
     if (!transitions || p.window_first != 0) return;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int row = row0 + lr + r;
-        float* out = m_rows ? p.trans_m : p.trans_e;
-        out[transition_at(p, n, head, row, col + c)] = (m_rows && row == col + c) ? 1.f : 0.f;
-      }
-    }
+    for (int c = 0; c < 4; ++c) output[transition_at(p, n, head, row, col + c)] = (m_rows && row == col + c) ? 1.f : 0.f;
     return;
   }
   if (chunk_first >= chunk_end) return;
@@ -119,71 +149,100 @@ __device__ void segment_scan(const FkdaPrefillParams& p) {
   const int64_t s_begin = continues ? s0 : s0 + 1;
   const int64_t s_end = transitions ? s_last + 1 : s_last;
   if (!transitions && s_end <= s_begin) return;  // E_s0 already is the state after s0
-  float* output = m_rows ? p.trans_m : p.trans_e;
+  float x[4];
   const float* first = segment_record(m_rows ? p.seg_m : p.seg_e, index_of(s0), head, p.num_heads);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + lr + r;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      x[r][c] = continues ? output[transition_at(p, n, head, row, col + c)] : first[row * FKDA_HEAD_DIM + col + c];
-    }
+  for (int c = 0; c < 4; ++c) {
+    x[c] = continues ? output[transition_at(p, n, head, row, col + c)] : first[row * FKDA_HEAD_DIM + col + c];
   }
+  put_transposed(xt, x);
 
   if (s_begin < s_end) stage_transition_m(m_stage(0), segment_record(p.seg_m, index_of(s_begin), head, p.num_heads));
   cp_async_commit();
   for (int64_t s = s_begin; s < s_end; ++s) {
-    // X^T to shared memory; the barrier below also ends every read of the
-    // previous X^T and of the stage the next copy overwrites.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) xt[(col + c) * FKDA_SCAN_ROWS + lr + r] = x[r][c];
-    }
-    __syncthreads();
     const int64_t k = s - s_begin;
-    if (s + 1 < s_end) {
-      stage_transition_m(m_stage(k + 1), segment_record(p.seg_m, index_of(s + 1), head, p.num_heads));
-    }
+    // The stage this overwrites was last read before the previous step's final barrier.
+    if (s + 1 < s_end) stage_transition_m(m_stage(k + 1), segment_record(p.seg_m, index_of(s + 1), head, p.num_heads));
     cp_async_commit();
     // E_s first (M rows add nothing): its latency hides behind the wait.
     if (m_rows) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) x[r][c] = 0.f;
-      }
+      for (int c = 0; c < 4; ++c) x[c] = 0.f;
     } else {
-      const float* e = segment_record(p.seg_e, index_of(s), head, p.num_heads);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float4 value = *reinterpret_cast<const float4*>(e + (row0 + lr + r) * FKDA_HEAD_DIM + col);
-        x[r][0] = value.x;
-        x[r][1] = value.y;
-        x[r][2] = value.z;
-        x[r][3] = value.w;
-      }
+      const float4 e = *reinterpret_cast<const float4*>(segment_record(p.seg_e, index_of(s), head, p.num_heads) +
+                                                        row * FKDA_HEAD_DIM + col);
+      x[0] = e.x;
+      x[1] = e.y;
+      x[2] = e.z;
+      x[3] = e.w;
     }
     cp_async_wait<1>();
-    __syncthreads();
-    multiply_add_transition(xt, m_stage(k), lr, col, x);
+    __syncthreads();  // M_s and X^T complete
+    multiply_add_transition(xt, m_stage(k), partial, x);
     if (!transitions) {
       // The state after segment s, over E_s: where segment s + 1 starts.
-      float* e = p.seg_e + (index_of(s) * p.num_heads + head) * int64_t(kScanMatrix);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        *reinterpret_cast<float4*>(e + (row0 + lr + r) * FKDA_HEAD_DIM + col) =
-            make_float4(x[r][0], x[r][1], x[r][2], x[r][3]);
-      }
+      *reinterpret_cast<float4*>(p.seg_e + (index_of(s) * p.num_heads + head) * int64_t(kScanMatrix) +
+                                 row * FKDA_HEAD_DIM + col) = make_float4(x[0], x[1], x[2], x[3]);
     }
-    __syncthreads();
+    __syncthreads();  // every read of X^T, the partials and M_s is done
+    put_transposed(xt, x);
   }
   cp_async_wait<0>();
   if (transitions) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int c = 0; c < 4; ++c) output[transition_at(p, n, head, row, col + c)] = x[c];
+  }
+}
+
+// fkda_apply_transitions: the same fold over R transitions given by the
+// caller in the plan's layout, from and to states of the plan's dtype.
+__device__ void apply_transitions(const FkdaApplyParams& p) {
+  extern __shared__ __align__(16) float apply_smem[];
+  float* m_rows = apply_smem;            // M row-major, whatever the layout
+  float* xt = apply_smem + kScanMatrix;  // X^T: [128 columns][FKDA_SCAN_ROWS rows]
+  float* partial = xt + kScanSlice;
+  const int64_t n = blockIdx.x;
+  const int head = blockIdx.y;
+  const int row = int(blockIdx.z) * FKDA_SCAN_ROWS + owner_row();
+  const int col = owner_col();
+  const bool kv = p.state_is_kv != 0;
+  const int64_t matrix = (n * p.num_heads + head) * int64_t(kScanMatrix);
+  // Element (r, c) of a V x K (or K x K) matrix stored in the plan's layout.
+  auto at = [&](int r, int c) { return kv ? c * FKDA_HEAD_DIM + r : r * FKDA_HEAD_DIM + c; };
+
+  float x[4];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) output[transition_at(p, n, head, row0 + lr + r, col + c)] = x[r][c];
+  for (int c = 0; c < 4; ++c) {
+    const int64_t i = matrix + at(row, col + c);
+    float value = 0.f;
+    if (p.initial_state != nullptr) {
+      value = p.state_is_bf16 ? bf16_bits(static_cast<const uint16_t*>(p.initial_state)[i])
+                              : static_cast<const float*>(p.initial_state)[i];
+    }
+    x[c] = value;
+  }
+  const int64_t step = p.num_seqs * p.num_heads * int64_t(kScanMatrix);
+  for (int64_t t = 0; t < p.num_transitions; ++t) {
+    put_transposed(xt, x);
+    const float* m = p.m + t * step + matrix;
+    for (int i = threadIdx.x; i < kScanMatrix; i += FKDA_SCAN_THREADS) {
+      // Coalesced reads; KV plans hold M^T, transposed here on the way in.
+      m_rows[kv ? (i % FKDA_HEAD_DIM) * FKDA_HEAD_DIM + i / FKDA_HEAD_DIM : i] = m[i];
+    }
+    const float* e = p.e + t * step + matrix;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) x[c] = e[at(row, col + c)];
+    __syncthreads();  // M and X^T complete
+    multiply_add_transition(xt, m_rows, partial, x);
+    __syncthreads();  // every read of M, X^T and the partials is done
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int64_t i = matrix + at(row, col + c);
+    if (p.state_is_bf16) {
+      static_cast<uint16_t*>(p.final_state)[i] = to_bf16(x[c]);
+    } else {
+      static_cast<float*>(p.final_state)[i] = x[c];
     }
   }
 }
@@ -195,77 +254,6 @@ __device__ void segment_scan(const FkdaPrefillParams& p) {
 extern "C" __global__ void __launch_bounds__(FKDA_SCAN_THREADS) fkda_prefill_segment_scan(const FkdaPrefillParams p) {
   fkda_dev::segment_scan(p);
 }
-
-namespace fkda_dev {
-
-// fkda_apply_transitions: the same fold as the scan, over R transitions given
-// by the caller in the plan's layout, from and to states of the plan's dtype.
-__device__ void apply_transitions(const FkdaApplyParams& p) {
-  extern __shared__ __align__(16) float apply_smem[];
-  float* m_rows = apply_smem;                // M row-major, whatever the layout
-  float* xt = apply_smem + kScanMatrix;      // X^T: [128 columns][FKDA_SCAN_ROWS rows]
-  const int64_t n = blockIdx.x;
-  const int head = blockIdx.y;
-  const int row0 = int(blockIdx.z) * FKDA_SCAN_ROWS;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int lr = 2 * (lane >> 3), col = 32 * warp + 4 * (lane & 7);
-  const bool kv = p.state_is_kv != 0;
-  const int64_t matrix = (n * p.num_heads + head) * int64_t(kScanMatrix);
-  // Element (row, col) of a V x K (or K x K) matrix stored in the plan's layout.
-  auto at = [&](int row, int column) { return kv ? column * FKDA_HEAD_DIM + row : row * FKDA_HEAD_DIM + column; };
-
-  float x[2][4];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int64_t i = matrix + at(row0 + lr + r, col + c);
-      float value = 0.f;
-      if (p.initial_state != nullptr) {
-        value = p.state_is_bf16 ? bf16_bits(static_cast<const uint16_t*>(p.initial_state)[i])
-                                : static_cast<const float*>(p.initial_state)[i];
-      }
-      x[r][c] = value;
-    }
-  }
-  const int64_t step = p.num_seqs * p.num_heads * int64_t(kScanMatrix);
-  for (int64_t t = 0; t < p.num_transitions; ++t) {
-    __syncthreads();  // every read of the previous M and X^T is done
-    const float* m = p.m + t * step + matrix;
-    for (int i = threadIdx.x; i < kScanMatrix; i += FKDA_SCAN_THREADS) {
-      // Coalesced reads; KV plans hold M^T, transposed here on the way in.
-      const float value = m[i];
-      m_rows[kv ? (i % FKDA_HEAD_DIM) * FKDA_HEAD_DIM + i / FKDA_HEAD_DIM : i] = value;
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) xt[(col + c) * FKDA_SCAN_ROWS + lr + r] = x[r][c];
-    }
-    const float* e = p.e + t * step + matrix;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) x[r][c] = e[at(row0 + lr + r, col + c)];
-    }
-    __syncthreads();
-    multiply_add_transition(xt, m_rows, lr, col, x);
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int64_t i = matrix + at(row0 + lr + r, col + c);
-      if (p.state_is_bf16) {
-        static_cast<uint16_t*>(p.final_state)[i] = to_bf16(x[r][c]);
-      } else {
-        static_cast<float*>(p.final_state)[i] = x[r][c];
-      }
-    }
-  }
-}
-
-}  // namespace fkda_dev
 
 // Grid (N, H, 128 / FKDA_SCAN_ROWS), FKDA_SCAN_THREADS threads, FKDA_APPLY_SMEM_BYTES.
 extern "C" __global__ void __launch_bounds__(FKDA_SCAN_THREADS) fkda_apply_transitions(const FkdaApplyParams p) {

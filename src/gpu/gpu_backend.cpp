@@ -116,24 +116,23 @@ Windows windows_for(int64_t total_tokens, int64_t num_seqs, int32_t num_heads) {
 
 // Chunk-parallel prefill (docs/ARCHITECTURE.md, "Chunk-parallel prefill"):
 // a transition pass (E and M of each segment: 2 * vsplit blocks per segment
-// and head), the scan, and a segment pass (vsplit blocks). Each pass does the
-// work of the whole serial recurrence spread over many more blocks, so it
-// pays where the serial grid leaves the GPU idle: the segments are cut so
-// that the transition pass about fills the GPU once. The count comes from
-// the call's sizes alone (the host never reads the offsets), and from a
-// reference GPU rather than the current one, so that the workspace size does
-// not depend on the device.
+// and head), the scan, and a segment pass (vsplit blocks). The passes do the
+// serial recurrence's work three times over, spread over many more blocks,
+// so they pay where the serial grid leaves the GPU idle: on an H200 the
+// segments win from a few (sequence, head) pairs up to about 16 (bench/RESULTS.md,
+// the L cases and their segment sweep) and lose from 24 on. The choice
+// comes from the call's sizes alone (the host never reads the offsets) and
+// not from the device, so that the workspace size does not depend on it.
 constexpr int kSegmentVsplit = 2;
-// Blocks of the segment kernels resident at once on the reference GPU: 132
-// multiprocessors (an H100 or H200) with three 128-thread blocks each (their
-// registers and shared memory allow three).
-constexpr int64_t kResidentSegmentBlocks = 3 * 132;
-// Fewer segments per sequence than this leave too little parallelism to
-// repay three passes over the chunks instead of one.
-constexpr int64_t kMinSegmentsPerSequence = 4;
-// Nor do segments shorter than this: each pass starts with its stages empty
-// and ends with a state store, a cost that a few chunks do not amortise.
+constexpr int64_t kMaxAutomaticPairs = 16;
+// Segments of 128 chunks measured fastest on long sequences (shorter ones
+// add scan steps, longer ones leave the passes fewer blocks); sequences of
+// fewer than 1024 chunks get about 8 segments, of at least 16 chunks each,
+// below which each segment's start and state store cost more than it saves.
+constexpr int64_t kLongSegmentChunks = 128;
+constexpr int64_t kSegmentsPerShortSequence = 8;
 constexpr int64_t kMinAutomaticSegmentChunks = 16;
+constexpr int64_t kMinSegmentsPerSequence = 4;
 
 struct Segments {
   int64_t chunks = 0;    // per segment; 0: the serial path
@@ -148,16 +147,13 @@ Segments segments_for(int64_t window_slots, int64_t total_slots, int64_t num_seq
   const int64_t chunks_per_seq = ceil_div(total_slots, num_seqs);
   int64_t chunks = forced_segment_chunks();
   if (chunks == 0) {
-    const int64_t blocks_per_segment = 2 * kSegmentVsplit * int64_t(num_heads) * num_seqs;
-    const int64_t segments = kResidentSegmentBlocks / blocks_per_segment;
-    if (mode == FKDA_CHUNK_PARALLEL_AUTO && segments < kMinSegmentsPerSequence) return seg;
-    chunks = ceil_div(chunks_per_seq, std::max<int64_t>(segments, 2));
-    if (mode == FKDA_CHUNK_PARALLEL_AUTO) {
-      chunks = std::max(chunks, kMinAutomaticSegmentChunks);
-      if (chunks_per_seq < kMinSegmentsPerSequence * chunks) return seg;
-    }
+    chunks = std::min(kLongSegmentChunks,
+                      std::max(kMinAutomaticSegmentChunks, ceil_div(chunks_per_seq, kSegmentsPerShortSequence)));
   }
-  chunks = std::max<int64_t>(chunks, 1);
+  if (mode == FKDA_CHUNK_PARALLEL_AUTO &&
+      (num_seqs * num_heads > kMaxAutomaticPairs || chunks_per_seq < kMinSegmentsPerSequence * chunks)) {
+    return seg;
+  }
   seg.chunks = chunks;
   seg.per_seq = ceil_div(window_slots, chunks) + 1;
   seg.capacity = fkda_segment_capacity(window_slots, chunks, num_seqs);
