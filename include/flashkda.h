@@ -71,8 +71,11 @@ typedef enum fkda_status {
 FKDA_API const char* fkda_status_string(fkda_status status);
 
 /* The message of the last failing call on this thread, naming the argument
- * and what was expected ("q: expected dtype bf16, got f32"). Empty after a
- * successful call. Valid until the next fkda_* call on this thread. */
+ * and what was expected ("q: expected dtype bf16, got f32"). A successful
+ * call empties it, except fkda_plan_destroy, which leaves it as it is (a
+ * destroy run by a garbage collector or destructor between a failing call
+ * and this read keeps its message), and the functions that return no status.
+ * Valid until the next fkda_* call on this thread. */
 FKDA_API const char* fkda_last_error(void);
 
 /* FKDA_VERSION_NUMBER of the library actually loaded. */
@@ -224,10 +227,22 @@ typedef enum fkda_chunk_parallel {
     0, FKDA_CHUNK_PARALLEL_AUTO, 0, 0 }
 
 /* Validates `desc` and creates a plan. A plan is a small host object: it
- * allocates no device memory and loads nothing until its first GPU call. */
+ * allocates no device memory and loads nothing until its first GPU call.
+ * A plan of FKDA_BACKEND_CPU never loads or initialises the CUDA driver: it
+ * asks the driver where memory lives only when the process has already
+ * started CUDA (AUTO asks the driver at creation to choose).
+ *
+ * Threads: every call taking a plan may run on it from any number of
+ * threads at once, fkda_set_lower_bound and fkda_plan_destroy included. A
+ * call holds the plan from its start to its return. */
 FKDA_API fkda_status fkda_plan_create(const fkda_plan_desc* desc,
                                       fkda_plan_t* plan);
-/* NULL is accepted and ignored. */
+/* NULL is accepted and ignored. Returns at once, also while other threads'
+ * calls on the plan run: those finish normally (GPU work they enqueued is
+ * unaffected), and the plan's memory is freed when the last of them
+ * returns. Any call that starts after fkda_plan_destroy returned, a second
+ * destroy included, fails with FKDA_ERROR_INVALID_ARGUMENT ("plan: not a
+ * live plan"); a handle is never given to another plan. */
 FKDA_API fkda_status fkda_plan_destroy(fkda_plan_t plan);
 
 /* The backend the plan resolved to (CPU or GPU; never AUTO). */
@@ -237,7 +252,9 @@ FKDA_API fkda_status fkda_plan_get_backend(fkda_plan_t plan,
 /* The gate floor of a BOUNDED plan (other gate modes have none: both calls
  * fail on them). Accepted range [-5, 0]: below -5 the 16-token chunk's
  * exp(16 * |lower_bound|) key factor leaves bf16 range. NaN and infinities
- * are rejected. Not to be called while a fkda_fwd on the same plan runs. */
+ * are rejected. fkda_fwd and fkda_decode read the floor once, at their
+ * start: one running while the floor is set uses the old or the new value
+ * throughout. */
 FKDA_API fkda_status fkda_set_lower_bound(fkda_plan_t plan, float lower_bound);
 FKDA_API fkda_status fkda_get_lower_bound(fkda_plan_t plan, float* lower_bound);
 
@@ -336,8 +353,12 @@ typedef struct fkda_fwd_args {
     FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
     FKDA_TENSOR_NONE }
 
-/* Runs the KDA forward pass. Every argument is checked before any work
- * starts. GPU plans enqueue on `stream` (NULL: the legacy default stream)
+/* Runs the KDA forward pass. Every argument is checked, every kernel
+ * resolved and every launch limit checked before any work starts: a call
+ * that fails has written nothing and enqueued nothing, with one exception,
+ * FKDA_ERROR_LAUNCH_FAILED after the driver accepted earlier launches of
+ * the call (a context that failed meanwhile), which leaves in-place states
+ * undefined. GPU plans enqueue on `stream` (NULL: the legacy default stream)
  * in the calling thread's current context; CPU plans ignore `stream`.
  * On a GPU plan the contents of cu_seqlens stay on the device and are not
  * read by the host; out-of-range offsets are clamped so that nothing is
@@ -407,7 +428,8 @@ FKDA_API fkda_status fkda_plan_decode_workspace_size(fkda_plan_t plan,
                                                      size_t* bytes);
 
 /* Runs the decode step. GPU plans enqueue on `stream` with no allocation and
- * no host synchronisation (unless debug_checks is on). */
+ * no host synchronisation (unless debug_checks is on). As with fkda_fwd, a
+ * call that fails has written and enqueued nothing (decode is one launch). */
 FKDA_API fkda_status fkda_decode(fkda_plan_t plan, const fkda_decode_args* args,
                                  void* workspace, size_t workspace_bytes,
                                  fkda_stream_t stream);
@@ -539,7 +561,10 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info);
  * window_slots, segment_chunks; 0 is automatic) override the automatic
  * choice. For a field left at 0, fkda_plan_create reads an environment
  * variable once (unset or empty: automatic); later changes of the
- * environment do not affect existing plans. A value not listed is rejected
+ * environment do not affect existing plans, and no other call reads it.
+ * fkda_plan_workspace_size sizes the workspace for the plan's tuning and
+ * fkda_fwd checks the launch it computes against workspace_bytes
+ * (FKDA_ERROR_WORKSPACE_TOO_SMALL naming workspace_bytes). A value not listed is rejected
  * by fkda_plan_create with FKDA_ERROR_INVALID_ARGUMENT naming the field or
  * the variable:
  *   FKDA_VSPLIT           vsplit: 1, 2, 4 or 8 (raised to the smallest split

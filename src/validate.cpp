@@ -238,9 +238,10 @@ void check_residency(const Plan& plan, const std::vector<Located>& pointers) {
     return;
   }
   // A CPU plan dereferences every pointer on the host: device memory would
-  // fault, so catch it while the driver is at hand. Without a driver there
-  // can be no device memory.
-  const cuda::Driver* d = cuda::driver();
+  // fault, so catch it when the process runs CUDA. Otherwise there can be no
+  // device memory, and loading the driver here would start CUDA for a
+  // CPU-only caller.
+  const cuda::Driver* d = cuda::driver_if_started();
   if (d == nullptr) return;
   for (const Located& l : pointers) {
     if (l.data == nullptr) continue;

@@ -783,13 +783,25 @@ void decode_head(const DecodeProblem& p, const HeadTask& task, DecodeScratch& s)
 
 }  // namespace
 
+int64_t prefill_workers(int64_t total_tokens, int64_t num_seqs, int32_t num_heads) {
+  // Each sequence adds at most one partial chunk to total_tokens / 16 full
+  // ones, and each head runs every chunk. Any size is answered: past int64
+  // the bounds only need to be large.
+  const int64_t chunk_bound = saturating_mul(saturating_add(total_tokens / kChunk, num_seqs), num_heads);
+  return worker_count(saturating_mul(num_seqs, num_heads), chunk_bound);
+}
+
 size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, int32_t head_dim_k,
                       int32_t head_dim_v) {
-  // Each sequence adds at most one partial chunk to total_tokens / 16 full
-  // ones. Any size is answered: past int64 both bounds only need to be large.
-  const int64_t chunk_bound = saturating_add(total_tokens / kChunk, num_seqs);
-  const int64_t workers = worker_count(saturating_mul(num_seqs, num_heads), chunk_bound);
-  return size_t(workers) * ChunkScratch::floats_needed(head_dim_k, head_dim_v) * sizeof(float);
+  return size_t(prefill_workers(total_tokens, num_seqs, num_heads)) *
+         ChunkScratch::floats_needed(head_dim_k, head_dim_v) * sizeof(float);
+}
+
+int64_t fwd_workers(const PrefillProblem& problem, size_t workspace_bytes) {
+  const size_t per_worker = ChunkScratch::floats_needed(problem.head_dim_k, problem.head_dim_v);
+  const int64_t affordable = int64_t(workspace_bytes / (per_worker * sizeof(float)));
+  const int64_t wanted = prefill_workers(problem.batch * problem.seq_len, problem.num_seqs, problem.num_heads);
+  return std::max<int64_t>(1, std::min(wanted, affordable));
 }
 
 void fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes) {
@@ -801,11 +813,8 @@ void fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes)
   const std::vector<HeadTask> tasks = head_tasks(problem);
   if (tasks.empty()) return;
 
-  int64_t total_chunks = 0;
-  for (const HeadTask& task : tasks) total_chunks += (task.end - task.begin + kChunk - 1) / kChunk;
   const size_t per_worker = ChunkScratch::floats_needed(problem.head_dim_k, problem.head_dim_v);
-  const int64_t affordable = int64_t(workspace_bytes / (per_worker * sizeof(float)));
-  const int64_t workers = std::min(worker_count(int64_t(tasks.size()), total_chunks), affordable);
+  const int64_t workers = fwd_workers(problem, workspace_bytes);
 
   std::vector<ChunkScratch> scratch;
   scratch.reserve(size_t(workers));

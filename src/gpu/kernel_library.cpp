@@ -160,15 +160,23 @@ CUfunction function_for_context(const LaunchContext& context, const NamedKernel&
   return function;
 }
 
-void launch(const LaunchContext& context, const NamedKernel& kernel, unsigned grid_x, unsigned grid_y,
+ResolvedKernel resolve(const LaunchContext& context, const NamedKernel& kernel) {
+  return ResolvedKernel{function_for_context(context, kernel), kernel.name};
+}
+
+void launch(const LaunchContext& context, const ResolvedKernel& kernel, unsigned grid_x, unsigned grid_y,
             unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params) {
-  CUfunction function = function_for_context(context, kernel);
   void* args[] = {params};
-  CUresult result =
-      context.driver.cuLaunchKernel(function, grid_x, grid_y, grid_z, threads, 1, 1, smem, stream, args, nullptr);
+  CUresult result = context.driver.cuLaunchKernel(kernel.function, grid_x, grid_y, grid_z, threads, 1, 1, smem,
+                                                  stream, args, nullptr);
   if (result != CUDA_SUCCESS) {
     fail(FKDA_ERROR_LAUNCH_FAILED, std::string("launch of ") + kernel.name + " failed: " + cuda::describe(result));
   }
+}
+
+void launch(const LaunchContext& context, const NamedKernel& kernel, unsigned grid_x, unsigned grid_y,
+            unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params) {
+  launch(context, resolve(context, kernel), grid_x, grid_y, grid_z, threads, smem, stream, params);
 }
 
 }  // namespace fkda::gpu

@@ -70,8 +70,19 @@ LaunchContext launch_context();
 // The kernel's function in the current context.
 CUfunction function_for_context(const LaunchContext& context, const NamedKernel& kernel);
 
+// A kernel's function in the current context, ready to launch. Resolving
+// is the step that fails on a missing or refused image; a call with several
+// launches resolves them all before the first.
+struct ResolvedKernel {
+  CUfunction function = nullptr;
+  const char* name = "";
+};
+ResolvedKernel resolve(const LaunchContext& context, const NamedKernel& kernel);
+
 // Enqueues `kernel` with its single by-value argument; FKDA_ERROR_LAUNCH_FAILED
 // when the driver refuses.
+void launch(const LaunchContext& context, const ResolvedKernel& kernel, unsigned grid_x, unsigned grid_y,
+            unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params);
 void launch(const LaunchContext& context, const NamedKernel& kernel, unsigned grid_x, unsigned grid_y,
             unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params);
 

@@ -50,6 +50,7 @@ struct PoolCase {
   fkda_dtype state_dtype = FKDA_DTYPE_F32;
   fkda_state_layout layout = FKDA_STATE_LAYOUT_VK;
   fkda_null_slot_rule rule = FKDA_NULL_SLOT_NONPOSITIVE;
+  int32_t gate_mode = FKDA_GATE_BOUNDED;  // fkda_gate_mode of the problem and the plans
   fkda_dtype index_dtype = FKDA_DTYPE_I32;
   std::vector<int64_t> padded;   // sequences with a null index
   bool with_flags = false;       // has_initial_state present
@@ -128,7 +129,7 @@ struct PoolSetup {
 };
 
 PoolSetup make_setup(const PoolCase& c) {
-  Problem p = pool_problem(c.B, c.T, c.H, c.lengths, c.seed);
+  Problem p = pool_problem(c.B, c.T, c.H, c.lengths, c.seed, c.gate_mode);
   const int64_t N = p.num_seqs();
   const int64_t C = c.checkpoint_offsets.empty() ? 0 : int64_t(c.checkpoint_offsets[0].size());
   const int64_t slots = 2 * (N + N * C) + 3;
@@ -191,7 +192,7 @@ PoolRun run_pool(const PoolSetup& s, cudaStream_t stream = nullptr) {
       args.checkpoint_slots = tensor(slots.get(), s.c.index_dtype, {N, s.C});
     }
   }
-  Plan plan(plan_desc(p.H, p.lower_bound, s.c.state_dtype, s.c.layout, FKDA_BACKEND_GPU, s.c.rule));
+  Plan plan(serving_desc(p, s.c.state_dtype, s.c.layout, FKDA_BACKEND_GPU, s.c.rule));
   size_t bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, N, &bytes));
   DeviceBuffer workspace(bytes);
@@ -223,7 +224,7 @@ ContiguousRun run_contiguous(const Problem& p, fkda_dtype dtype, fkda_state_layo
   buffers.final_state = final_device.get();
   fkda_fwd_args args = make_args(p, buffers, dtype);
   if (!flags.empty()) args.has_initial_state = tensor(flags_device.get(), flag_dtype, {N});
-  Plan plan(plan_desc(p.H, p.lower_bound, dtype, layout));
+  Plan plan(serving_desc(p, dtype, layout));
   size_t bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, N, &bytes));
   DeviceBuffer workspace(bytes);
@@ -578,6 +579,28 @@ TEST_CASE("pool prefill: chunk-parallel, checkpoints across segment boundaries",
   }
 }
 
+TEST_CASE("pool prefill: pools, padding and checkpoints under the softplus and log-decay gates",
+          "[gpu][pool][window]") {
+  // make_setup's expected results follow the case's gate (serving_support.h).
+  for (int32_t gate : {FKDA_GATE_SOFTPLUS, FKDA_GATE_LOG_DECAY}) {
+    const std::string name = gate == FKDA_GATE_SOFTPLUS ? "softplus: " : "log-decay: ";
+    PoolCase a = varlen(name + "pool f32 VK varlen, padding, fresh", {40, 0, 17, 1, 100, 33}, 3, 21);
+    a.gate_mode = gate;
+    a.padded = {3};
+    a.with_flags = true;
+    a.fresh = {1, 4};
+    run_and_check(make_setup(a));
+
+    PoolCase t = varlen(name + "checkpoints to bf16 KV pool slots", {64, 48, 300, 15}, 2, 22);
+    t.gate_mode = gate;
+    t.state_dtype = FKDA_DTYPE_BF16;
+    t.layout = FKDA_STATE_LAYOUT_KV;
+    t.checkpoint_offsets = {{16, 64, -1}, {32, -1, -1}, {16, 256, 288}, {-1, -1, -1}};
+    t.checkpoints_to = CheckpointsTo::kSlots;
+    run_and_check(make_setup(t));
+  }
+}
+
 TEST_CASE("pool prefill: padding and out-of-range device values touch nothing", "[gpu][pool][window][sanitize]") {
   for (fkda_null_slot_rule rule : {FKDA_NULL_SLOT_NEGATIVE, FKDA_NULL_SLOT_NONPOSITIVE}) {
     PoolCase c = varlen(std::string("padding, rule ") + (rule == FKDA_NULL_SLOT_NEGATIVE ? "negative" : "nonpositive"),
@@ -620,7 +643,7 @@ TEST_CASE("pool prefill: a captured CUDA graph replays the eager run", "[gpu][po
   args.has_initial_state = tensor(flags.get(), c.flag_dtype, {N});
   args.checkpoint_offsets = tensor(offsets.get(), c.index_dtype, {N, s.C});
   args.checkpoint_slots = tensor(slots.get(), c.index_dtype, {N, s.C});
-  Plan plan(plan_desc(p.H, p.lower_bound, c.state_dtype, c.layout, FKDA_BACKEND_GPU, c.rule));
+  Plan plan(serving_desc(p, c.state_dtype, c.layout, FKDA_BACKEND_GPU, c.rule));
   size_t bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, N, &bytes));
   DeviceBuffer workspace(bytes);

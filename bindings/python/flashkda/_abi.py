@@ -91,6 +91,10 @@ class FkdaPlanDesc(ctypes.Structure):
         ("debug_checks", ctypes.c_int32),
         ("gate_mode", ctypes.c_int32),
         ("beta_mode", ctypes.c_int32),
+        ("vsplit", ctypes.c_int32),
+        ("chunk_parallel", ctypes.c_int32),
+        ("window_slots", ctypes.c_int64),
+        ("segment_chunks", ctypes.c_int64),
     ]
 
     @classmethod
@@ -185,6 +189,8 @@ class FkdaLaunchReport(ctypes.Structure):
         ("vsplit", ctypes.c_int64),
         ("windows", ctypes.c_int64),
         ("slots_per_window", ctypes.c_int64),
+        ("chunk_parallel", ctypes.c_int64),
+        ("segment_chunks", ctypes.c_int64),
     ]
 
     @classmethod

@@ -169,8 +169,10 @@ class Plan:
 
     Use as a context manager or call close(); a plan that is garbage collected
     while open is destroyed then. fwd and decode may run on one plan from
-    several threads at once (each thread has its own argument blocks);
-    set_lower_bound and close must not overlap them.
+    several threads at once (each thread has its own argument blocks), and
+    so may set_lower_bound. A plan is destroyed as soon as its last reference
+    goes (it is in no reference cycle), or by close(); calls already running
+    on it finish normally.
     """
 
     def __init__(
@@ -361,7 +363,9 @@ class Plan:
         def build():
             self._live_handle()
             views = _launch.views_by_name(entry, arrays)
-            return _launch.ArgumentBlock(entry, self, views, scale, _launch.placement_of(views))
+            # Cached in the plan: holding it back would be a cycle.
+            return _launch.ArgumentBlock(entry, self, views, scale, _launch.placement_of(views),
+                                         hold_plan=False)
 
         blocks = _launch.thread_blocks(self._blocks)
         block = _cached_block(blocks, (entry.function, device, scale, signature), build)
@@ -402,7 +406,8 @@ class Plan:
     def _prepare(self, entry, arrays, scale, workspace, stream):
         self._live_handle()
         views = _launch.views_by_name(entry, arrays)
-        block = _launch.ArgumentBlock(entry, self, views, scale, _launch.placement_of(views))
+        block = _launch.ArgumentBlock(entry, self, views, scale, _launch.placement_of(views),
+                                      hold_plan=True)
         pointers = [view.ptr for view in views.values() if view is not None]
         return _launch.Prepared(block, pointers, views, workspace, stream)
 
@@ -439,7 +444,7 @@ def run_derived(entry, arrays, scale, lower_bound, null_slot_rule, gate_mode, be
             beta_mode=_enum_value("beta_mode", beta_mode, _BETA_MODE_NAMES),
         )
         return _launch.ArgumentBlock(entry, _plans.cached_plan(descriptor), views, scale,
-                                     placement)
+                                     placement, hold_plan=True)
 
     key = (entry.function, library, device, scale, lower_bound, null_slot_rule, gate_mode, beta_mode,
            signature)
