@@ -174,12 +174,19 @@ std::vector<BadPrefill> bad_prefill_calls() {
       {"state_pool over initial_state", kContiguous, [](A& a, F& f) { a.checkpoints = FKDA_TENSOR_NONE; a.checkpoint_slots = f.by_slot().checkpoint_slots; a.state_pool = tensor(a.initial_state.data, FKDA_DTYPE_F32, {1, 1, kD, kD}); }, "state_pool: overlaps initial_state"},
       {"out over q", kBySlot, [](A& a, F&) { a.out.data = a.q.data; }, "out: overlaps q"},
       {"out over the pool", kBySlot, [](A& a, F&) { a.out.data = a.state_pool.data; }, "out: overlaps state_pool"},
+      // One head state apart: head 0's final state would overwrite head 1's
+      // initial state before it is read.
+      {"final_state partly over initial_state", kContiguous, [](A& a, F& f) { f.final_state.assign(f.final_state.size() + size_t(kHeadState), -7.f); a.initial_state.data = f.final_state.data(); a.final_state.data = f.final_state.data() + kHeadState; }, "final_state: partly overlaps initial_state; the two may be the very same memory (updated in place) or disjoint"},
+      {"initial_state partly over final_state", kContiguous, [](A& a, F& f) { f.final_state.assign(f.final_state.size() + size_t(kHeadState), -7.f); a.final_state.data = f.final_state.data(); a.initial_state.data = f.final_state.data() + kHeadState; }, "final_state: partly overlaps initial_state"},
+      {"checkpoints over initial_state", kContiguous, [](A& a, F&) { a.initial_state.data = a.checkpoints.data; }, "checkpoints: overlaps initial_state"},
+      {"out over has_initial_state", kBySlot, [](A& a, F& f) { a.has_initial_state.data = reinterpret_cast<unsigned char*>(f.out.data()) + 64; }, "out: overlaps has_initial_state"},
+      {"state_pool over checkpoint_slots", kBySlot, [](A& a, F&) { a.checkpoint_slots.data = a.state_pool.data; }, "state_pool: overlaps checkpoint_slots"},
       {"final_state over the checkpoints", kContiguous, [](A& a, F&) { a.final_state.data = a.checkpoints.data; }, "checkpoints: overlaps final_state"},
       {"state index past the pool", kBySlot, [](A&, F& f) { f.slots[1] = 8; }, "state_indices[1]: slot 8 is outside the pool's 8 slots (sequence 1)"},
       {"checkpoint offset not a multiple of 16", kBySlot, [](A&, F& f) { f.offsets[2] = 20; }, "checkpoint_offsets[1][0]: 20 is not a multiple of 16 in [16, 40] (sequence 1 has 40 tokens)"},
       {"checkpoint offset past its sequence", kBySlot, [](A&, F& f) { f.offsets[0] = 32; }, "checkpoint_offsets[0][0]: 32 is not a multiple of 16 in [16, 20]"},
       {"checkpoint offset 0", kContiguous, [](A&, F& f) { f.offsets[4] = 0; }, "checkpoint_offsets[2][0]: 0 is not a multiple of 16 in [16, 16]"},
-      {"checkpoint offsets descending", kBySlot, [](A&, F& f) { f.offsets[2] = 32; f.offsets[3] = 16; }, "checkpoint_offsets[1][1]: 16 follows 32; a sequence's offsets must ascend"},
+      {"checkpoint offsets descending", kBySlot, [](A&, F& f) { f.offsets[2] = 32; f.offsets[3] = 16; }, "checkpoint_offsets[1][1]: 16 follows 32; a sequence's offsets must ascend (sequence 1)"},
       {"checkpoint offsets repeated", kContiguous, [](A&, F& f) { f.offsets[3] = 16; }, "checkpoint_offsets[1][1]: 16 follows 16"},
       {"checkpoint slot past the pool", kBySlot, [](A&, F& f) { f.checkpoint_slots[3] = 9; }, "checkpoint_slots[1][1]: slot 9 is outside the pool's 8 slots (sequence 1)"},
   };
@@ -207,13 +214,14 @@ std::vector<BadDecode> bad_decode_calls() {
       {"num_accepted_tokens bool", kSpeculative, [](A& a, F&) { a.num_accepted_tokens.dtype = FKDA_DTYPE_BOOL; }, "num_accepted_tokens: expected dtype i32 or i64, got bool"},
       {"scale NaN", kPacked, [](A& a, F&) { a.scale = std::numeric_limits<float>::quiet_NaN(); }, "scale: must be finite"},
       {"out over the pool", kPacked, [](A& a, F&) { a.out.data = a.state_pool.data; }, "out: overlaps state_pool"},
+      {"state_pool over num_accepted_tokens", kSpeculative, [](A& a, F&) { a.num_accepted_tokens.data = a.state_pool.data; }, "state_pool: overlaps num_accepted_tokens"},
       {"out over v", kPacked, [](A& a, F&) { a.out.data = a.v.data; }, "out: overlaps v"},
       {"cu_seqlens past T", kPacked, [](A&, F& f) { f.cu[4] = 25; }, "cu_seqlens: must end at T = 24"},
       {"a sequence of 17 tokens", kPacked, [](A&, F& f) { f.cu[3] = 7; }, "cu_seqlens: sequence 3 has 17 tokens; fkda_decode takes at most 16 per sequence"},
       {"a sequence longer than its table", kSpeculative, [](A& a, F&) { a.state_indices.shape[1] = 8; }, "state_indices: sequence 3 has 16 tokens but the slot table has 8 columns"},
       {"start slot past the pool", kPacked, [](A&, F& f) { f.slots[2] = 24; }, "state_indices[2]: slot 24 is outside the pool's 24 slots (sequence 2)"},
       {"table slot past the pool", kSpeculative, [](A&, F& f) { f.table[1 * 16 + 2] = 100; }, "state_indices[1][2]: slot 100 is outside the pool's 24 slots (sequence 1)"},
-      {"no accepted token", kSpeculative, [](A&, F& f) { f.accepted[1] = 0; }, "num_accepted_tokens[1]: 0 is outside [1, 16]"},
+      {"no accepted token", kSpeculative, [](A&, F& f) { f.accepted[1] = 0; }, "num_accepted_tokens[1]: 0 is outside [1, 16] (the slot table's columns) (sequence 1)"},
       {"more accepted tokens than columns", kSpeculative, [](A&, F& f) { f.accepted[2] = 17; }, "num_accepted_tokens[2]: 17 is outside [1, 16]"},
   };
 }
@@ -261,6 +269,43 @@ TEST_CASE("null indices are padding, not errors, under either rule", "[validatio
     f.table[0] = 0;  // sequence 0's only column: padding, and its other indices unchecked
     f.table[1] = 999;
     FKDA_REQUIRE(plan.decode(f.speculative()));
+  }
+}
+
+// flashkda.h lists the entries a call never reads; they may hold anything.
+// Each garbage value below is one that fails when the entry is read.
+TEST_CASE("entries the call never reads are not checked, as flashkda.h lists them", "[validation][serving]") {
+  CpuPlan plan(1);
+  SECTION("fkda_fwd: a padding sequence's checkpoints, a checkpoint slot behind a negative offset") {
+    PrefillFixture f;
+    f.slots[0] = -1;  // sequence 0 is padding
+    f.offsets[0] = 7;
+    f.checkpoint_slots[0] = 999;
+    f.checkpoint_slots[1] = 999;  // behind offset -1 of sequence 0
+    f.checkpoint_slots[5] = 999;  // behind offset -1 of sequence 2
+    FKDA_REQUIRE(plan.fwd(f.by_slot()));
+    f.slots[0] = 1;
+    expect_invalid(plan.fwd(f.by_slot()), "checkpoint_offsets[0][0]: 7 is not a multiple of 16 in [16, 20] (sequence 0 has 20 tokens)");
+  }
+  SECTION("fkda_decode: a zero-length sequence's indices and count, table columns past a sequence's length") {
+    DecodeFixture f;
+    f.cu = {0, 0, 4, 8, 24};  // sequence 0 has no token, sequence 1 four
+    f.table[0] = 999;
+    f.accepted[0] = 99;
+    f.table[1 * 16 + 3] = 9;   // sequence 1's fourth column, now read
+    f.table[2 * 16 + 4] = 999;  // past sequence 2's four tokens
+    FKDA_REQUIRE(plan.decode(f.speculative()));
+    f.cu = {0, 1, 4, 8, 24};
+    expect_invalid(plan.decode(f.speculative()), "num_accepted_tokens[0]: 99 is outside [1, 16] (the slot table's columns) (sequence 0)");
+  }
+  SECTION("fkda_decode: a padding sequence's other columns") {
+    DecodeFixture f;
+    f.table[1 * 16 + 1] = -1;  // sequence 1 starts from column 1 (2 accepted): padding
+    f.table[1 * 16 + 0] = 999;
+    f.table[1 * 16 + 2] = 999;
+    FKDA_REQUIRE(plan.decode(f.speculative()));
+    f.table[1 * 16 + 1] = 5;
+    expect_invalid(plan.decode(f.speculative()), "state_indices[1][0]: slot 999 is outside the pool's 24 slots (sequence 1)");
   }
 }
 
