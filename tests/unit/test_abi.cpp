@@ -333,6 +333,25 @@ TEST_CASE("the library works without a GPU driver", "[abi]") {
     CHECK(std::string(fkda_last_error()).find("desc.backend: GPU requested but no usable CUDA driver") == 0);
     CHECK(plan == nullptr);
   } else {
-    WARN("a CUDA driver is present: the no-driver path is not exercised here");
+    // With a driver, what it reports must hold together, and AUTO and GPU
+    // plans must follow it: errors, not a note, so a GPU machine checks too.
+    CHECK(info.driver_version > 0);
+    CHECK(info.device_count >= 0);
+    CHECK((info.device_count == 0) == (info.device == -1));
+    const bool usable = info.device_count > 0 && info.has_kernels == 1;
+    fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+    desc.num_heads = 1;
+    fkda_plan_t plan = nullptr;
+    REQUIRE(fkda_plan_create(&desc, &plan) == FKDA_SUCCESS);
+    fkda_backend backend = FKDA_BACKEND_AUTO;
+    REQUIRE(fkda_plan_get_backend(plan, &backend) == FKDA_SUCCESS);
+    CHECK(backend == (usable ? FKDA_BACKEND_GPU : FKDA_BACKEND_CPU));
+    fkda_plan_destroy(plan);
+    plan = nullptr;
+    desc.backend = FKDA_BACKEND_GPU;
+    const fkda_status status = fkda_plan_create(&desc, &plan);
+    CHECK((status == FKDA_SUCCESS) == usable);
+    if (!usable) CHECK(std::string(fkda_last_error()).rfind("desc.backend: GPU requested but ", 0) == 0);
+    fkda_plan_destroy(plan);
   }
 }
