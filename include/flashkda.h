@@ -14,10 +14,23 @@
  *    that return static text or a version number. On failure,
  *    fkda_last_error() holds a thread-local message naming the argument.
  *  - Structs passed by pointer begin with `size_t struct_size`; fill them
- *    with their _INIT macro. Fields are only ever appended, and every size
- *    from a struct's first published one up to the current one is accepted:
- *    a program built against an older header keeps working, the fields it
- *    does not know take their _INIT values. A larger size is rejected.
+ *    with their _INIT macro. Fields are only ever appended. The sizes
+ *    accepted are exactly the sizeof of each release of this header that
+ *    changed the struct (fkda_plan_desc: 40 in 0.1, 48 in 0.2, 56 in 0.3,
+ *    80 in 0.4; fkda_fwd_args: 1248 in 0.1, 1920 in 0.2; fkda_decode_args
+ *    1360, fkda_device_info 296, fkda_build_info 80; fkda_launch_report: 32
+ *    in 0.2, 48 in 0.4; fkda_transition_args 1016, fkda_apply_args 456; all
+ *    on LP64): a program built against an older header keeps working, only
+ *    the fields its release had are read, and the others take their _INIT
+ *    values. A larger size, from a newer header, is accepted when every byte
+ *    past the last field this library knows is zero (the program sets no
+ *    field this library lacks) and the size is at most 4096 bytes past this
+ *    header's; the first non-zero byte is named otherwise. Any other size is
+ *    an error naming the struct. The library reads struct_size bytes of an
+ *    input struct: zero a struct from a newer header whole (memset) before
+ *    filling it, as its padding counts. Output structs (fkda_device_info,
+ *    fkda_build_info, fkda_launch_report) obey the same sizes; only the
+ *    fields of the caller's release are written, nothing past them.
  *  - The caller owns all memory. GPU calls take workspace and stream per
  *    call, allocate nothing and never synchronise the host.
  */
@@ -312,16 +325,22 @@ FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
  *                      N and C strides are free, the rest contiguous; or
  *   checkpoint_slots   i32 or i64 [N, C]: pool slots of state_pool (null
  *                      indices are skipped).
- * On CPU plans every index and offset is checked and a bad one is an error
- * naming the sequence. On GPU plans they stay on the device and are not read
- * by the host: an index outside the pool is treated as a null index, a bad
+ * On CPU plans every index and offset the call reads is checked, and a bad
+ * one is an error naming the element and the sequence. The call does not
+ * read, so never checks: the checkpoint_offsets and checkpoint_slots of a
+ * padding sequence, and the checkpoint_slots entry of a negative offset.
+ * On GPU plans indices and offsets stay on the device and are not read by
+ * the host: an index outside the pool is treated as a null index, a bad
  * checkpoint offset is skipped; nothing is ever read or written outside the
  * tensors. Two sequences writing the same slot in one call is undefined
  * (debug_checks reports it).
  * state_indices excludes initial_state and final_state; a padding sequence
- * writes no checkpoint either. out, final_state and checkpoints must not
- * overlap each other or any input (initial_state and final_state may be the
- * same buffer; the pool is read and written on purpose). */
+ * writes no checkpoint either. What the call writes (out, final_state,
+ * checkpoints, the pool and the workspace bytes fkda_plan_workspace_size
+ * asks for) must not share memory with any other argument, measured from
+ * each tensor's first to its last byte. The exception: initial_state and
+ * final_state may be the very same memory (updated in place), or disjoint;
+ * a partial overlap is an error naming final_state. */
 typedef struct fkda_fwd_args {
   size_t struct_size; /* sizeof(fkda_fwd_args) */
   fkda_tensor q;
@@ -392,9 +411,15 @@ FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args,
  *   num_accepted_tokens optional i32 or i64 [N], in [1, W], with [N, W]
  *                      indices only; absent means 1 (column 0)
  *   cu_seqlens         optional i32 or i64 [N + 1]
- * out must not overlap an input or the pool. A sequence whose starting index is null (plan's null_slot_rule) is
- * padding: output rows zero, no state read or written. On CPU plans bad
- * indices, counts and offsets are errors naming the sequence; on GPU plans
+ * out and the pool must not share memory with each other or any other
+ * argument (spans from first to last byte). A sequence whose starting index
+ * is null (plan's null_slot_rule) is padding: output rows zero, no state
+ * read or written. On CPU plans every index, count and offset the call
+ * reads is checked, and a bad one is an error naming the element and the
+ * sequence. The call does not read, so never checks: the state_indices
+ * row and num_accepted_tokens entry of a zero-length sequence, the slot
+ * table columns at and past a sequence's length, and the other columns of
+ * a padding sequence (one whose starting column is null). On GPU plans
  * they are not read by the host and a bad one makes its sequence padding.
  * Two sequences writing the same slot in one call is undefined. */
 typedef struct fkda_decode_args {

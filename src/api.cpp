@@ -17,7 +17,6 @@
 #include "gpu/gpu_debug_checks.h"
 #include "plan.h"
 #include "validate.h"
-#include "validate_serving.h"
 
 namespace {
 
@@ -183,16 +182,13 @@ FKDA_API fkda_status fkda_decode(fkda_plan_t plan, const fkda_decode_args* args,
 
 FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info) {
   return guarded([&] {
-    require_output(info, "info");
-    // Its first published size is its current one.
-    fkda::read_versioned(*info, fkda_device_info FKDA_DEVICE_INFO_INIT, sizeof(fkda_device_info), "info",
-                         "FKDA_DEVICE_INFO_INIT");
+    fkda::output_fields_end(info, "info");
     if (device < -1) fkda::invalid("device: expected an ordinal >= 0 or -1, got " + std::to_string(device));
     fkda_device_info result = FKDA_DEVICE_INFO_INIT;
     const fkda::cuda::Driver* d = fkda::cuda::driver();
     if (d == nullptr) {
       result.driver_version = fkda::cuda::found_driver_version();
-      *info = result;
+      fkda::write_versioned(info, result, "info");
       if (fkda::cuda::driver_too_old()) fkda::fail(FKDA_ERROR_NO_DEVICE, fkda::cuda::unavailable_reason());
       return;
     }
@@ -202,7 +198,7 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info) {
     fkda::cuda::check(d->cuDeviceGetCount(&count), "cuDeviceGetCount");
     result.device_count = count;
     if (count == 0) {
-      *info = result;
+      fkda::write_versioned(info, result, "info");
       return;
     }
     CUdevice handle = 0;
@@ -222,36 +218,30 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info) {
                       "cuDeviceGetAttribute");
     fkda::cuda::check(d->cuDeviceGetName(result.name, sizeof(result.name), handle), "cuDeviceGetName");
     result.has_kernels = fkda::gpu::has_kernels_for(result.cc_major, result.cc_minor) ? 1 : 0;
-    *info = result;
+    fkda::write_versioned(info, result, "info");
   });
 }
 
 FKDA_API fkda_status fkda_plan_get_launch_report(fkda_plan_t plan, fkda_launch_report* report) {
   return guarded([&] {
-    require_output(report, "report");
-    // Its first published size is its current one.
-    fkda::read_versioned(*report, fkda_launch_report FKDA_LAUNCH_REPORT_INIT, sizeof(fkda_launch_report),
-                         "report", "FKDA_LAUNCH_REPORT_INIT");
+    fkda::output_fields_end(report, "report");
     const std::shared_ptr<const fkda::Plan> held = fkda::hold_plan(plan);
     const fkda::Plan& p = *held;
     std::lock_guard<std::mutex> lock(p.launch_mutex);
-    *report = p.last_launch;
+    fkda::write_versioned(report, p.last_launch, "report");
   });
 }
 
 FKDA_API fkda_status fkda_get_build_info(fkda_build_info* info) {
   return guarded([&] {
-    require_output(info, "info");
-    // Its first published size is its current one.
-    fkda::read_versioned(*info, fkda_build_info FKDA_BUILD_INFO_INIT, sizeof(fkda_build_info), "info",
-                         "FKDA_BUILD_INFO_INIT");
+    fkda::output_fields_end(info, "info");
     fkda_build_info result = FKDA_BUILD_INFO_INIT;
     result.cuda_version = FKDA_BUILD_CUDA_VERSION;
     result.min_driver_version = FKDA_BUILD_MIN_DRIVER_VERSION;
     static_assert(sizeof(FKDA_BUILD_ARCHITECTURES) <= sizeof(result.architectures),
                   "fkda_build_info.architectures too small for the fatbin's list");
     std::memcpy(result.architectures, FKDA_BUILD_ARCHITECTURES, sizeof(FKDA_BUILD_ARCHITECTURES));
-    *info = result;
+    fkda::write_versioned(info, result, "info");
   });
 }
 

@@ -174,15 +174,7 @@ size_t Plan::workspace_size(int64_t total_tokens, int64_t num_seqs) const {
 
 fkda_plan_t create_plan(const fkda_plan_desc* desc) {
   if (desc == nullptr) invalid("desc: NULL");
-  // 0.1 ended the struct after lower_bound, 0.2 after debug_checks, 0.3
-  // after beta_mode: 0.2's sizeof (48) holds gate_mode's place as padding,
-  // 0.3's (56) vsplit's.
-  const fkda_plan_desc read = read_versioned(*desc, fkda_plan_desc FKDA_PLAN_DESC_INIT,
-                                             offsetof(fkda_plan_desc, lower_bound) + sizeof(float), "desc",
-                                             "FKDA_PLAN_DESC_INIT",
-                                             {offsetof(fkda_plan_desc, debug_checks) + sizeof(int32_t),
-                                              offsetof(fkda_plan_desc, beta_mode) + sizeof(int32_t),
-                                              offsetof(fkda_plan_desc, segment_chunks) + sizeof(int64_t)});
+  const fkda_plan_desc read = read_versioned(desc, "desc");
   desc = &read;
   if (desc->num_heads <= 0) {
     invalid("desc.num_heads: must be > 0, got " + std::to_string(desc->num_heads));
