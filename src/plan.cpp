@@ -14,6 +14,7 @@
 #include "dtype_name.h"
 #include "error.h"
 #include "gpu/gpu_backend.h"
+#include "gpu/gpu_transitions.h"
 
 namespace fkda {
 namespace {
@@ -92,17 +93,25 @@ size_t Plan::workspace_size(int64_t total_tokens, int64_t num_seqs) const {
   if (total_tokens < 0) invalid("total_tokens: must be >= 0, got " + std::to_string(total_tokens));
   if (num_seqs < 0) invalid("num_seqs: must be >= 0, got " + std::to_string(num_seqs));
   if (backend == FKDA_BACKEND_GPU) return gpu::workspace_size(total_tokens, num_seqs, num_heads);
-  return cpu::workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v);
+  return cpu::workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v, tuning);
+}
+
+size_t Plan::transitions_workspace_size(int64_t total_tokens, int64_t num_seqs) const {
+  if (total_tokens < 0) invalid("total_tokens: must be >= 0, got " + std::to_string(total_tokens));
+  if (num_seqs < 0) invalid("num_seqs: must be >= 0, got " + std::to_string(num_seqs));
+  if (backend == FKDA_BACKEND_GPU) return gpu::transitions_workspace_size(total_tokens, num_seqs, num_heads);
+  return cpu::transitions_workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v);
 }
 
 fkda_plan_t create_plan(const fkda_plan_desc* desc) {
   if (desc == nullptr) invalid("desc: NULL");
   // 0.1 ended the struct after lower_bound, 0.2 after debug_checks: 0.2's
-  // sizeof (48) holds gate_mode's place as padding.
+  // sizeof (48) holds gate_mode's place as padding, and 0.3's (56) vsplit's.
   const fkda_plan_desc read = read_versioned(*desc, fkda_plan_desc FKDA_PLAN_DESC_INIT,
                                              offsetof(fkda_plan_desc, lower_bound) + sizeof(float), "desc",
                                              "FKDA_PLAN_DESC_INIT",
-                                             {offsetof(fkda_plan_desc, debug_checks) + sizeof(int32_t)});
+                                             {offsetof(fkda_plan_desc, debug_checks) + sizeof(int32_t),
+                                              offsetof(fkda_plan_desc, beta_mode) + sizeof(int32_t)});
   desc = &read;
   if (desc->num_heads <= 0) {
     invalid("desc.num_heads: must be > 0, got " + std::to_string(desc->num_heads));
@@ -152,6 +161,15 @@ fkda_plan_t create_plan(const fkda_plan_desc* desc) {
             " gate has no floor (leave lower_bound at its FKDA_PLAN_DESC_INIT value, -5)");
   }
 
+  if (desc->chunk_parallel != FKDA_CHUNK_PARALLEL_AUTO && desc->chunk_parallel != FKDA_CHUNK_PARALLEL_OFF &&
+      desc->chunk_parallel != FKDA_CHUNK_PARALLEL_ON) {
+    invalid("desc.chunk_parallel: expected FKDA_CHUNK_PARALLEL_AUTO (0), _OFF (1) or _ON (2), got " +
+            std::to_string(desc->chunk_parallel));
+  }
+  if (desc->segment_chunks < 0) {
+    invalid("desc.segment_chunks: must be 0 (automatic) or > 0, got " + std::to_string(desc->segment_chunks));
+  }
+
   fkda_backend backend = FKDA_BACKEND_CPU;
   switch (desc->backend) {
     case FKDA_BACKEND_CPU: break;
@@ -185,6 +203,8 @@ fkda_plan_t create_plan(const fkda_plan_desc* desc) {
   plan->debug_checks = desc->debug_checks == 1 || debug_checks_from_environment();
   plan->gate_mode = desc->gate_mode;
   plan->beta_mode = desc->beta_mode;
+  plan->tuning.chunk_parallel = desc->chunk_parallel;
+  plan->tuning.segment_chunks = desc->segment_chunks;
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry().insert(plan);
   return plan;

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "flashkda.h"
+#include "tuning.h"
 
 namespace fkda {
 
@@ -33,11 +34,14 @@ struct Plan {
   int32_t gate_mode = FKDA_GATE_BOUNDED;  // fkda_gate_mode
   int32_t beta_mode = FKDA_BETA_LOGITS;   // fkda_beta_mode
   std::atomic<float> lower_bound{-5.0f};  // BOUNDED plans only
+  Tuning tuning;                          // the 0.4 launch fields
   // The launch shape of the last GPU fkda_fwd (fkda_plan_get_launch_report).
   mutable std::mutex launch_mutex;
   mutable fkda_launch_report last_launch = FKDA_LAUNCH_REPORT_INIT;
 
   size_t workspace_size(int64_t total_tokens, int64_t num_seqs) const;
+  // fkda_plan_transitions_workspace_size.
+  size_t transitions_workspace_size(int64_t total_tokens, int64_t num_seqs) const;
 };
 
 }  // namespace fkda
