@@ -15,8 +15,10 @@
 #include "flashkda.h"
 #include "gpu/gpu_backend.h"
 #include "gpu/gpu_debug_checks.h"
+#include "gpu/gpu_transitions.h"
 #include "plan.h"
 #include "validate.h"
+#include "validate_transitions.h"
 
 namespace {
 
@@ -147,7 +149,7 @@ FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args, void*
       p.last_launch = fkda_launch_report{sizeof(fkda_launch_report), shape.vsplit, shape.windows,
                                          shape.slots_per_window, shape.chunk_parallel, shape.segment_chunks};
     } else {
-      fkda::cpu::fwd(problem, workspace, workspace_bytes);
+      fkda::cpu::fwd(problem, p.tuning, workspace, workspace_bytes);
     }
   });
 }
@@ -176,6 +178,44 @@ FKDA_API fkda_status fkda_decode(fkda_plan_t plan, const fkda_decode_args* args,
       fkda::gpu::decode(problem, cu_stream);
     } else {
       fkda::cpu::decode(problem);
+    }
+  });
+}
+
+FKDA_API fkda_status fkda_plan_transitions_workspace_size(fkda_plan_t plan, int64_t total_tokens,
+                                                          int64_t num_seqs, size_t* bytes) {
+  return guarded([&] {
+    require_output(bytes, "bytes");
+    *bytes = fkda::hold_plan(plan)->transitions_workspace_size(total_tokens, num_seqs);
+  });
+}
+
+FKDA_API fkda_status fkda_transitions(fkda_plan_t plan, const fkda_transition_args* args, void* workspace,
+                                      size_t workspace_bytes, fkda_stream_t stream) {
+  return guarded([&] {
+    const std::shared_ptr<const fkda::Plan> held = fkda::hold_plan(plan);
+    const fkda::Plan& p = *held;
+    const fkda::TransitionProblem problem = fkda::validate_transitions(p, args, workspace, workspace_bytes);
+    if (problem.num_seqs == 0) return;
+    if (p.backend == FKDA_BACKEND_GPU) {
+      fkda::gpu::transitions(problem, p.tuning, workspace, workspace_bytes, reinterpret_cast<CUstream>(stream));
+    } else {
+      fkda::cpu::transitions(problem, workspace, workspace_bytes);
+    }
+  });
+}
+
+FKDA_API fkda_status fkda_apply_transitions(fkda_plan_t plan, const fkda_apply_args* args, void* workspace,
+                                            size_t workspace_bytes, fkda_stream_t stream) {
+  return guarded([&] {
+    const std::shared_ptr<const fkda::Plan> held = fkda::hold_plan(plan);
+    const fkda::Plan& p = *held;
+    const fkda::ApplyProblem problem = fkda::validate_apply(p, args, workspace, workspace_bytes);
+    if (problem.num_seqs == 0) return;
+    if (p.backend == FKDA_BACKEND_GPU) {
+      fkda::gpu::apply_transitions(problem, workspace, workspace_bytes, reinterpret_cast<CUstream>(stream));
+    } else {
+      fkda::cpu::apply_transitions(problem);
     }
   });
 }

@@ -17,6 +17,7 @@
 #include "dtype_name.h"
 #include "error.h"
 #include "gpu/gpu_backend.h"
+#include "gpu/gpu_transitions.h"
 
 namespace fkda {
 namespace {
@@ -169,7 +170,14 @@ size_t Plan::workspace_size(int64_t total_tokens, int64_t num_seqs) const {
   if (total_tokens < 0) invalid("total_tokens: must be >= 0, got " + std::to_string(total_tokens));
   if (num_seqs < 0) invalid("num_seqs: must be >= 0, got " + std::to_string(num_seqs));
   if (backend == FKDA_BACKEND_GPU) return gpu::workspace_size(total_tokens, num_seqs, num_heads, tuning);
-  return cpu::workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v);
+  return cpu::workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v, tuning);
+}
+
+size_t Plan::transitions_workspace_size(int64_t total_tokens, int64_t num_seqs) const {
+  if (total_tokens < 0) invalid("total_tokens: must be >= 0, got " + std::to_string(total_tokens));
+  if (num_seqs < 0) invalid("num_seqs: must be >= 0, got " + std::to_string(num_seqs));
+  if (backend == FKDA_BACKEND_GPU) return gpu::transitions_workspace_size(total_tokens, num_seqs, num_heads, tuning);
+  return cpu::transitions_workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v);
 }
 
 fkda_plan_t create_plan(const fkda_plan_desc* desc) {
@@ -224,6 +232,15 @@ fkda_plan_t create_plan(const fkda_plan_desc* desc) {
             " gate has no floor (leave lower_bound at its FKDA_PLAN_DESC_INIT value, -5)");
   }
   const Tuning tuning = read_tuning(*desc);
+
+  if (desc->chunk_parallel != FKDA_CHUNK_PARALLEL_AUTO && desc->chunk_parallel != FKDA_CHUNK_PARALLEL_OFF &&
+      desc->chunk_parallel != FKDA_CHUNK_PARALLEL_ON) {
+    invalid("desc.chunk_parallel: expected FKDA_CHUNK_PARALLEL_AUTO (0), _OFF (1) or _ON (2), got " +
+            std::to_string(desc->chunk_parallel));
+  }
+  if (desc->segment_chunks < 0) {
+    invalid("desc.segment_chunks: must be 0 (automatic) or > 0, got " + std::to_string(desc->segment_chunks));
+  }
 
   fkda_backend backend = FKDA_BACKEND_CPU;
   switch (desc->backend) {

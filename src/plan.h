@@ -41,6 +41,8 @@ struct Plan {
   mutable fkda_launch_report last_launch = FKDA_LAUNCH_REPORT_INIT;
 
   size_t workspace_size(int64_t total_tokens, int64_t num_seqs) const;
+  // fkda_plan_transitions_workspace_size.
+  size_t transitions_workspace_size(int64_t total_tokens, int64_t num_seqs) const;
 };
 
 

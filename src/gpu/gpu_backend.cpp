@@ -11,6 +11,7 @@
 
 #include "checked_arith.h"
 #include "error.h"
+#include "gpu/gpu_transitions.h"
 #include "gpu/kernel_library.h"
 #include "prefill_params.h"
 
@@ -272,6 +273,108 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace
            unsigned(fkda_recurrence_smem_bytes(params.vsplit)), stream, &params);
   }
   return LaunchShape{params.vsplit, windows.count, windows.slots, seg.chunks > 0 ? 1 : 0, seg.chunks};
+}
+
+// ------------------------------------------------------- transitions ---
+
+namespace {
+
+// fkda_transitions always cuts its sequences into segments: forced on,
+// with the plan's segment length if it has one.
+Tuning transitions_tuning(Tuning tuning) {
+  tuning.chunk_parallel = FKDA_CHUNK_PARALLEL_ON;
+  return tuning;
+}
+
+}  // namespace
+
+size_t transitions_workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, const Tuning& tuning) {
+  return workspace_size(total_tokens, num_seqs, num_heads, transitions_tuning(tuning));
+}
+
+void transitions(const TransitionProblem& problem, const Tuning& plan_tuning, void* workspace,
+                 size_t workspace_bytes, CUstream stream) {
+  const Tuning tuning = transitions_tuning(plan_tuning);
+  const int64_t total_tokens = problem.batch * problem.seq_len;
+  const Windows windows = windows_for(total_tokens, problem.num_seqs, problem.num_heads, tuning.window_slots);
+  const Segments seg = segments_for(windows.slots, windows.total_slots, problem.num_seqs, problem.num_heads, tuning);
+  const size_t needed = launch_workspace(windows, seg, total_tokens, problem.num_heads);
+  if (workspace_bytes < needed) {
+    fail(FKDA_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes: " + std::to_string(workspace_bytes) +
+                                             " bytes given, the transitions need " + std::to_string(needed) +
+                                             " (fkda_plan_transitions_workspace_size)");
+  }
+  const LaunchContext context = launch_context();
+  const int64_t max_grid_x = std::numeric_limits<int32_t>::max();
+  if (problem.num_heads > 65535 || windows.slots > max_grid_x || problem.num_seqs > max_grid_x ||
+      seg.per_seq > max_grid_x / std::max<int64_t>(problem.num_seqs, 1)) {
+    fail(FKDA_ERROR_UNSUPPORTED, "problem too large for one launch: " + std::to_string(problem.num_seqs) +
+                                     " sequences, " + std::to_string(total_tokens) + " tokens, " +
+                                     std::to_string(problem.num_heads) + " heads");
+  }
+  if (!context.facts.segment_scan_fits) {
+    fail(FKDA_ERROR_UNSUPPORTED_ARCH, "fkda_transitions needs " + std::to_string(FKDA_SCAN_SMEM_BYTES) +
+                                          " bytes of shared memory per block; the device allows " +
+                                          std::to_string(context.facts.max_dynamic_smem));
+  }
+
+  // The call as a prefill without q, out or states: q's view is k's (the
+  // preparation forms Qd, which the transition pass never reads).
+  PrefillProblem prefill;
+  prefill.batch = problem.batch;
+  prefill.seq_len = problem.seq_len;
+  prefill.num_seqs = problem.num_seqs;
+  prefill.num_heads = problem.num_heads;
+  prefill.q = problem.k;
+  prefill.k = problem.k;
+  prefill.v = problem.v;
+  prefill.g = problem.g;
+  prefill.beta = problem.beta;
+  prefill.A_log = problem.A_log;
+  prefill.dt_bias = problem.dt_bias;
+  prefill.gate = problem.gate;
+  prefill.state_layout = problem.state_layout;
+  prefill.cu_seqlens = problem.cu_seqlens;
+  prefill.lower_bound = problem.lower_bound;
+
+  FkdaPrefillParams params;
+  std::memset(&params, 0, sizeof(params));
+  set_common_params(prefill, params);
+  params.workspace = static_cast<unsigned char*>(workspace);
+  params.num_slots = windows.total_slots;
+  params.gate_scale = gate_scale(problem.lower_bound);
+  params.vsplit = kSegmentVsplit;
+  params.transitions_only = 1;
+  params.trans_m = problem.transition_m;
+  params.trans_e = problem.transition_e;
+  params.segment_chunks = seg.chunks;
+  params.segments_per_seq = seg.per_seq;
+  params.segment_capacity = seg.capacity;
+  float* carry = reinterpret_cast<float*>(params.workspace + windows.slots * int64_t(problem.num_heads) *
+                                                                 FKDA_WS_RECORD_BYTES);
+  const int64_t carry_step = int64_t(problem.num_heads) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
+  params.seg_m = carry + (windows.count - 1) * carry_step;
+  params.seg_e = params.seg_m + seg.capacity * carry_step;
+
+  const ResolvedKernel prepare =
+      total_tokens > 0 ? resolve(context, prepare_kernel(context.kernels, problem.gate)) : ResolvedKernel{};
+  const ResolvedKernel segment_transitions = resolve(context, context.kernels.segment_transitions[kSegmentVsplit - 1]);
+  const ResolvedKernel segment_scan = resolve(context, context.kernels.segment_scan);
+  const unsigned heads = unsigned(problem.num_heads);
+  for (int64_t w = 0; w < windows.count; ++w) {
+    params.window_first = w * windows.slots;
+    params.window_end = std::min(params.window_first + windows.slots, windows.total_slots);
+    if (total_tokens > 0) {
+      launch(context, prepare, unsigned(params.window_end - params.window_first), heads, 1, FKDA_PREPARE_THREADS,
+             0, stream, &params);
+      launch(context, segment_transitions, unsigned(problem.num_seqs * seg.per_seq), heads,
+             unsigned(2 * kSegmentVsplit), unsigned(32 * fkda_recurrence_warps(kSegmentVsplit)),
+             unsigned(fkda_recurrence_smem_bytes(kSegmentVsplit)), stream, &params);
+    }
+    // Also without tokens: zero-length sequences get (I, 0).
+    launch(context, segment_scan, unsigned(problem.num_seqs), heads, unsigned(2 * FKDA_HEAD_DIM / FKDA_SCAN_ROWS),
+           FKDA_SCAN_THREADS, FKDA_SCAN_SMEM_BYTES, stream, &params);
+  }
 }
 
 }  // namespace fkda::gpu

@@ -64,6 +64,7 @@ Kernels load_kernels(const cuda::Driver& d) {
     get(&kernels.segment_recurrence[i], segment_recurrence[i]);
   }
   get(&kernels.segment_scan, "fkda_prefill_segment_scan");
+  get(&kernels.apply_transitions, "fkda_apply_transitions");
   get(&kernels.decode[decode_kernel_index(false, false)], "fkda_decode_f32_vk");
   get(&kernels.decode[decode_kernel_index(false, true)], "fkda_decode_f32_kv");
   get(&kernels.decode[decode_kernel_index(true, false)], "fkda_decode_bf16_vk");
@@ -129,7 +130,10 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
   // (chunk_parallel_possible below).
   facts.segment_scan_fits = FKDA_SCAN_SMEM_BYTES <= facts.max_dynamic_smem &&
                             fkda_recurrence_smem_bytes(kSegmentVsplitCount) <= facts.max_dynamic_smem;
-  if (facts.segment_scan_fits) allow_smem(k.segment_scan, FKDA_SCAN_SMEM_BYTES);
+  if (facts.segment_scan_fits) {
+    allow_smem(k.segment_scan, FKDA_SCAN_SMEM_BYTES);
+    allow_smem(k.apply_transitions, FKDA_APPLY_SMEM_BYTES);
+  }
   known.emplace_back(device, facts);
   return known.back().second;
 }

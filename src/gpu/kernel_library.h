@@ -45,6 +45,7 @@ struct Kernels {
   NamedKernel segment_transitions[kSegmentVsplitCount];
   NamedKernel segment_recurrence[kSegmentVsplitCount];
   NamedKernel segment_scan;
+  NamedKernel apply_transitions;  // fkda_apply_transitions
   NamedKernel decode[kDecodeKernelCount];
 };
 

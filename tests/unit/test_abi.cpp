@@ -197,6 +197,7 @@ TEST_CASE("struct layouts are frozen", "[abi]") {
   STATIC_REQUIRE(offsetof(fkda_plan_desc, debug_checks) == 40);
   STATIC_REQUIRE(offsetof(fkda_plan_desc, gate_mode) == 44);
   STATIC_REQUIRE(offsetof(fkda_plan_desc, beta_mode) == 48);
+  // 0.4's vsplit sits in 0.3's trailing padding (sizeof 56 then).
   STATIC_REQUIRE(offsetof(fkda_plan_desc, vsplit) == 52);
   STATIC_REQUIRE(offsetof(fkda_plan_desc, chunk_parallel) == 56);
   STATIC_REQUIRE(offsetof(fkda_plan_desc, window_slots) == 64);
@@ -217,6 +218,7 @@ TEST_CASE("struct layouts are frozen", "[abi]") {
   STATIC_REQUIRE(offsetof(fkda_launch_report, slots_per_window) == 24);
   STATIC_REQUIRE(offsetof(fkda_launch_report, chunk_parallel) == 32);
   STATIC_REQUIRE(sizeof(fkda_launch_report) == 48);
+  STATIC_REQUIRE(offsetof(fkda_transition_args, k) == 8);
   STATIC_REQUIRE(offsetof(fkda_transition_args, transition_e) == 8 + 8 * 112);
   STATIC_REQUIRE(sizeof(fkda_transition_args) == 8 + 9 * 112);
   STATIC_REQUIRE(offsetof(fkda_apply_args, final_state) == 8 + 3 * 112);
