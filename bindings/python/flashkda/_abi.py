@@ -67,6 +67,15 @@ class BetaMode(enum.IntEnum):
     PROBABILITIES = 1  # beta as it is, clamped into [0, 1]
 
 
+class ChunkParallel(enum.IntEnum):
+    """Whether GPU prefill cuts long sequences into parallel segments
+    (fkda_chunk_parallel, 0.4; fkda_plan_desc.chunk_parallel)."""
+
+    AUTO = 0
+    OFF = 1
+    ON = 2
+
+
 class FkdaTensor(ctypes.Structure):
     _fields_ = [
         ("data", ctypes.c_void_p),
