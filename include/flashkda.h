@@ -589,9 +589,9 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info);
  * environment do not affect existing plans, and no other call reads it.
  * fkda_plan_workspace_size sizes the workspace for the plan's tuning and
  * fkda_fwd checks the launch it computes against workspace_bytes
- * (FKDA_ERROR_WORKSPACE_TOO_SMALL naming workspace_bytes). A value not listed is rejected
- * by fkda_plan_create with FKDA_ERROR_INVALID_ARGUMENT naming the field or
- * the variable:
+ * (FKDA_ERROR_WORKSPACE_TOO_SMALL naming workspace_bytes). A value not
+ * listed is rejected by fkda_plan_create with FKDA_ERROR_INVALID_ARGUMENT
+ * naming the field or the variable:
  *   FKDA_VSPLIT           vsplit: 1, 2, 4 or 8 (raised to the smallest split
  *                         whose shared memory the device allows)
  *   FKDA_WINDOW_SLOTS     window_slots: a positive integer (the workspace size

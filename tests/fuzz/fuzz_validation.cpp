@@ -644,7 +644,7 @@ void fuzz_workspace_sizes(Input& in) {
   // GPU; it is called directly. It may refuse (UNSUPPORTED), never overflow.
   const int32_t gpu_heads = int32_t(uint32_t(in.bytes(4)));
   try {
-    fkda::gpu::workspace_size(total_tokens, num_seqs, gpu_heads);
+    fkda::gpu::workspace_size(total_tokens, num_seqs, gpu_heads, fkda::Tuning{});
   } catch (const fkda::Error& e) {
     if (e.status != FKDA_ERROR_UNSUPPORTED) finding("GPU workspace sizing failed with " + e.message);
   }
