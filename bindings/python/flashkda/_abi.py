@@ -67,6 +67,14 @@ class BetaMode(enum.IntEnum):
     PROBABILITIES = 1  # beta as it is, clamped into [0, 1]
 
 
+class ChunkParallel(enum.IntEnum):
+    """Whether GPU prefill runs segments of a sequence in parallel (fkda_chunk_parallel, 0.4)."""
+
+    AUTO = 0
+    OFF = 1
+    ON = 2
+
+
 class FkdaTensor(ctypes.Structure):
     _fields_ = [
         ("data", ctypes.c_void_p),
@@ -91,6 +99,10 @@ class FkdaPlanDesc(ctypes.Structure):
         ("debug_checks", ctypes.c_int32),
         ("gate_mode", ctypes.c_int32),
         ("beta_mode", ctypes.c_int32),
+        ("vsplit", ctypes.c_int32),
+        ("chunk_parallel", ctypes.c_int32),
+        ("window_slots", ctypes.c_int64),
+        ("segment_chunks", ctypes.c_int64),
     ]
 
     @classmethod
@@ -109,6 +121,10 @@ class FkdaPlanDesc(ctypes.Structure):
             debug_checks=0,
             gate_mode=GateMode.BOUNDED,
             beta_mode=BetaMode.LOGITS,
+            vsplit=0,
+            chunk_parallel=ChunkParallel.AUTO,
+            window_slots=0,
+            segment_chunks=0,
         )
 
 
@@ -185,6 +201,8 @@ class FkdaLaunchReport(ctypes.Structure):
         ("vsplit", ctypes.c_int64),
         ("windows", ctypes.c_int64),
         ("slots_per_window", ctypes.c_int64),
+        ("chunk_parallel", ctypes.c_int64),
+        ("segment_chunks", ctypes.c_int64),
     ]
 
     @classmethod

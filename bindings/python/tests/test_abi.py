@@ -93,6 +93,7 @@ def test_enums_match_the_header(header):
         "fkda_null_slot_rule": (_abi.NullSlotRule, "FKDA_NULL_SLOT_"),
         "fkda_gate_mode": (_abi.GateMode, "FKDA_GATE_"),
         "fkda_beta_mode": (_abi.BetaMode, "FKDA_BETA_"),
+        "fkda_chunk_parallel": (_abi.ChunkParallel, "FKDA_CHUNK_PARALLEL_"),
     }
     assert set(mirrors) == set(header["enums"])
     for enum_name, (mirror, prefix) in mirrors.items():
