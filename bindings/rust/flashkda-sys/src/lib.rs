@@ -17,7 +17,7 @@ use core::mem::size_of;
 use core::ptr::null_mut;
 
 pub const FKDA_VERSION_MAJOR: u32 = 0;
-pub const FKDA_VERSION_MINOR: u32 = 3;
+pub const FKDA_VERSION_MINOR: u32 = 4;
 pub const FKDA_VERSION_PATCH: u32 = 0;
 pub const FKDA_VERSION_NUMBER: u32 =
     FKDA_VERSION_MAJOR * 10000 + FKDA_VERSION_MINOR * 100 + FKDA_VERSION_PATCH;
