@@ -417,10 +417,12 @@ FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args,
  * read or written. On CPU plans every index, count and offset the call
  * reads is checked, and a bad one is an error naming the element and the
  * sequence. The call does not read, so never checks: the state_indices
- * row and num_accepted_tokens entry of a zero-length sequence, the slot
- * table columns at and past a sequence's length, and the other columns of
- * a padding sequence (one whose starting column is null). On GPU plans
- * they are not read by the host and a bad one makes its sequence padding.
+ * row and num_accepted_tokens entry of a zero-length sequence, a slot
+ * table's columns at and past a sequence's length (but its starting
+ * column, num_accepted_tokens[n] - 1), and the columns of a padding
+ * sequence (one whose starting column is null) other than that one. On
+ * GPU plans they are not read by the host and a bad one makes its sequence
+ * padding.
  * Two sequences writing the same slot in one call is undefined. */
 typedef struct fkda_decode_args {
   size_t struct_size; /* sizeof(fkda_decode_args) */
