@@ -20,7 +20,7 @@ CUDA tensors (GPU backend); the library itself never communicates.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List
 
 from ._abi import BetaMode, GateMode, NullSlotRule
 from ._api import apply_transitions, fwd, transitions
