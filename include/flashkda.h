@@ -226,7 +226,9 @@ typedef struct fkda_plan_desc {
 
 /* Whether GPU prefill cuts long sequences into segments that run in
  * parallel (appended in 0.4; docs/ARCHITECTURE.md, "Chunk-parallel
- * prefill"). AUTO decides from the call's T, N and H alone. */
+ * prefill"). AUTO decides from the call's T, N and H alone. CPU plans take
+ * their chunk-parallel path only with ON (segments of segment_chunks chunks,
+ * 64 when 0; the workspace size grows with it); AUTO keeps them serial. */
 typedef enum fkda_chunk_parallel {
   FKDA_CHUNK_PARALLEL_AUTO = 0,
   FKDA_CHUNK_PARALLEL_OFF = 1, /* one chain of chunks per sequence */
@@ -482,16 +484,23 @@ FKDA_API fkda_status fkda_decode(fkda_plan_t plan, const fkda_decode_args* args,
  *             E [.., H, V, K]
  *   KV plans  M and E stored transposed: M [.., H, K, K] holding M^T and
  *             E [.., H, K, V] holding E^T, so S_out^T = M^T S_in^T + E^T
- * Both are f32, packed. An empty segment has M = I and E = 0.
+ * Both are f32, packed. An empty segment has M = I and E = 0. M and E are
+ * formed with the chunked arithmetic of fkda_fwd (E: its run from a zero
+ * state; M: its run from the identity with v = 0), so applying them and
+ * running fkda_fwd on the following tokens matches one fkda_fwd over all
+ * of them to the f32 state's accuracy, not bit for bit.
  *
  * fkda_transitions: the transitions of each sequence's tokens, as if each
  * started from an unknown state.
  *   k, v, g, beta, A_log, dt_bias, cu_seqlens   as in fkda_fwd (q and out are
  *                      not needed; the plan's gate and beta modes apply)
  *   transition_m       f32 [N, H, K, K], written
- *   transition_e       f32 [N, H, V, K] (KV plans [N, H, K, V]), written
+ *   transition_e       f32 [N, H, V, K] (KV plans [N, H, K, V]), written;
+ *                      must not overlap transition_m
  * GPU plans enqueue on `stream`, allocate nothing and never synchronise;
- * the workspace is sized by fkda_plan_transitions_workspace_size. */
+ * the workspace is sized by fkda_plan_transitions_workspace_size (any sizes
+ * >= 0 are answered, as by fkda_plan_workspace_size). CPU plans check the
+ * contents of cu_seqlens as fkda_fwd does. */
 typedef struct fkda_transition_args {
   size_t struct_size; /* sizeof(fkda_transition_args) */
   fkda_tensor k;
@@ -526,7 +535,8 @@ FKDA_API fkda_status fkda_transitions(fkda_plan_t plan,
  *   initial_state      optional, plan's state dtype and layout, [N, H, V, K]:
  *                      absent means zeros
  *   final_state        plan's state dtype and layout, [N, H, V, K], written;
- *                      may be the same buffer as initial_state
+ *                      may be the same buffer as initial_state, and must not
+ *                      overlap it otherwise, nor the transitions
  * The state is carried in f32 between transitions and rounded once. No
  * workspace is needed today (NULL and 0 are accepted). */
 typedef struct fkda_apply_args {

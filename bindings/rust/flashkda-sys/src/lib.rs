@@ -242,6 +242,56 @@ pub const FKDA_DECODE_ARGS_INIT: fkda_decode_args = fkda_decode_args {
     scale: 0.088_388_347_648_318_45,
 };
 
+// ------------------------------------------------------------- transitions
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct fkda_transition_args {
+    pub struct_size: usize,
+    pub k: fkda_tensor,
+    pub v: fkda_tensor,
+    pub g: fkda_tensor,
+    pub beta: fkda_tensor,
+    pub A_log: fkda_tensor,
+    pub dt_bias: fkda_tensor,
+    pub cu_seqlens: fkda_tensor,
+    pub transition_m: fkda_tensor,
+    pub transition_e: fkda_tensor,
+}
+
+/// FKDA_TRANSITION_ARGS_INIT: every tensor absent.
+pub const FKDA_TRANSITION_ARGS_INIT: fkda_transition_args = fkda_transition_args {
+    struct_size: size_of::<fkda_transition_args>(),
+    k: FKDA_TENSOR_NONE,
+    v: FKDA_TENSOR_NONE,
+    g: FKDA_TENSOR_NONE,
+    beta: FKDA_TENSOR_NONE,
+    A_log: FKDA_TENSOR_NONE,
+    dt_bias: FKDA_TENSOR_NONE,
+    cu_seqlens: FKDA_TENSOR_NONE,
+    transition_m: FKDA_TENSOR_NONE,
+    transition_e: FKDA_TENSOR_NONE,
+};
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct fkda_apply_args {
+    pub struct_size: usize,
+    pub transition_m: fkda_tensor,
+    pub transition_e: fkda_tensor,
+    pub initial_state: fkda_tensor,
+    pub final_state: fkda_tensor,
+}
+
+/// FKDA_APPLY_ARGS_INIT: every tensor absent.
+pub const FKDA_APPLY_ARGS_INIT: fkda_apply_args = fkda_apply_args {
+    struct_size: size_of::<fkda_apply_args>(),
+    transition_m: FKDA_TENSOR_NONE,
+    transition_e: FKDA_TENSOR_NONE,
+    initial_state: FKDA_TENSOR_NONE,
+    final_state: FKDA_TENSOR_NONE,
+};
+
 // ----------------------------------------------------------------- devices
 
 #[repr(C)]
@@ -350,6 +400,27 @@ extern "C" {
     pub fn fkda_decode(
         plan: fkda_plan_t,
         args: *const fkda_decode_args,
+        workspace: *mut c_void,
+        workspace_bytes: usize,
+        stream: fkda_stream_t,
+    ) -> fkda_status;
+
+    pub fn fkda_plan_transitions_workspace_size(
+        plan: fkda_plan_t,
+        total_tokens: i64,
+        num_seqs: i64,
+        bytes: *mut usize,
+    ) -> fkda_status;
+    pub fn fkda_transitions(
+        plan: fkda_plan_t,
+        args: *const fkda_transition_args,
+        workspace: *mut c_void,
+        workspace_bytes: usize,
+        stream: fkda_stream_t,
+    ) -> fkda_status;
+    pub fn fkda_apply_transitions(
+        plan: fkda_plan_t,
+        args: *const fkda_apply_args,
         workspace: *mut c_void,
         workspace_bytes: usize,
         stream: fkda_stream_t,

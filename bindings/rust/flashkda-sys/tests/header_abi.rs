@@ -608,6 +608,12 @@ mirrors! {
         struct_size, q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_indices,
         num_accepted_tokens, cu_seqlens, scale,
     }
+    fkda_transition_args = FKDA_TRANSITION_ARGS_INIT {
+        struct_size, k, v, g, beta, A_log, dt_bias, cu_seqlens, transition_m, transition_e,
+    }
+    fkda_apply_args = FKDA_APPLY_ARGS_INIT {
+        struct_size, transition_m, transition_e, initial_state, final_state,
+    }
     fkda_device_info = FKDA_DEVICE_INFO_INIT {
         struct_size, driver_loaded, driver_version, device_count, device, cc_major, cc_minor,
         has_kernels, name,
