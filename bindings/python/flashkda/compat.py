@@ -30,7 +30,7 @@ import threading
 import torch
 
 from . import _api
-from ._abi import Backend, Dtype, StateLayout, Status
+from ._abi import Backend, BetaMode, Dtype, GateMode, NullSlotRule, StateLayout, Status
 from ._errors import FlashKDAError
 from ._library import library as _current_library
 
@@ -81,10 +81,17 @@ def _number(name, value):
         raise _wrong_type(f"{name}: expected a number, got {type(value).__name__}") from None
 
 
-def _check(tensors):
+def _check(arrays, scale, lower_bound):
     """Raises, naming the argument, for every call FlashKDA's fwd refuses and
-    libflashkda would take; the library checks the rest (shapes of q, k, v,
-    g, beta, out and the states, head size 128, lower_bound's range)."""
+    libflashkda would take (arrays in fwd's order, as _FWD_ARRAYS names
+    them); the library checks the rest (shapes of q, k, v, g, beta, out and
+    the states, head size 128, lower_bound's range).
+
+    Run when a call's argument block is built, so once per layout: what it
+    reads (types, shapes, strides, dtypes, q's device, scale, lower_bound) is
+    the block's key. Where the other tensors live is checked by the library at
+    every call; fwd then runs this again for FlashKDA's message."""
+    tensors = dict(zip(_FWD_ARRAYS, arrays))
     for name in _REQUIRED:
         if not isinstance(tensors[name], torch.Tensor):
             raise _wrong_type(f"{name}: expected a torch.Tensor, got {type(tensors[name]).__name__}")
@@ -93,6 +100,8 @@ def _check(tensors):
         if value is not None and not isinstance(value, torch.Tensor):
             raise _wrong_type(
                 f"{name}: expected a torch.Tensor or None, got {type(value).__name__}")
+    _number("scale", scale)
+    _number("lower_bound", lower_bound)
 
     q = tensors["q"]
     device = q.device
@@ -143,6 +152,13 @@ def _check(tensors):
             raise _refuse(f"q: with cu_seqlens the batch must be 1, got B = {batch}")
 
 
+# fwd's arrays in the order of flashkda.fwd's launch path, which also takes
+# the pool and checkpoint arguments (absent here).
+_FWD_ARRAYS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "out", "initial_state",
+               "final_state", "cu_seqlens")
+_NO_POOL = (None,) * 6
+
+
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,
         final_state=None, cu_seqlens=None):
     """FlashKDA's forward pass: writes `out` (and `final_state`) in place.
@@ -151,20 +167,18 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     A_log [H] and dt_bias [H, 128]: f32. lower_bound in [-5, 0]. States
     [N, H, 128, 128] (value axis before key axis), bf16 or f32; N is B, or
     len(cu_seqlens) - 1 with B == 1. Runs on the tensors' device, on torch's
-    current stream; the workspace comes from torch's allocator.
+    current stream; the workspace comes from torch's allocator. A repeated
+    call of the same layout costs what flashkda.fwd costs: the checks above
+    run once per layout.
     """
-    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "out": out, "A_log": A_log,
-               "dt_bias": dt_bias, "initial_state": initial_state,
-               "final_state": final_state, "cu_seqlens": cu_seqlens}
-    _check(tensors)
-    scale = _number("scale", scale)
-    lower_bound = _number("lower_bound", lower_bound)
+    arrays = (q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state, cu_seqlens)
     try:
-        _api.fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,
-                 initial_state, final_state, cu_seqlens)
-    except CompatError:
+        _api.run_derived(_api.FWD, arrays + _NO_POOL, scale, lower_bound, NullSlotRule.NEGATIVE,
+                         GateMode.BOUNDED, BetaMode.LOGITS, check=_check)
+    except (CompatError, CompatTypeError):
         raise
     except FlashKDAError as error:
+        _check(arrays, scale, lower_bound)  # FlashKDA's refusal, where it has one, comes first
         raise CompatError(error.status, f"flash_kda.fwd: {error.message}",
                           error.status_text) from None
 

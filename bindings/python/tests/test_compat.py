@@ -339,3 +339,25 @@ def test_workspace_size_arguments():
         compat.get_workspace_size(64, 0)
     with pytest.raises(compat.CompatTypeError, match="T_total: expected an integer"):
         compat.get_workspace_size(64.5, 2)
+
+
+def test_checks_once_per_layout(block_builds, monkeypatch):
+    checked = []
+    original = compat._check
+
+    def counting(*args):
+        checked.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(compat, "_check", counting)
+    inputs = make_inputs(11, batch=1, seq_len=16, heads=2)
+    for _ in range(3):
+        compat.fwd(**copy_inputs(inputs))
+    assert len(block_builds) == 1 and len(checked) == 1
+    # flashkda.fwd on the same layout keeps its own block: compat's refusals
+    # never ride on a block built without them.
+    flashkda.fwd(**copy_inputs(inputs))
+    assert len(block_builds) == 2 and len(checked) == 1
+    # A new layout is checked again.
+    compat.fwd(**copy_inputs(make_inputs(12, batch=1, seq_len=32, heads=2)))
+    assert len(block_builds) == 3 and len(checked) == 2
