@@ -318,7 +318,7 @@ def main():
                         help="FLA's tests/ops/test_kda.py")
     parser.add_argument("--select", default="flash_kda",
                         help="pytest -k expression choosing FLA's FlashKDA backend tests")
-    parser.add_argument("--cases", default="P1,P11,P7,P10", help=f"of {', '.join(CASES)}")
+    parser.add_argument("--cases", default="P1,P11", help=f"of {', '.join(CASES)}")
     parser.add_argument("--warmup-ms", type=int, default=100)
     parser.add_argument("--rep-ms", type=int, default=500)
     args = parser.parse_args()

@@ -4,13 +4,14 @@
 # installs FLA's ops package (fla-core) from the wheel in $FLA_WHEELS, runs
 # FLA's FlashKDA backend tests with flashkda.compat registered as flash_kda,
 # then times chunk_kda through the alias against FLA's Triton path
-# (bench/fla_compat.py). Results under $OUT: fla_tests.json, fla_timing.json,
-# fla_compat.md (the summary) and the logs.
+# (bench/fla_compat.py); first, flashkda.compat's own tests on the GPU.
+# Results under $OUT: fla_tests.json, fla_timing.json, fla_compat.md (the
+# summary) and the logs.
 #
 #   FLASHKDA_LIBRARY  the library (default build/libflashkda.so.0)
 #   FLA_WHEELS        folder with fla_core-*.whl and FLA's test_kda.py (default .fla-wheels)
 #   FLA_TEST_FILE     FLA's tests/ops/test_kda.py (default $FLA_WHEELS/test_kda.py)
-#   FLA_CASES         timed cases (default P1,P11,P7,P10; see bench/fla_compat.py)
+#   FLA_CASES         timed cases (default P1,P11; see bench/fla_compat.py)
 #   OUT               results folder (default ./fla_compat_out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,9 +35,12 @@ export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
   || exit 1
 
 status=0
+# flashkda.compat's own tests, here with CUDA tensors and the GPU backend's sizing too.
+"$python" -m pytest -q -rs -p no:cacheprovider bindings/python/tests/test_compat.py \
+  2>&1 | tee "$OUT/compat_tests.log" || status=1
 "$python" bench/fla_compat.py tests --test-file "$FLA_TEST_FILE" --out "$OUT" \
   2>&1 | tee "$OUT/tests.log" || status=1
-"$python" bench/fla_compat.py time --cases "${FLA_CASES:-P1,P11,P7,P10}" --out "$OUT" \
+"$python" bench/fla_compat.py time --cases "${FLA_CASES:-P1,P11}" --out "$OUT" \
   2>&1 | tee "$OUT/timing.log" || status=1
 "$python" bench/fla_compat.py summary --out "$OUT"
 exit $status

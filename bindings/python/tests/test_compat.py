@@ -191,7 +191,8 @@ def copy_inputs(inputs):
     """A copy of every tensor in the same layout (strides included)."""
 
     def copy(tensor):
-        twin = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+        twin = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                   device=tensor.device)
         return twin.copy_(tensor)
 
     return {name: copy(value) if isinstance(value, torch.Tensor) else value
@@ -205,9 +206,19 @@ CASES = {
 }
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+
+
+def on_device(inputs, device):
+    return {name: value.to(device) if isinstance(value, torch.Tensor) else value
+            for name, value in inputs.items()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES)
-def test_compat_fwd_equals_flashkda_fwd(case):
-    inputs = make_inputs(zlib_seed(case), **CASES[case])
+def test_compat_fwd_equals_flashkda_fwd(case, device):
+    inputs = on_device(make_inputs(zlib_seed(case), **CASES[case]), device)
     ours = copy_inputs(inputs)
     # Called as FLA calls it: the gate arguments and the states by keyword.
     compat.fwd(ours["q"], ours["k"], ours["v"], ours["g"], ours["beta"], ours["scale"], ours["out"],
