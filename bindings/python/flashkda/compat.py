@@ -35,7 +35,6 @@ from ._errors import FlashKDAError
 from ._library import library as _current_library
 
 ALIAS = "flash_kda"
-HEAD_DIM = 128
 
 __all__ = [
     "ALIAS",
