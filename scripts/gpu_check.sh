@@ -28,6 +28,10 @@ sm80_build=${SM80_PTX_BUILD:-build-sm80-ptx}
 out=${OUT:-$PWD/gpu-check-logs}
 mkdir -p "$out"
 export PATH="$PATH:/usr/local/cuda/bin"
+# The project's virtual environment (scripts/install-deps.sh) where there is
+# one, else the python3 on PATH (a GPU machine with its own torch).
+python=python3
+[ -x "$PWD/.tools/bin/python" ] && python="$PWD/.tools/bin/python"
 tests="$build/tests/fkda_gpu_tests"
 summary="$out/summary.txt"
 : >"$summary"
@@ -160,7 +164,7 @@ for s in $steps; do
       # driver must be at or above the build's floor and a GPU plan must work
       # (compare scripts/release-build.sh's build with the default one).
       step build_info 60 "$out/build_info.log" env PYTHONPATH="$PWD/bindings/python" \
-        FLASHKDA_LIBRARY="$PWD/$build/libflashkda.so.0" PYTHONDONTWRITEBYTECODE=1 python3 -c '
+        FLASHKDA_LIBRARY="$PWD/$build/libflashkda.so.0" PYTHONDONTWRITEBYTECODE=1 "$python" -c '
 import flashkda
 build, device = flashkda.build_info(), flashkda.query_device()
 print("build: ", build)
@@ -221,7 +225,7 @@ print("a GPU plan: ok")'
       # The Python binding with torch CUDA tensors (and every CPU test too).
       step python 300 "$out/python.log" env PYTHONPATH="$PWD/bindings/python" \
         FLASHKDA_LIBRARY="$PWD/$build/libflashkda.so.0" PYTHONDONTWRITEBYTECODE=1 \
-        python3 -m pytest -q -rs -p no:cacheprovider bindings/python/tests \
+        "$python" -m pytest -q -rs -p no:cacheprovider bindings/python/tests \
         --ignore=bindings/python/tests/test_wheel.py
       tail -n 15 "$out/python.log" >>"$summary"
       ;;

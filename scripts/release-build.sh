@@ -16,7 +16,7 @@ scripts/install-deps.sh
 export PATH="$PATH:/usr/local/cuda/bin"
 
 tools=.tools/cuda12
-[ -x "$tools/bin/python" ] || python3 -m venv "$tools"
+[ -x "$tools/bin/python" ] || /usr/bin/python3 -m venv "$tools"
 "$tools/bin/python" -m pip install --quiet "nvidia-cuda-nvcc-cu12==12.9.*" "nvidia-cuda-cuobjdump"
 site=$("$tools/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 ptxas="$site/nvidia/cuda_nvcc/bin/ptxas"
