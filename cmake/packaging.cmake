@@ -1,13 +1,14 @@
 # Packages of this build:
 #   cmake --build <build> --target debs   libflashkda<ABI> and libflashkda-dev
-#                                         (.deb, scripts/make-debs.sh) in <build>/debs
-#   cpack (in the build folder)           flashkda-<version>-Linux.tar.gz
-# scripts/dist.sh makes both and the wheel from the release build, into dist/.
+#                                         (scripts/make-debs.sh) in <build>/packages
+#   cmake --build <build> --target tgz    flashkda-<version>-Linux.tar.gz
+#                                         (scripts/make-tgz.sh) in <build>/packages
+# scripts/dist.sh makes them and the wheel from the release build, into dist/.
 #
-# The .debs are assembled by scripts/make-debs.sh, not CPack's DEB generator:
-# CPack writes postinst/postrm scripts that call ldconfig (Debian wants a
-# trigger), counts the SONAME link's target twice in Installed-Size and has
-# no place for a symbols file of its own making.
+# No CPack: its DEB generator writes postinst/postrm scripts that call
+# ldconfig (Debian wants a trigger), counts the SONAME link's target twice in
+# Installed-Size and has no place for a symbols file of our making; and every
+# cpack run builds all targets first (its preinstall step), tests included.
 
 # Debian's own tools read DEBFULLNAME and DEBEMAIL; the default is a
 # placeholder a distribution replaces with its maintainer.
@@ -32,8 +33,8 @@ set(FKDA_DEB_LIBDIR lib/${FKDA_DEB_MULTIARCH})
 fkda_install_tree(deb_runtime deb_dev ${FKDA_DEB_LIBDIR} /usr)
 
 set(FKDA_PACKAGE_SUMMARY "Kimi Delta Attention forward passes on NVIDIA GPUs behind a stable C ABI")
-# What scripts/make-debs.sh needs to know of this configuration.
-file(CONFIGURE OUTPUT ${CMAKE_CURRENT_BINARY_DIR}/debian/config.sh CONTENT [[
+# What scripts/make-debs.sh and scripts/make-tgz.sh need to know of this configuration.
+file(CONFIGURE OUTPUT ${CMAKE_CURRENT_BINARY_DIR}/packaging/config.sh CONTENT [[
 source_dir='@PROJECT_SOURCE_DIR@'
 version='@PROJECT_VERSION@'
 revision='@FKDA_DEB_REVISION@'
@@ -46,20 +47,13 @@ objcopy='@CMAKE_OBJCOPY@'
 readelf='@CMAKE_READELF@'
 ]] @ONLY)
 add_custom_target(debs
-  COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/make-debs.sh ${CMAKE_CURRENT_BINARY_DIR} ${CMAKE_CURRENT_BINARY_DIR}/debs
+  COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/make-debs.sh ${CMAKE_CURRENT_BINARY_DIR} ${CMAKE_CURRENT_BINARY_DIR}/packages
   DEPENDS flashkda
-  COMMENT "libflashkda${FKDA_ABI_VERSION} and libflashkda-dev .debs in ${CMAKE_CURRENT_BINARY_DIR}/debs"
+  COMMENT "libflashkda${FKDA_ABI_VERSION} and libflashkda-dev .debs in ${CMAKE_CURRENT_BINARY_DIR}/packages"
   VERBATIM)
-
-# `cpack`: the .tar.gz of the plain install tree (runtime and dev), for RPM
-# distributions or a private prefix.
-set(CPACK_GENERATOR TGZ)
-set(CPACK_PACKAGE_NAME flashkda)
-set(CPACK_PACKAGE_VERSION ${PROJECT_VERSION})
-set(CPACK_PACKAGE_VENDOR libflashkda)
-set(CPACK_PACKAGE_DESCRIPTION_SUMMARY "${FKDA_PACKAGE_SUMMARY}")
-set(CPACK_RESOURCE_FILE_LICENSE ${PROJECT_SOURCE_DIR}/LICENSE)
-set(CPACK_COMPONENTS_ALL runtime dev)
-set(CPACK_ARCHIVE_COMPONENT_INSTALL OFF)
+add_custom_target(tgz
+  COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/make-tgz.sh ${CMAKE_CURRENT_BINARY_DIR} ${CMAKE_CURRENT_BINARY_DIR}/packages
+  DEPENDS flashkda
+  COMMENT "flashkda-${PROJECT_VERSION}-Linux.tar.gz in ${CMAKE_CURRENT_BINARY_DIR}/packages"
+  VERBATIM)
 install(FILES LICENSE DESTINATION ${CMAKE_INSTALL_DATADIR}/doc/flashkda COMPONENT runtime)
-include(CPack)

@@ -22,15 +22,13 @@ while (($#)); do
   esac
 done
 
-bash scripts/release-build.sh "$build"
+bash scripts/release-build.sh --library-only "$build"
 mkdir -p "$out"
 # Only what this script writes is replaced: --out may name a folder with other files.
 rm -f "$out"/flashkda-*.whl "$out"/libflashkda*.deb "$out"/libflashkda.so.*.debug "$out"/flashkda-*-Linux.tar.gz
 
 bash scripts/make-debs.sh "$build" "$out"
-cpack_dir="$build/cpack"
-cpack -G TGZ --config "$build/CPackConfig.cmake" -B "$cpack_dir" >/dev/null
-mv "$cpack_dir"/flashkda-*-Linux.tar.gz "$out"/
+bash scripts/make-tgz.sh "$build" "$out"
 .tools/bin/python bindings/python/build_wheel.py --library "$build/libflashkda.so.0" --out "$out"
 
 cmake -DDIST="$out" -DSOURCE_DIR="$PWD" -DWORK_DIR="$build/release-check" \

@@ -13,12 +13,12 @@ build=$(cd "$1" && pwd)
 mkdir -p "$2"
 out=$(cd "$2" && pwd)
 # shellcheck source=/dev/null
-source "$build/debian/config.sh"
+source "$build/packaging/config.sh"
 arch=$(dpkg --print-architecture)
 deb_version="$version-$revision"
 runtime=libflashkda$abi
 dev=libflashkda-dev
-work="$build/debian/work"
+work="$build/packaging/debs"
 rm -rf "$work"
 # Debian's modes whatever the caller's umask: 0755 directories, 0644 files.
 umask 022
@@ -80,7 +80,8 @@ debian_changelog() {
 
 # From the first commit's year to the changelog's, where git knows them.
 changelog_year=$(date -u -d "@$changelog_epoch" +%Y)
-first_year=$(git -C "$source_dir" log --reverse --format=%cd --date=format:%Y 2>/dev/null | head -n 1)
+# (tail reads the whole log: a reader that stops early would make git die of SIGPIPE.)
+first_year=$(git -C "$source_dir" log --format=%cd --date=format:%Y 2>/dev/null | tail -n 1 || true)
 copyright_years=${first_year:-$changelog_year}
 [ "$copyright_years" = "$changelog_year" ] || copyright_years="$copyright_years-$changelog_year"
 

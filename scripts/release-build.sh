@@ -8,9 +8,16 @@
 # lists the fatbin's images with cuobjdump (PyPI's nvidia-cuda-cuobjdump) and
 # fails unless sm_80 and sm_90a are there.
 #
-#   scripts/release-build.sh [BUILD_DIR]      (default build-release)
+#   scripts/release-build.sh [--library-only] [BUILD_DIR]      (default build-release)
+#
+# --library-only builds the library alone (what scripts/dist.sh packages).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+targets=(flashkda fkda_gpu_tests fkda-bench)
+if [ "${1:-}" = --library-only ]; then
+  targets=(flashkda)
+  shift
+fi
 build=${1:-build-release}
 scripts/install-deps.sh
 export PATH="$PATH:/usr/local/cuda/bin"
@@ -25,7 +32,7 @@ cuobjdump=$(find "$site/nvidia" -name cuobjdump -type f | head -n 1)
 # CUDA 12.9's ptxas knows PTX ISA 8.8 at most.
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DFKDA_BUILD_BINDINGS_TESTS=OFF \
   -DFKDA_FATBIN_PTXAS="$ptxas" -DFKDA_FATBIN_PTX_ISA=8.8
-cmake --build "$build" -j"$(nproc)" --target flashkda fkda_gpu_tests fkda-bench
+cmake --build "$build" -j"$(nproc)" --target "${targets[@]}"
 
 images=$("$cuobjdump" --list-elf "$build/libflashkda.so")
 echo "$images"

@@ -1,7 +1,8 @@
 # The packages of the build: the .debs of scripts/make-debs.sh (fields,
 # contents, control files, the stripped library and its debug file), installed
 # with dpkg into a scratch root where tests/consumer is built through
-# find_package and pkg-config; then cpack's .tar.gz, unpacked and consumed.
+# find_package and pkg-config; then scripts/make-tgz.sh's .tar.gz, unpacked
+# and consumed likewise.
 cmake_policy(VERSION 3.24)
 include("${CMAKE_CURRENT_LIST_DIR}/consume.cmake")
 file(REMOVE_RECURSE "${WORK_DIR}")
@@ -11,10 +12,10 @@ execute_process(COMMAND bash "${SOURCE_DIR}/scripts/make-debs.sh" "${BUILD_DIR}"
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "make-debs.sh failed:\n${log}")
 endif()
-execute_process(COMMAND "${CPACK}" -G TGZ --config "${BUILD_DIR}/CPackConfig.cmake" -B "${out}"
+execute_process(COMMAND bash "${SOURCE_DIR}/scripts/make-tgz.sh" "${BUILD_DIR}" "${out}"
                 RESULT_VARIABLE rc OUTPUT_VARIABLE log ERROR_VARIABLE log)
 if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "cpack failed:\n${log}")
+  message(FATAL_ERROR "make-tgz.sh failed:\n${log}")
 endif()
 
 execute_process(COMMAND dpkg --print-architecture OUTPUT_VARIABLE arch OUTPUT_STRIP_TRAILING_WHITESPACE)
