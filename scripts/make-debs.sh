@@ -18,8 +18,9 @@ arch=$(dpkg --print-architecture)
 deb_version="$version-$revision"
 runtime=libflashkda$abi
 dev=libflashkda-dev
-work="$build/packaging/debs"
-rm -rf "$work"
+# A staging folder per run: the packages and lintian tests may run at once.
+work=$(mktemp -d "$build/packaging/debs-XXXXXX")
+trap 'rm -rf "$work"' EXIT
 # Debian's modes whatever the caller's umask: 0755 directories, 0644 files.
 umask 022
 
@@ -53,7 +54,7 @@ changelog_date=$(date -u -R -d "@$changelog_epoch")
 debian_changelog() {
   echo "libflashkda ($deb_version) unstable; urgency=medium"
   echo
-  # This version's section, or the newest one while it is still unnamed.
+  # This version's section, or the newest one when none names this version yet.
   local has_version=0
   grep -Eq "^## $version( |\$)" "$source_dir/CHANGELOG.md" && has_version=1
   awk -v version="$version" -v has_version="$has_version" '

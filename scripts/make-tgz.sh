@@ -14,8 +14,8 @@ out=$(cd "$2" && pwd)
 # shellcheck source=/dev/null
 source "$build/packaging/config.sh"
 name=flashkda-$version-Linux
-stage="$build/packaging/tgz"
-rm -rf "$stage"
+stage=$(mktemp -d "$build/packaging/tgz-XXXXXX")
+trap 'rm -rf "$stage"' EXIT
 umask 022
 for component in runtime dev; do
   cmake --install "$build" --prefix "$stage/$name" --component "$component" >/dev/null
