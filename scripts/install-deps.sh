@@ -13,7 +13,7 @@ sudo_cmd=()
 # clang and libclang-rt-dev (libFuzzer and the sanitizer runtimes) build
 # tests/fuzz; lintian checks the .debs; python3-venv creates .tools/.
 packages=(cmake g++ make catch2 nlohmann-json3-dev python3 python3-venv binutils pkgconf
-          clang libclang-rt-dev dpkg-dev lintian)
+          clang libclang-rt-dev lintian)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
