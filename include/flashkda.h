@@ -14,10 +14,23 @@
  *    that return static text or a version number. On failure,
  *    fkda_last_error() holds a thread-local message naming the argument.
  *  - Structs passed by pointer begin with `size_t struct_size`; fill them
- *    with their _INIT macro. Fields are only ever appended, and every size
- *    from a struct's first published one up to the current one is accepted:
- *    a program built against an older header keeps working, the fields it
- *    does not know take their _INIT values. A larger size is rejected.
+ *    with their _INIT macro. Fields are only ever appended. The sizes
+ *    accepted are exactly the sizeof of each release of this header that
+ *    changed the struct (fkda_plan_desc: 40 in 0.1, 48 in 0.2, 56 in 0.3,
+ *    80 in 0.4; fkda_fwd_args: 1248 in 0.1, 1920 in 0.2; fkda_decode_args
+ *    1360, fkda_device_info 296, fkda_build_info 80; fkda_launch_report: 32
+ *    in 0.2, 48 in 0.4; fkda_transition_args 1016, fkda_apply_args 456; all
+ *    on LP64): a program built against an older header keeps working, only
+ *    the fields its release had are read, and the others take their _INIT
+ *    values. A larger size, from a newer header, is accepted when every byte
+ *    past the last field this library knows is zero (the program sets no
+ *    field this library lacks) and the size is at most 4096 bytes past this
+ *    header's; the first non-zero byte is named otherwise. Any other size is
+ *    an error naming the struct. The library reads struct_size bytes of an
+ *    input struct: zero a struct from a newer header whole (memset) before
+ *    filling it, as its padding counts. Output structs (fkda_device_info,
+ *    fkda_build_info, fkda_launch_report) obey the same sizes; only the
+ *    fields of the caller's release are written, nothing past them.
  *  - The caller owns all memory. GPU calls take workspace and stream per
  *    call, allocate nothing and never synchronise the host.
  */
@@ -71,8 +84,11 @@ typedef enum fkda_status {
 FKDA_API const char* fkda_status_string(fkda_status status);
 
 /* The message of the last failing call on this thread, naming the argument
- * and what was expected ("q: expected dtype bf16, got f32"). Empty after a
- * successful call. Valid until the next fkda_* call on this thread. */
+ * and what was expected ("q: expected dtype bf16, got f32"). A successful
+ * call empties it, except fkda_plan_destroy, which leaves it as it is (a
+ * destroy run by a garbage collector or destructor between a failing call
+ * and this read keeps its message), and the functions that return no status.
+ * Valid until the next fkda_* call on this thread. */
 FKDA_API const char* fkda_last_error(void);
 
 /* FKDA_VERSION_NUMBER of the library actually loaded. */
@@ -224,10 +240,22 @@ typedef enum fkda_chunk_parallel {
     0, FKDA_CHUNK_PARALLEL_AUTO, 0, 0 }
 
 /* Validates `desc` and creates a plan. A plan is a small host object: it
- * allocates no device memory and loads nothing until its first GPU call. */
+ * allocates no device memory and loads nothing until its first GPU call.
+ * A plan of FKDA_BACKEND_CPU never loads or initialises the CUDA driver: it
+ * asks the driver where memory lives only when the process has already
+ * started CUDA (AUTO asks the driver at creation to choose).
+ *
+ * Threads: every call taking a plan may run on it from any number of
+ * threads at once, fkda_set_lower_bound and fkda_plan_destroy included. A
+ * call holds the plan from its start to its return. */
 FKDA_API fkda_status fkda_plan_create(const fkda_plan_desc* desc,
                                       fkda_plan_t* plan);
-/* NULL is accepted and ignored. */
+/* NULL is accepted and ignored. Returns at once, also while other threads'
+ * calls on the plan run: those finish normally (GPU work they enqueued is
+ * unaffected), and the plan's memory is freed when the last of them
+ * returns. Any call that starts after fkda_plan_destroy returned, a second
+ * destroy included, fails with FKDA_ERROR_INVALID_ARGUMENT ("plan: not a
+ * live plan"); a handle is never given to another plan. */
 FKDA_API fkda_status fkda_plan_destroy(fkda_plan_t plan);
 
 /* The backend the plan resolved to (CPU or GPU; never AUTO). */
@@ -237,7 +265,9 @@ FKDA_API fkda_status fkda_plan_get_backend(fkda_plan_t plan,
 /* The gate floor of a BOUNDED plan (other gate modes have none: both calls
  * fail on them). Accepted range [-5, 0]: below -5 the 16-token chunk's
  * exp(16 * |lower_bound|) key factor leaves bf16 range. NaN and infinities
- * are rejected. Not to be called while a fkda_fwd on the same plan runs. */
+ * are rejected. fkda_fwd and fkda_decode read the floor once, at their
+ * start: one running while the floor is set uses the old or the new value
+ * throughout. */
 FKDA_API fkda_status fkda_set_lower_bound(fkda_plan_t plan, float lower_bound);
 FKDA_API fkda_status fkda_get_lower_bound(fkda_plan_t plan, float* lower_bound);
 
@@ -295,16 +325,22 @@ FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
  *                      N and C strides are free, the rest contiguous; or
  *   checkpoint_slots   i32 or i64 [N, C]: pool slots of state_pool (null
  *                      indices are skipped).
- * On CPU plans every index and offset is checked and a bad one is an error
- * naming the sequence. On GPU plans they stay on the device and are not read
- * by the host: an index outside the pool is treated as a null index, a bad
+ * On CPU plans every index and offset the call reads is checked, and a bad
+ * one is an error naming the element and the sequence. The call does not
+ * read, so never checks: the checkpoint_offsets and checkpoint_slots of a
+ * padding sequence, and the checkpoint_slots entry of a negative offset.
+ * On GPU plans indices and offsets stay on the device and are not read by
+ * the host: an index outside the pool is treated as a null index, a bad
  * checkpoint offset is skipped; nothing is ever read or written outside the
  * tensors. Two sequences writing the same slot in one call is undefined
  * (debug_checks reports it).
  * state_indices excludes initial_state and final_state; a padding sequence
- * writes no checkpoint either. out, final_state and checkpoints must not
- * overlap each other or any input (initial_state and final_state may be the
- * same buffer; the pool is read and written on purpose). */
+ * writes no checkpoint either. What the call writes (out, final_state,
+ * checkpoints, the pool and the workspace bytes fkda_plan_workspace_size
+ * asks for) must not share memory with any other argument, measured from
+ * each tensor's first to its last byte. The exception: initial_state and
+ * final_state may be the very same memory (updated in place), or disjoint;
+ * a partial overlap is an error naming final_state. */
 typedef struct fkda_fwd_args {
   size_t struct_size; /* sizeof(fkda_fwd_args) */
   fkda_tensor q;
@@ -336,8 +372,12 @@ typedef struct fkda_fwd_args {
     FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
     FKDA_TENSOR_NONE }
 
-/* Runs the KDA forward pass. Every argument is checked before any work
- * starts. GPU plans enqueue on `stream` (NULL: the legacy default stream)
+/* Runs the KDA forward pass. Every argument is checked, every kernel
+ * resolved and every launch limit checked before any work starts: a call
+ * that fails has written nothing and enqueued nothing, with one exception,
+ * FKDA_ERROR_LAUNCH_FAILED after the driver accepted earlier launches of
+ * the call (a context that failed meanwhile), which leaves in-place states
+ * undefined. GPU plans enqueue on `stream` (NULL: the legacy default stream)
  * in the calling thread's current context; CPU plans ignore `stream`.
  * On a GPU plan the contents of cu_seqlens stay on the device and are not
  * read by the host; out-of-range offsets are clamped so that nothing is
@@ -371,9 +411,15 @@ FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args,
  *   num_accepted_tokens optional i32 or i64 [N], in [1, W], with [N, W]
  *                      indices only; absent means 1 (column 0)
  *   cu_seqlens         optional i32 or i64 [N + 1]
- * out must not overlap an input or the pool. A sequence whose starting index is null (plan's null_slot_rule) is
- * padding: output rows zero, no state read or written. On CPU plans bad
- * indices, counts and offsets are errors naming the sequence; on GPU plans
+ * out and the pool must not share memory with each other or any other
+ * argument (spans from first to last byte). A sequence whose starting index
+ * is null (plan's null_slot_rule) is padding: output rows zero, no state
+ * read or written. On CPU plans every index, count and offset the call
+ * reads is checked, and a bad one is an error naming the element and the
+ * sequence. The call does not read, so never checks: the state_indices
+ * row and num_accepted_tokens entry of a zero-length sequence, the slot
+ * table columns at and past a sequence's length, and the other columns of
+ * a padding sequence (one whose starting column is null). On GPU plans
  * they are not read by the host and a bad one makes its sequence padding.
  * Two sequences writing the same slot in one call is undefined. */
 typedef struct fkda_decode_args {
@@ -407,7 +453,8 @@ FKDA_API fkda_status fkda_plan_decode_workspace_size(fkda_plan_t plan,
                                                      size_t* bytes);
 
 /* Runs the decode step. GPU plans enqueue on `stream` with no allocation and
- * no host synchronisation (unless debug_checks is on). */
+ * no host synchronisation (unless debug_checks is on). As with fkda_fwd, a
+ * call that fails has written and enqueued nothing (decode is one launch). */
 FKDA_API fkda_status fkda_decode(fkda_plan_t plan, const fkda_decode_args* args,
                                  void* workspace, size_t workspace_bytes,
                                  fkda_stream_t stream);
@@ -539,7 +586,10 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info);
  * window_slots, segment_chunks; 0 is automatic) override the automatic
  * choice. For a field left at 0, fkda_plan_create reads an environment
  * variable once (unset or empty: automatic); later changes of the
- * environment do not affect existing plans. A value not listed is rejected
+ * environment do not affect existing plans, and no other call reads it.
+ * fkda_plan_workspace_size sizes the workspace for the plan's tuning and
+ * fkda_fwd checks the launch it computes against workspace_bytes
+ * (FKDA_ERROR_WORKSPACE_TOO_SMALL naming workspace_bytes). A value not listed is rejected
  * by fkda_plan_create with FKDA_ERROR_INVALID_ARGUMENT naming the field or
  * the variable:
  *   FKDA_VSPLIT           vsplit: 1, 2, 4 or 8 (raised to the smallest split

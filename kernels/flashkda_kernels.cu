@@ -7,3 +7,4 @@
 #include "prefill_prepare.cuh"
 #include "prefill_recurrence.cuh"
 #include "decode_recurrence.cuh"
+#include "prefill_scan.cuh"

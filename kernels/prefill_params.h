@@ -188,6 +188,71 @@ typedef struct FkdaPrefillParams {
   FkdaIndexTable checkpoint_slots; /* [N, C] */
   int32_t checkpoint_is_bf16;      /* else f32 */
   int32_t reserved;                /* zero */
+
+  /* Chunk-parallel prefill (segment_chunks > 0): each sequence's chunks in
+   * the window are cut into segments of segment_chunks chunks, counted from
+   * the sequence's first chunk. The recurrence grid's x is then
+   * num_seqs * segments_per_seq, block x = n * segments_per_seq + s - s0
+   * (s0: the sequence's first segment in the window). Segment s of sequence
+   * n has the record index fkda_segment_index (below); seg_m and seg_e hold
+   * per (segment, head) an f32 V x K matrix: the segment's transition
+   * (docs/ARCHITECTURE.md, "Chunk-parallel prefill") and, after the scan,
+   * the state leaving it. */
+  int64_t segment_chunks;
+  int64_t segments_per_seq;
+  int64_t segment_capacity; /* records in seg_m and in seg_e, per head */
+  float* seg_m;
+  float* seg_e;
+  /* fkda_transitions: every segment from zero / the identity (no incoming
+   * state), and the scan composes them all into trans_m / trans_e, which
+   * also carry the running transition from one window to the next. */
+  int32_t transitions_only;
+  int32_t reserved2; /* zero */
+  float* trans_m; /* [N, H, K, K] */
+  float* trans_e; /* [N, H, V, K] (KV plans: [N, H, K, V]) */
 } FkdaPrefillParams;
+
+/* The record of segment s (counted from the sequence's chunk 0) of sequence
+ * n, from its nominal first slot slot_base + s * segment_chunks (before the
+ * window's first slot for a sequence that entered from the previous window,
+ * but by less than segment_chunks). Along a sequence the index steps by one
+ * per segment; sorted sequences occupy ascending, disjoint slot ranges, so
+ * the + n makes it unique within the window and keeps it below
+ * fkda_segment_capacity. Unsorted offsets can give an index outside: the
+ * kernels then skip the segment. */
+static inline FKDA_HOST_DEVICE int64_t fkda_segment_index(int64_t nominal_first_slot, int64_t window_first,
+                                                          int64_t segment_chunks, int64_t n) {
+  return (nominal_first_slot - window_first + segment_chunks) / segment_chunks + n;
+}
+static inline FKDA_HOST_DEVICE int64_t fkda_segment_capacity(int64_t window_slots, int64_t segment_chunks,
+                                                             int64_t num_seqs) {
+  return (window_slots + segment_chunks - 1) / segment_chunks + num_seqs;
+}
+
+/* fkda_apply_transitions: S <- S M_r + E_r for r = 0 .. R-1 (flashkda.h,
+ * "Segment transitions"), one block of FKDA_SCAN_THREADS threads per
+ * (sequence, head, FKDA_SCAN_ROWS rows of S). */
+typedef struct FkdaApplyParams {
+  const float* m;  /* [R, N, H, K, K] (KV plans: each transposed) */
+  const float* e;  /* [R, N, H, V, K] (KV plans: [R, N, H, K, V]) */
+  int64_t num_transitions;
+  int64_t num_seqs;
+  int32_t num_heads;
+  int32_t state_is_kv;
+  const void* initial_state; /* NULL: zeros */
+  void* final_state;
+  int32_t state_is_bf16;
+  int32_t reserved; /* zero */
+} FkdaApplyParams;
+#define FKDA_APPLY_SMEM_BYTES (FKDA_HEAD_DIM * FKDA_HEAD_DIM * 4 + FKDA_HEAD_DIM * FKDA_SCAN_ROWS * 4 * 5)
+
+/* The scan over a window's segments: one block of FKDA_SCAN_THREADS threads
+ * per (sequence, head, FKDA_SCAN_ROWS rows of the state), holding M of the
+ * current and the next segment in shared memory. */
+#define FKDA_SCAN_ROWS 8
+#define FKDA_SCAN_THREADS 256
+/* Two M stages, X^T, and the four partial products of the K split. */
+#define FKDA_SCAN_SMEM_BYTES \
+  (2 * FKDA_HEAD_DIM * FKDA_HEAD_DIM * 4 + FKDA_HEAD_DIM * FKDA_SCAN_ROWS * 4 * 5)
 
 #endif /* FLASHKDA_KERNELS_KDA_PARAMS_H */

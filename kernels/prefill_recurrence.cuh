@@ -211,7 +211,27 @@ __device__ __forceinline__ bool checkpoint_destination(const FkdaPrefillParams& 
 // some sequences from zeros (has_initial_state) or keep checkpoints.
 // Without it those paths are compiled out: on sm_90a the kernels then hold
 // 8-17 fewer registers and run 2-11% faster on an H200 (bench/RESULTS.md).
-template <int kVsplit, bool kServing>
+// What a launch of the recurrence does with each block's chunks:
+//   kWholeRange   all of its sequence's chunks in the window, in order
+//   kTransition   (chunk-parallel, first pass) one segment's transition: from
+//                 a zero state the segment's E, or from the identity with
+//                 v = 0 its M (blockIdx.z >= vsplit); no output rows
+//   kSegment      (chunk-parallel, last pass) one segment from the state the
+//                 scan left for it: output rows, checkpoints, final state
+enum RecurrenceMode { kWholeRange = 0, kTransition = 1, kSegment = 2 };
+
+// The f32 V x K matrix of segment record `index` and head `head`.
+__device__ __forceinline__ StateAccess segment_matrix(float* base, int64_t index, int head, int num_heads) {
+  StateAccess m;
+  m.initial = base;
+  m.final = base;
+  m.bf16 = false;
+  m.kv = false;
+  m.base = (index * num_heads + head) * int64_t(FKDA_HEAD_DIM * FKDA_HEAD_DIM);
+  return m;
+}
+
+template <int kVsplit, bool kServing, int kMode = kWholeRange>
 __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   constexpr int kWarps = 8 / kVsplit;
   constexpr int kThreads = 32 * kWarps;
@@ -221,11 +241,13 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   constexpr int kStageBytes = FKDA_STAGE_V + FKDA_CHUNK * kVPitch;
   extern __shared__ __align__(128) unsigned char smem[];
 
-  const int64_t n = blockIdx.x;
+  const int64_t n = kMode == kWholeRange ? int64_t(blockIdx.x) : int64_t(blockIdx.x) / p.segments_per_seq;
   const int head = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int v_block = blockIdx.z * kVCols;  // first V row of this block
+  // kTransition: blocks z < vsplit form E, the others M.
+  const bool forms_m = kMode == kTransition && int(blockIdx.z) >= kVsplit;
+  const int v_block = (kMode == kTransition ? int(blockIdx.z) % kVsplit : int(blockIdx.z)) * kVCols;
   const int e0 = v_block + warp * 16;       // first V row of this warp
 
   const Sequence seq = sequence_of(p, n);
@@ -245,6 +267,37 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   if (chunk_end < 0) chunk_end = 0;
   if (chunks == 0 ? p.window_first != 0 : chunk_first >= chunk_end) return;
 
+  // The chunks [run_first, run_end) this block runs: the window's, or one
+  // segment of them. A zero-length sequence has one empty segment.
+  int64_t run_first = chunk_first, run_end = chunk_end;
+  bool first_segment = true, last_segment = true;
+  int64_t segment_index = 0;  // its record in seg_m / seg_e
+  if constexpr (kMode != kWholeRange) {
+    if (chunks == 0) {
+      // A zero-length sequence: its one empty segment copies the state in
+      // the segment pass (no record needed); nothing to form before.
+      if (kMode == kTransition || int64_t(blockIdx.x) % p.segments_per_seq != 0) return;
+    }
+  }
+  if (kMode != kWholeRange && chunks > 0) {
+    const int64_t L = p.segment_chunks;
+    const int64_t s0 = chunk_first / L;
+    const int64_t s_last = chunk_end > chunk_first ? (chunk_end - 1) / L : s0;
+    const int64_t s = s0 + int64_t(blockIdx.x) % p.segments_per_seq;
+    if (s > s_last) return;
+    first_segment = s == s0;
+    last_segment = s == s_last;
+    run_first = first_segment ? chunk_first : s * L;
+    run_end = last_segment ? chunk_end : (s + 1) * L;
+    segment_index = fkda_segment_index(seq.slot_base + s * L, p.window_first, L, n);
+    if (segment_index < 0 || segment_index >= p.segment_capacity) return;  // unsorted offsets only
+    if (kMode == kTransition && !p.transitions_only) {
+      // The scan needs E of every segment but the last, M of every segment
+      // but the first and the last (the first one's incoming state is known).
+      if (last_segment || (forms_m && first_segment)) return;
+    }
+  }
+
   const int64_t head_offset = int64_t(head) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
   StateAccess state;
   state.initial = p.initial_state;
@@ -255,7 +308,7 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   if (kServing && p.state_indices.data != nullptr) {
     const int64_t slot = usable_slot(load_index(p.state_indices, n, 0), p.first_real_slot, p.pool_slots);
     if (slot < 0) {
-      zero_output_rows<kThreads, kVCols>(p, seq, head, v_block, chunk_first, chunk_end);
+      if (kMode != kTransition) zero_output_rows<kThreads, kVCols>(p, seq, head, v_block, run_first, run_end);
       return;
     }
     state.initial = p.state_pool;
@@ -280,8 +333,35 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
     to.kv = false;
     to.base = int64_t(head) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
   }
+  if constexpr (kMode == kTransition) {
+    // Only the first segment starts from the sequence's state (and, outside
+    // fkda_transitions, keeps a copy in its M record for the last pass,
+    // since the final state may overwrite it in place); the others from
+    // zeros, or the identity for M. Transitions end in their records.
+    const bool from_state = first_segment && !p.transitions_only;
+    if (!from_state) from.initial = nullptr;
+    to = segment_matrix(forms_m ? p.seg_m : p.seg_e, segment_index, head, p.num_heads);
+  } else if constexpr (kMode == kSegment) {
+    if (!first_segment) {
+      from = segment_matrix(p.seg_e, segment_index - 1, head, p.num_heads);
+    } else if (!last_segment) {
+      from = segment_matrix(p.seg_m, segment_index, head, p.num_heads);
+    }
+    if (!last_segment) to.final = nullptr;
+  }
   float S[16][4];
   load_state(from, e0, g, t, S);
+  if constexpr (kMode == kTransition) {
+    if (forms_m) {
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) S[nt][r] = (e0 + g + 8 * (r >> 1) == nt * 8 + 2 * t + (r & 1)) ? 1.f : 0.f;
+      }
+    } else if (first_segment && !p.transitions_only) {
+      store_state(segment_matrix(p.seg_m, segment_index, head, p.num_heads), e0, g, t, S);
+    }
+  }
 
   const uint32_t stages = smem_address(smem);
   unsigned char* out_tile = smem + FKDA_RECURRENCE_STAGES * kStageBytes + warp * FKDA_OUT_TILE_BYTES;
@@ -289,22 +369,26 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
                       int64_t(head) * p.out.stride_h + e0;
 
   CheckpointCursor checkpoint{0, -1};
-  if constexpr (kServing) seek_checkpoint(p, n, seq.end - seq.begin, chunk_first * FKDA_CHUNK, checkpoint);
+  if constexpr (kServing && kMode != kTransition) {
+    seek_checkpoint(p, n, seq.end - seq.begin, run_first * FKDA_CHUNK, checkpoint);
+  }
 
   // The next chunk to stage, its record and its first v row.
-  int64_t next = chunk_first;
+  int64_t next = run_first;
   const int64_t record_step = int64_t(p.num_heads) * FKDA_WS_RECORD_BYTES;
-  const unsigned char* next_record = record_of(p, seq.slot_base + chunk_first - p.window_first, head);
+  const unsigned char* next_record = record_of(p, seq.slot_base + run_first - p.window_first, head);
   const uint16_t* next_v = static_cast<const uint16_t*>(p.v.data) + seq.row * p.v.stride_b +
                            int64_t(head) * p.v.stride_h + v_block +
-                           (seq.begin + chunk_first * FKDA_CHUNK) * p.v.stride_t;
+                           (seq.begin + run_first * FKDA_CHUNK) * p.v.stride_t;
   const int64_t v_step = FKDA_CHUNK * p.v.stride_t;
   auto issue = [&]() {
-    if (next < chunk_end) {
+    if (next < run_end) {
       const int64_t left = seq.end - (seq.begin + next * FKDA_CHUNK);
       const uint32_t stage = stages + int(next % FKDA_RECURRENCE_STAGES) * kStageBytes;
       stage_record<kThreads>(stage, next_record);
-      stage_v_rows<kThreads, kVCols>(stage, next_v, p.v.stride_t, int(left < FKDA_CHUNK ? left : FKDA_CHUNK));
+      // M is the same recurrence with v = 0: zero-filled rows.
+      stage_v_rows<kThreads, kVCols>(stage, next_v, p.v.stride_t,
+                                     forms_m ? 0 : int(left < FKDA_CHUNK ? left : FKDA_CHUNK));
       next_record += record_step;
       next_v += v_step;
     }
@@ -332,10 +416,11 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   // The chunks run in stretches that end at the next checkpoint inside this
   // window (or at the window's end), so that the checkpoint store stays out
   // of the chunk loop, whose body is the latency chain every sequence waits on.
-  int64_t chunk = chunk_first;
+  int64_t chunk = run_first;
   for (;;) {
-    const bool checkpoint_here = kServing && checkpoint.boundary > 0 && checkpoint.boundary <= chunk_end * FKDA_CHUNK;
-    const int64_t stretch_end = checkpoint_here ? checkpoint.boundary / FKDA_CHUNK : chunk_end;
+    const bool checkpoint_here = kServing && kMode != kTransition && checkpoint.boundary > 0 &&
+                                 checkpoint.boundary <= run_end * FKDA_CHUNK;
+    const int64_t stretch_end = checkpoint_here ? checkpoint.boundary / FKDA_CHUNK : run_end;
     for (; chunk < stretch_end; ++chunk) {
       cp_async_wait<FKDA_RECURRENCE_STAGES - 2>();
       // The chunk's stage is complete for every thread, and every warp is done
@@ -411,6 +496,8 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
         mma_f16(S[2 * j + 1], uh, kr[2], kr[3]);
       }
 
+      if constexpr (kMode == kTransition) continue;  // transitions write no output
+
       // Oi^T = Sh Qd^T, off the chain.
       float o[2][4] = {};
   #pragma unroll
@@ -475,3 +562,21 @@ FKDA_DEFINE_RECURRENCE(2)
 FKDA_DEFINE_RECURRENCE(4)
 FKDA_DEFINE_RECURRENCE(8)
 #undef FKDA_DEFINE_RECURRENCE
+
+// The two passes of chunk-parallel prefill around the scan, in the serving
+// form only (the chunk-parallel calls are long and few; registers are not
+// what limits them), for the V splits that give a segment enough warps to
+// share its records: 1 and 2. The transition pass has 2 * vsplit blocks
+// along z.
+#define FKDA_DEFINE_SEGMENT_PASSES(vsplit)                                           \
+  extern "C" __global__ void __launch_bounds__(256 / (vsplit), 1)                    \
+      fkda_prefill_segment_transitions_v##vsplit(const FkdaPrefillParams p) {        \
+    fkda_dev::chunk_recurrence<vsplit, true, fkda_dev::kTransition>(p);              \
+  }                                                                                  \
+  extern "C" __global__ void __launch_bounds__(256 / (vsplit), 1)                    \
+      fkda_prefill_segment_recurrence_v##vsplit(const FkdaPrefillParams p) {         \
+    fkda_dev::chunk_recurrence<vsplit, true, fkda_dev::kSegment>(p);                 \
+  }
+FKDA_DEFINE_SEGMENT_PASSES(1)
+FKDA_DEFINE_SEGMENT_PASSES(2)
+#undef FKDA_DEFINE_SEGMENT_PASSES

@@ -291,6 +291,21 @@ Reference reference_recurrence(const Problem& p, const std::vector<int64_t>& sta
   return ref;
 }
 
+ReferenceTransitions reference_transitions(const Problem& p) {
+  if (p.K != p.V) throw std::invalid_argument("reference_transitions: the identity run needs K == V");
+  ReferenceTransitions t;
+  Problem from_zeros = p;
+  from_zeros.initial_state.clear();
+  t.e = reference_recurrence(from_zeros).final_state;
+  Problem from_identity = from_zeros;
+  std::fill(from_identity.v.begin(), from_identity.v.end(), uint16_t(0));  // bf16 +0
+  from_identity.initial_state.assign(static_cast<size_t>(p.state_elems()), 0.f);
+  for (int64_t head = 0; head < p.num_seqs() * p.H; ++head)
+    for (int64_t i = 0; i < p.K; ++i) from_identity.initial_state[static_cast<size_t>((head * p.K + i) * p.K + i)] = 1.f;
+  t.m = reference_recurrence(from_identity).final_state;
+  return t;
+}
+
 std::vector<double> log_decays(const Problem& p) {
   std::vector<double> decays(static_cast<size_t>(p.B * p.T * p.H * p.K));
   for (int64_t row = 0; row < p.B * p.T * p.H; ++row)
@@ -445,6 +460,22 @@ fkda_decode_args make_decode_args(const Problem& p, const Buffers& buffers) {
   args.out = fwd.out;
   args.cu_seqlens = fwd.cu_seqlens;
   args.scale = fwd.scale;
+  return args;
+}
+
+fkda_transition_args make_transition_args(const Problem& p, const Buffers& buffers, void* m, void* e) {
+  const fkda_fwd_args fwd = make_args(p, buffers, FKDA_DTYPE_F32);
+  fkda_transition_args args = FKDA_TRANSITION_ARGS_INIT;
+  args.k = fwd.k;
+  args.v = fwd.v;
+  args.g = fwd.g;
+  args.beta = fwd.beta;
+  args.A_log = fwd.A_log;
+  args.dt_bias = fwd.dt_bias;
+  args.cu_seqlens = fwd.cu_seqlens;
+  const int64_t N = p.num_seqs();
+  args.transition_m = tensor(m, FKDA_DTYPE_F32, {N, p.H, p.K, p.K});
+  args.transition_e = tensor(e, FKDA_DTYPE_F32, {N, p.H, p.V, p.K});
   return args;
 }
 

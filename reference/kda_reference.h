@@ -133,6 +133,17 @@ struct Reference {
 };
 Reference reference_recurrence(const Problem& p, const std::vector<int64_t>& state_tokens = {});
 
+// The fp64 segment transitions of every (sequence, head) of p
+// (flashkda.h, "Segment transitions"), V-first whatever a plan's layout:
+// m [N, H, K, K] with S_out = S_in M + E, e [N, H, V, K]. E is the
+// token-by-token recurrence from a zero state, M the same recurrence from
+// the identity (K rows) with v = 0. p's initial state is ignored.
+struct ReferenceTransitions {
+  std::vector<double> m;
+  std::vector<double> e;
+};
+ReferenceTransitions reference_transitions(const Problem& p);
+
 // ‖a − b‖ / ‖b‖; infinity when a holds a NaN or infinity.
 double rel_l2(const std::vector<float>& a, const std::vector<double>& b);
 
@@ -157,6 +168,11 @@ fkda_fwd_args make_args(const Problem& p, const Buffers& buffers, fkda_dtype sta
 // fkda_decode_args over the same buffers (states ignored): the caller adds
 // state_pool, state_indices and num_accepted_tokens.
 fkda_decode_args make_decode_args(const Problem& p, const Buffers& buffers);
+
+// fkda_transition_args over the same buffers (q, out and states unused):
+// transition_m f32 [N, H, K, K] at m, transition_e f32 [N, H, V, K] at e
+// (KV layouts [N, H, K, V]; with K == V the extents are the same).
+fkda_transition_args make_transition_args(const Problem& p, const Buffers& buffers, void* m, void* e);
 
 // Buffers over p's own host vectors (g_f32 and beta_f32 where p has them,
 // cu_seqlens where p is varlen) and `out`; states are left to the caller.

@@ -2,6 +2,7 @@
 // it to a status plus the thread-local message, so no C++ exception ever
 // crosses the C ABI.
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <string>
@@ -14,18 +15,24 @@
 #include "flashkda.h"
 #include "gpu/gpu_backend.h"
 #include "gpu/gpu_debug_checks.h"
+#include "gpu/gpu_transitions.h"
 #include "plan.h"
 #include "validate.h"
-#include "validate_serving.h"
+#include "validate_transitions.h"
 
 namespace {
 
 thread_local std::string last_error_message;
 
+// Whether a successful call empties the thread's message. fkda_plan_destroy
+// does not: garbage collectors and destructors run it between another call's
+// failure and the caller's fkda_last_error.
+enum class OnSuccess { kClearMessage, kKeepMessage };
+
 template <typename Body>
-fkda_status guarded(Body&& body) noexcept {
+fkda_status guarded(Body&& body, OnSuccess on_success = OnSuccess::kClearMessage) noexcept {
   try {
-    last_error_message.clear();
+    if (on_success == OnSuccess::kClearMessage) last_error_message.clear();
     body();
     return FKDA_SUCCESS;
   } catch (const fkda::Error& e) {
@@ -88,19 +95,20 @@ FKDA_API fkda_status fkda_plan_create(const fkda_plan_desc* desc, fkda_plan_t* p
 }
 
 FKDA_API fkda_status fkda_plan_destroy(fkda_plan_t plan) {
-  return guarded([&] { fkda::destroy_plan(plan); });
+  return guarded([&] { fkda::destroy_plan(plan); }, OnSuccess::kKeepMessage);
 }
 
 FKDA_API fkda_status fkda_plan_get_backend(fkda_plan_t plan, fkda_backend* backend) {
   return guarded([&] {
     require_output(backend, "backend");
-    *backend = fkda::live_plan(plan).backend;
+    *backend = fkda::hold_plan(plan)->backend;
   });
 }
 
 FKDA_API fkda_status fkda_set_lower_bound(fkda_plan_t plan, float lower_bound) {
   return guarded([&] {
-    fkda::Plan& p = fkda::live_plan(plan);
+    const std::shared_ptr<fkda::Plan> held = fkda::hold_plan(plan);
+    fkda::Plan& p = *held;
     fkda::require_bounded_gate(p);
     fkda::check_lower_bound(lower_bound);
     p.lower_bound.store(lower_bound);
@@ -110,7 +118,8 @@ FKDA_API fkda_status fkda_set_lower_bound(fkda_plan_t plan, float lower_bound) {
 FKDA_API fkda_status fkda_get_lower_bound(fkda_plan_t plan, float* lower_bound) {
   return guarded([&] {
     require_output(lower_bound, "lower_bound");
-    const fkda::Plan& p = fkda::live_plan(plan);
+    const std::shared_ptr<const fkda::Plan> held = fkda::hold_plan(plan);
+    const fkda::Plan& p = *held;
     fkda::require_bounded_gate(p);
     *lower_bound = p.lower_bound.load();
   });
@@ -120,15 +129,17 @@ FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan, int64_t total_to
                                               int64_t num_seqs, size_t* bytes) {
   return guarded([&] {
     require_output(bytes, "bytes");
-    *bytes = fkda::live_plan(plan).workspace_size(total_tokens, num_seqs);
+    *bytes = fkda::hold_plan(plan)->workspace_size(total_tokens, num_seqs);
   });
 }
 
 FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args, void* workspace,
                               size_t workspace_bytes, fkda_stream_t stream) {
   return guarded([&] {
-    const fkda::Plan& p = fkda::live_plan(plan);
-    const fkda::PrefillProblem problem = fkda::validate_fwd(p, args, workspace, workspace_bytes);
+    const std::shared_ptr<const fkda::Plan> held = fkda::hold_plan(plan);
+    const fkda::Plan& p = *held;
+    fkda::PrefillProblem problem = fkda::validate_fwd(p, args, workspace, workspace_bytes);
+    problem.tuning = p.tuning;
     if (problem.num_seqs == 0) return;  // nothing to compute, nothing to write
     if (p.backend == FKDA_BACKEND_GPU) {
       const CUstream cu_stream = reinterpret_cast<CUstream>(stream);
@@ -136,9 +147,9 @@ FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args, void*
       const fkda::gpu::LaunchShape shape = fkda::gpu::fwd(problem, workspace, workspace_bytes, cu_stream);
       std::lock_guard<std::mutex> lock(p.launch_mutex);
       p.last_launch = fkda_launch_report{sizeof(fkda_launch_report), shape.vsplit, shape.windows,
-                                         shape.slots_per_window};
+                                         shape.slots_per_window, shape.chunk_parallel, shape.segment_chunks};
     } else {
-      fkda::cpu::fwd(problem, workspace, workspace_bytes);
+      fkda::cpu::fwd(problem, p.tuning, workspace, workspace_bytes);
     }
   });
 }
@@ -147,7 +158,7 @@ FKDA_API fkda_status fkda_plan_decode_workspace_size(fkda_plan_t plan, int64_t t
                                                      int64_t num_seqs, size_t* bytes) {
   return guarded([&] {
     require_output(bytes, "bytes");
-    fkda::live_plan(plan);
+    fkda::hold_plan(plan);
     if (total_tokens < 0) fkda::invalid("total_tokens: must be >= 0, got " + std::to_string(total_tokens));
     if (num_seqs < 0) fkda::invalid("num_seqs: must be >= 0, got " + std::to_string(num_seqs));
     *bytes = 0;  // both backends decode straight from and into the pool
@@ -157,7 +168,8 @@ FKDA_API fkda_status fkda_plan_decode_workspace_size(fkda_plan_t plan, int64_t t
 FKDA_API fkda_status fkda_decode(fkda_plan_t plan, const fkda_decode_args* args, void* workspace,
                                  size_t workspace_bytes, fkda_stream_t stream) {
   return guarded([&] {
-    const fkda::Plan& p = fkda::live_plan(plan);
+    const std::shared_ptr<const fkda::Plan> held = fkda::hold_plan(plan);
+    const fkda::Plan& p = *held;
     const fkda::DecodeProblem problem = fkda::validate_decode(p, args, workspace, workspace_bytes);
     if (problem.num_seqs == 0 || problem.seq_len == 0) return;  // no token: nothing read or written
     if (p.backend == FKDA_BACKEND_GPU) {
@@ -170,18 +182,53 @@ FKDA_API fkda_status fkda_decode(fkda_plan_t plan, const fkda_decode_args* args,
   });
 }
 
+FKDA_API fkda_status fkda_plan_transitions_workspace_size(fkda_plan_t plan, int64_t total_tokens,
+                                                          int64_t num_seqs, size_t* bytes) {
+  return guarded([&] {
+    require_output(bytes, "bytes");
+    *bytes = fkda::hold_plan(plan)->transitions_workspace_size(total_tokens, num_seqs);
+  });
+}
+
+FKDA_API fkda_status fkda_transitions(fkda_plan_t plan, const fkda_transition_args* args, void* workspace,
+                                      size_t workspace_bytes, fkda_stream_t stream) {
+  return guarded([&] {
+    const std::shared_ptr<const fkda::Plan> held = fkda::hold_plan(plan);
+    const fkda::Plan& p = *held;
+    const fkda::TransitionProblem problem = fkda::validate_transitions(p, args, workspace, workspace_bytes);
+    if (problem.num_seqs == 0) return;
+    if (p.backend == FKDA_BACKEND_GPU) {
+      fkda::gpu::transitions(problem, p.tuning, workspace, workspace_bytes, reinterpret_cast<CUstream>(stream));
+    } else {
+      fkda::cpu::transitions(problem, workspace, workspace_bytes);
+    }
+  });
+}
+
+FKDA_API fkda_status fkda_apply_transitions(fkda_plan_t plan, const fkda_apply_args* args, void* workspace,
+                                            size_t workspace_bytes, fkda_stream_t stream) {
+  return guarded([&] {
+    const std::shared_ptr<const fkda::Plan> held = fkda::hold_plan(plan);
+    const fkda::Plan& p = *held;
+    const fkda::ApplyProblem problem = fkda::validate_apply(p, args, workspace, workspace_bytes);
+    if (problem.num_seqs == 0) return;
+    if (p.backend == FKDA_BACKEND_GPU) {
+      fkda::gpu::apply_transitions(problem, workspace, workspace_bytes, reinterpret_cast<CUstream>(stream));
+    } else {
+      fkda::cpu::apply_transitions(problem);
+    }
+  });
+}
+
 FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info) {
   return guarded([&] {
-    require_output(info, "info");
-    // Its first published size is its current one.
-    fkda::read_versioned(*info, fkda_device_info FKDA_DEVICE_INFO_INIT, sizeof(fkda_device_info), "info",
-                         "FKDA_DEVICE_INFO_INIT");
+    fkda::output_fields_end(info, "info");
     if (device < -1) fkda::invalid("device: expected an ordinal >= 0 or -1, got " + std::to_string(device));
     fkda_device_info result = FKDA_DEVICE_INFO_INIT;
     const fkda::cuda::Driver* d = fkda::cuda::driver();
     if (d == nullptr) {
       result.driver_version = fkda::cuda::found_driver_version();
-      *info = result;
+      fkda::write_versioned(info, result, "info");
       if (fkda::cuda::driver_too_old()) fkda::fail(FKDA_ERROR_NO_DEVICE, fkda::cuda::unavailable_reason());
       return;
     }
@@ -191,7 +238,7 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info) {
     fkda::cuda::check(d->cuDeviceGetCount(&count), "cuDeviceGetCount");
     result.device_count = count;
     if (count == 0) {
-      *info = result;
+      fkda::write_versioned(info, result, "info");
       return;
     }
     CUdevice handle = 0;
@@ -211,35 +258,30 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info) {
                       "cuDeviceGetAttribute");
     fkda::cuda::check(d->cuDeviceGetName(result.name, sizeof(result.name), handle), "cuDeviceGetName");
     result.has_kernels = fkda::gpu::has_kernels_for(result.cc_major, result.cc_minor) ? 1 : 0;
-    *info = result;
+    fkda::write_versioned(info, result, "info");
   });
 }
 
 FKDA_API fkda_status fkda_plan_get_launch_report(fkda_plan_t plan, fkda_launch_report* report) {
   return guarded([&] {
-    require_output(report, "report");
-    // Its first published size is its current one.
-    fkda::read_versioned(*report, fkda_launch_report FKDA_LAUNCH_REPORT_INIT, sizeof(fkda_launch_report),
-                         "report", "FKDA_LAUNCH_REPORT_INIT");
-    const fkda::Plan& p = fkda::live_plan(plan);
+    fkda::output_fields_end(report, "report");
+    const std::shared_ptr<const fkda::Plan> held = fkda::hold_plan(plan);
+    const fkda::Plan& p = *held;
     std::lock_guard<std::mutex> lock(p.launch_mutex);
-    *report = p.last_launch;
+    fkda::write_versioned(report, p.last_launch, "report");
   });
 }
 
 FKDA_API fkda_status fkda_get_build_info(fkda_build_info* info) {
   return guarded([&] {
-    require_output(info, "info");
-    // Its first published size is its current one.
-    fkda::read_versioned(*info, fkda_build_info FKDA_BUILD_INFO_INIT, sizeof(fkda_build_info), "info",
-                         "FKDA_BUILD_INFO_INIT");
+    fkda::output_fields_end(info, "info");
     fkda_build_info result = FKDA_BUILD_INFO_INIT;
     result.cuda_version = FKDA_BUILD_CUDA_VERSION;
     result.min_driver_version = FKDA_BUILD_MIN_DRIVER_VERSION;
     static_assert(sizeof(FKDA_BUILD_ARCHITECTURES) <= sizeof(result.architectures),
                   "fkda_build_info.architectures too small for the fatbin's list");
     std::memcpy(result.architectures, FKDA_BUILD_ARCHITECTURES, sizeof(FKDA_BUILD_ARCHITECTURES));
-    *info = result;
+    fkda::write_versioned(info, result, "info");
   });
 }
 

@@ -1,12 +1,15 @@
 #include "plan.h"
 
+#include <cerrno>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstddef>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <string>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "abi_struct.h"
 #include "cpu/cpu_backend.h"
@@ -14,18 +17,48 @@
 #include "dtype_name.h"
 #include "error.h"
 #include "gpu/gpu_backend.h"
+#include "gpu/gpu_transitions.h"
 
 namespace fkda {
 namespace {
 
-std::mutex& registry_mutex() {
-  static std::mutex m;
-  return m;
+// Live plans by handle. A handle is the next value of a counter, never an
+// address: a destroyed plan's handle matches no later plan, even one the
+// allocator places where the old one was.
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<uintptr_t, std::shared_ptr<Plan>> live;
+  uintptr_t last_handle = 0;
+};
+
+Registry& registry() {
+  // Never destroyed: calls from threads still running at exit may reach it.
+  static Registry* r = new Registry;
+  return *r;
 }
 
-std::unordered_set<const Plan*>& registry() {
-  static std::unordered_set<const Plan*> live;
-  return live;
+[[noreturn]] void not_live() {
+  invalid("plan: not a live plan (already destroyed, or not from fkda_plan_create)");
+}
+
+// An environment variable of the tuning, or nullptr when unset or empty.
+const char* tuning_variable(const char* name) {
+  const char* text = std::getenv(name);
+  return text != nullptr && *text != '\0' ? text : nullptr;
+}
+
+// A positive integer variable; 0 when unset.
+int64_t positive_variable(const char* name) {
+  const char* text = tuning_variable(name);
+  if (text == nullptr) return 0;
+  errno = 0;
+  char* end = nullptr;
+  const long long value = std::strtoll(text, &end, 10);
+  if (errno != 0 || end == text || *end != '\0' || value <= 0) {
+    invalid(std::string(name) + ": expected a positive integer (or unset for the automatic choice), got \"" +
+            text + "\"");
+  }
+  return int64_t(value);
 }
 
 // FKDA_DEBUG_CHECKS=1 turns the checks on for every plan created afterwards,
@@ -88,21 +121,68 @@ fkda_status gpu_unusable_reason(std::string* reason) {
   return FKDA_SUCCESS;
 }
 
+Tuning read_tuning(const fkda_plan_desc& desc) {
+  Tuning t;
+  if (desc.vsplit != 0 && desc.vsplit != 1 && desc.vsplit != 2 && desc.vsplit != 4 && desc.vsplit != 8) {
+    invalid("desc.vsplit: expected 0 (automatic), 1, 2, 4 or 8, got " + std::to_string(desc.vsplit));
+  }
+  if (desc.chunk_parallel != FKDA_CHUNK_PARALLEL_AUTO && desc.chunk_parallel != FKDA_CHUNK_PARALLEL_OFF &&
+      desc.chunk_parallel != FKDA_CHUNK_PARALLEL_ON) {
+    invalid("desc.chunk_parallel: expected FKDA_CHUNK_PARALLEL_AUTO (0), _OFF (1) or _ON (2), got " +
+            std::to_string(desc.chunk_parallel));
+  }
+  if (desc.window_slots < 0) {
+    invalid("desc.window_slots: expected 0 (automatic) or a positive count, got " + std::to_string(desc.window_slots));
+  }
+  if (desc.segment_chunks < 0) {
+    invalid("desc.segment_chunks: expected 0 (automatic) or a positive count, got " +
+            std::to_string(desc.segment_chunks));
+  }
+  t.vsplit = desc.vsplit;
+  if (t.vsplit == 0) {
+    if (const char* text = tuning_variable("FKDA_VSPLIT")) {
+      const std::string value(text);
+      if (value != "1" && value != "2" && value != "4" && value != "8") {
+        invalid("FKDA_VSPLIT: expected 1, 2, 4 or 8 (or unset for the automatic choice), got \"" + value + "\"");
+      }
+      t.vsplit = std::stoi(value);
+    }
+  }
+  t.chunk_parallel = desc.chunk_parallel;
+  if (t.chunk_parallel == FKDA_CHUNK_PARALLEL_AUTO) {
+    if (const char* text = tuning_variable("FKDA_CHUNK_PARALLEL")) {
+      const std::string value(text);
+      if (value == "off") {
+        t.chunk_parallel = FKDA_CHUNK_PARALLEL_OFF;
+      } else if (value == "on") {
+        t.chunk_parallel = FKDA_CHUNK_PARALLEL_ON;
+      } else if (value != "auto") {
+        invalid("FKDA_CHUNK_PARALLEL: expected \"auto\", \"off\" or \"on\" (or unset), got \"" + value + "\"");
+      }
+    }
+  }
+  t.window_slots = desc.window_slots != 0 ? desc.window_slots : positive_variable("FKDA_WINDOW_SLOTS");
+  t.segment_chunks = desc.segment_chunks != 0 ? desc.segment_chunks : positive_variable("FKDA_SEGMENT_CHUNKS");
+  return t;
+}
+
 size_t Plan::workspace_size(int64_t total_tokens, int64_t num_seqs) const {
   if (total_tokens < 0) invalid("total_tokens: must be >= 0, got " + std::to_string(total_tokens));
   if (num_seqs < 0) invalid("num_seqs: must be >= 0, got " + std::to_string(num_seqs));
-  if (backend == FKDA_BACKEND_GPU) return gpu::workspace_size(total_tokens, num_seqs, num_heads);
-  return cpu::workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v);
+  if (backend == FKDA_BACKEND_GPU) return gpu::workspace_size(total_tokens, num_seqs, num_heads, tuning);
+  return cpu::workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v, tuning);
+}
+
+size_t Plan::transitions_workspace_size(int64_t total_tokens, int64_t num_seqs) const {
+  if (total_tokens < 0) invalid("total_tokens: must be >= 0, got " + std::to_string(total_tokens));
+  if (num_seqs < 0) invalid("num_seqs: must be >= 0, got " + std::to_string(num_seqs));
+  if (backend == FKDA_BACKEND_GPU) return gpu::transitions_workspace_size(total_tokens, num_seqs, num_heads, tuning);
+  return cpu::transitions_workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v);
 }
 
 fkda_plan_t create_plan(const fkda_plan_desc* desc) {
   if (desc == nullptr) invalid("desc: NULL");
-  // 0.1 ended the struct after lower_bound, 0.2 after debug_checks: 0.2's
-  // sizeof (48) holds gate_mode's place as padding.
-  const fkda_plan_desc read = read_versioned(*desc, fkda_plan_desc FKDA_PLAN_DESC_INIT,
-                                             offsetof(fkda_plan_desc, lower_bound) + sizeof(float), "desc",
-                                             "FKDA_PLAN_DESC_INIT",
-                                             {offsetof(fkda_plan_desc, debug_checks) + sizeof(int32_t)});
+  const fkda_plan_desc read = read_versioned(desc, "desc");
   desc = &read;
   if (desc->num_heads <= 0) {
     invalid("desc.num_heads: must be > 0, got " + std::to_string(desc->num_heads));
@@ -151,6 +231,16 @@ fkda_plan_t create_plan(const fkda_plan_desc* desc) {
             gate_mode_name(desc->gate_mode) +
             " gate has no floor (leave lower_bound at its FKDA_PLAN_DESC_INIT value, -5)");
   }
+  const Tuning tuning = read_tuning(*desc);
+
+  if (desc->chunk_parallel != FKDA_CHUNK_PARALLEL_AUTO && desc->chunk_parallel != FKDA_CHUNK_PARALLEL_OFF &&
+      desc->chunk_parallel != FKDA_CHUNK_PARALLEL_ON) {
+    invalid("desc.chunk_parallel: expected FKDA_CHUNK_PARALLEL_AUTO (0), _OFF (1) or _ON (2), got " +
+            std::to_string(desc->chunk_parallel));
+  }
+  if (desc->segment_chunks < 0) {
+    invalid("desc.segment_chunks: must be 0 (automatic) or > 0, got " + std::to_string(desc->segment_chunks));
+  }
 
   fkda_backend backend = FKDA_BACKEND_CPU;
   switch (desc->backend) {
@@ -172,8 +262,7 @@ fkda_plan_t create_plan(const fkda_plan_desc* desc) {
               std::to_string(desc->backend));
   }
 
-  auto* plan = new (std::nothrow) fkda_plan_s();
-  if (plan == nullptr) fail(FKDA_ERROR_OUT_OF_MEMORY, "plan: host allocation failed");
+  std::shared_ptr<Plan> plan = std::make_shared<Plan>();
   plan->num_heads = desc->num_heads;
   plan->head_dim_k = desc->head_dim_k;
   plan->head_dim_v = desc->head_dim_v;
@@ -185,30 +274,32 @@ fkda_plan_t create_plan(const fkda_plan_desc* desc) {
   plan->debug_checks = desc->debug_checks == 1 || debug_checks_from_environment();
   plan->gate_mode = desc->gate_mode;
   plan->beta_mode = desc->beta_mode;
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  registry().insert(plan);
-  return plan;
+  plan->tuning = tuning;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const uintptr_t handle = ++r.last_handle;
+  r.live.emplace(handle, std::move(plan));
+  return reinterpret_cast<fkda_plan_t>(handle);
 }
 
 void destroy_plan(fkda_plan_t plan) {
   if (plan == nullptr) return;
-  {
-    std::lock_guard<std::mutex> lock(registry_mutex());
-    if (registry().erase(plan) == 0) {
-      invalid("plan: not a live plan (already destroyed, or not from fkda_plan_create)");
-    }
-  }
-  delete plan;
+  std::shared_ptr<Plan> released;  // freed after the lock, unless a call still holds it
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const auto found = r.live.find(reinterpret_cast<uintptr_t>(plan));
+  if (found == r.live.end()) not_live();
+  released = std::move(found->second);
+  r.live.erase(found);
 }
 
-Plan& live_plan(fkda_plan_t handle) {
+std::shared_ptr<Plan> hold_plan(fkda_plan_t handle) {
   if (handle == nullptr) invalid("plan: NULL");
-  Plan* plan = handle;
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  if (registry().count(plan) == 0) {
-    invalid("plan: not a live plan (already destroyed, or not from fkda_plan_create)");
-  }
-  return *plan;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const auto found = r.live.find(reinterpret_cast<uintptr_t>(handle));
+  if (found == r.live.end()) not_live();
+  return found->second;
 }
 
 }  // namespace fkda

@@ -6,10 +6,12 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 
 #include "flashkda.h"
+#include "tuning.h"
 
 namespace fkda {
 
@@ -33,29 +35,35 @@ struct Plan {
   int32_t gate_mode = FKDA_GATE_BOUNDED;  // fkda_gate_mode
   int32_t beta_mode = FKDA_BETA_LOGITS;   // fkda_beta_mode
   std::atomic<float> lower_bound{-5.0f};  // BOUNDED plans only
+  Tuning tuning;  // GPU prefill's launch choices, fixed at creation
   // The launch shape of the last GPU fkda_fwd (fkda_plan_get_launch_report).
   mutable std::mutex launch_mutex;
   mutable fkda_launch_report last_launch = FKDA_LAUNCH_REPORT_INIT;
 
   size_t workspace_size(int64_t total_tokens, int64_t num_seqs) const;
+  // fkda_plan_transitions_workspace_size.
+  size_t transitions_workspace_size(int64_t total_tokens, int64_t num_seqs) const;
 };
 
-}  // namespace fkda
-
-// The public handle type is an opaque pointer to this struct; it is the plan.
-struct fkda_plan_s : fkda::Plan {};
-
-namespace fkda {
 
 // Throws fkda::Error naming the field when `desc` is unusable; resolves AUTO.
 fkda_plan_t create_plan(const fkda_plan_desc* desc);
-// NULL is a no-op; a handle that is not live is an error.
+// NULL is a no-op; a handle that is not live is an error. Calls already
+// running on the plan keep it (hold_plan); it is freed when the last ends.
 void destroy_plan(fkda_plan_t plan);
 
-// The live plan behind a handle; throws FKDA_ERROR_INVALID_ARGUMENT for NULL,
-// destroyed or foreign handles (plans are tracked, so misuse is detected
-// instead of dereferencing freed memory).
-Plan& live_plan(fkda_plan_t handle);
+// The live plan behind a handle, shared with the registry so that a
+// concurrent destroy_plan cannot free it while the caller holds the pointer:
+// every call on a plan keeps one for its whole duration. Throws
+// FKDA_ERROR_INVALID_ARGUMENT for NULL, destroyed or foreign handles. A
+// handle is a number never given out twice, not an address, so a stale
+// handle cannot reach a plan created later.
+std::shared_ptr<Plan> hold_plan(fkda_plan_t handle);
+
+// The tuning of a new plan: the desc's 0.4 fields, those left at 0 from the
+// environment (FKDA_VSPLIT, FKDA_CHUNK_PARALLEL, FKDA_WINDOW_SLOTS,
+// FKDA_SEGMENT_CHUNKS). Throws naming the field or variable.
+Tuning read_tuning(const fkda_plan_desc& desc);
 
 void check_lower_bound(float lower_bound);
 // "bounded", "softplus", "log-decay": how messages name a gate mode.

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "flashkda.h"
+#include "tuning.h"
 
 namespace fkda {
 
@@ -140,6 +141,7 @@ struct PrefillProblem {
   float scale = 0.f;
   float lower_bound = -5.f;
   bool debug_checks = false;  // GPU: check device-side indices on the host first
+  Tuning tuning;              // the plan's, read at its creation
 };
 
 }  // namespace fkda

@@ -1,13 +1,15 @@
-// The generic argument checks shared by the validation of fkda_fwd
-// (validate.cpp) and of the serving arguments: pools, slot indices,
-// checkpoints and fkda_decode (validate_serving.cpp). Each throws
-// fkda::Error with a message that starts with the argument's name.
+// The generic argument checks (validate_tensors.cpp) that the validation of
+// each entry point builds on: validate_fwd.cpp, validate_decode.cpp and any
+// later one. They look at descriptors only, never at the contents of
+// indices or offsets (validate_contents.cpp). Each throws fkda::Error with a
+// message that starts with the argument's name.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dtype_name.h"
@@ -61,7 +63,9 @@ struct Located {
 // Host memory for CPU plans, memory of the current context's device for GPU plans.
 void check_residency(const Plan& plan, const std::vector<Located>& pointers);
 
-// Host-readable offsets (CPU plans): 0 = cu[0] <= cu[1] <= ... <= cu[N] = T.
+// Host-readable offsets (CPU plans, and GPU debug checks): 0 = cu[0] <=
+// cu[1] <= ... <= cu[N] = T. In validate_contents.cpp with the other
+// content checks.
 void check_cu_seqlens_contents(const fkda_tensor& cu, int64_t total_tokens);
 
 // The activations and parameters fkda_fwd and fkda_decode share, in their
@@ -76,6 +80,54 @@ ActivationExtents check_activations(const Plan& plan, const Activations& a);
 
 // cu_seqlens' rank, dtype and stride; returns N (B without cu_seqlens).
 int64_t check_cu_seqlens(const fkda_tensor& cu, int64_t batch);
+
+// The axes from `first_packed` on must be packed (the [H, V, K] of a state);
+// the axes before it are free but must not make elements overlap.
+void check_packed_from(const fkda_tensor& t, const char* name, int32_t first_packed);
+
+// The state shape of the plan's layout after the given leading extents:
+// {leading..., H, V, K} or {leading..., H, K, V}.
+std::vector<int64_t> state_shape(const Plan& plan, std::initializer_list<int64_t> leading);
+
+// Rank and extents only (kAny matches any extent).
+void check_shape(const fkda_tensor& t, const char* name, const std::vector<int64_t>& shape);
+
+// A pool of states in the plan's dtype and layout, [slots, H, V, K] (or KV):
+// the slot stride free, each state contiguous.
+PoolView check_pool(const Plan& plan, const fkda_tensor& t, const char* name = "state_pool");
+
+// [rows] (cols == 0) or [rows, cols] (cols may be kAny) i32 or i64 integers,
+// with allow_bool also bool; any strides. An absent tensor gives an absent view.
+IndexView check_indices(const fkda_tensor& t, const char* name, int64_t rows, int64_t cols,
+                        bool allow_bool = false);
+IndexView index_view(const fkda_tensor& t);
+
+// GPU plans: check_gpu_alignment on each present, non-empty tensor.
+struct Named {
+  const fkda_tensor* tensor;
+  const char* name;
+};
+void check_gpu_rows(const Plan& plan, const std::vector<Named>& tensors);
+
+// One piece of memory a call touches: a tensor argument's bytes from its
+// first to its last element, or the workspace the call uses.
+struct Operand {
+  const char* name;
+  uintptr_t first = 0, last = 0;  // [first, last); first == last: nothing
+  bool written = false;
+
+  static Operand tensor(const fkda_tensor& t, const char* name, bool written);
+  static Operand bytes(const void* data, size_t size, const char* name, bool written);
+};
+
+// Memory a call writes is shared with no other operand: each written
+// operand is checked against every other one, written or read, by their
+// byte spans. `in_place` lists pairs (read, written) that may instead be
+// the very same memory, same first and last byte (a state updated in
+// place); partly overlapping is an error all the same. The message names
+// the written operand (of two written ones, the later in the list).
+void check_no_shared_memory(const std::vector<Operand>& operands,
+                            std::initializer_list<std::pair<const char*, const char*>> in_place = {});
 
 // The fields PrefillProblem and DecodeProblem share, from checked arguments.
 template <typename Problem>

@@ -4,6 +4,7 @@
 // partner that rounds at the same points and can be compared with it tightly.
 
 #include "cpu/cpu_backend.h"
+#include "cpu/cpu_chunks.h"
 
 #include <algorithm>
 #include <atomic>
@@ -37,6 +38,8 @@ struct HeadTask {
   int64_t begin;  // tokens [begin, end) of batch_row
   int64_t end;
 };
+
+}  // namespace
 
 // Everything one worker needs: the state of the (sequence, head) pair it is
 // on and the operands of the current chunk. It lives in the caller's
@@ -112,6 +115,8 @@ struct ChunkScratch {
     out_f32 = take(size_t(V));
   }
 };
+
+namespace {
 
 // ----------------------------------------------------------- addressing ---
 
@@ -313,8 +318,12 @@ float step_size(int32_t beta_mode, float beta) {
 
 // ------------------------------------------------------- chunk steps 1-5 ---
 
-void load_chunk(const PrefillProblem& p, const HeadTask& task, int64_t first_token, ChunkScratch& s) {
+void load_chunk(const PrefillProblem& p, const HeadTask& task, int64_t first_token, ChunkMode mode,
+                ChunkScratch& s) {
   const int K = s.K, V = s.V;
+  // Transitions have no q; their Qd and Mqk are formed from zeros and unused.
+  const bool with_queries = mode == ChunkMode::kOutput;
+  const bool with_values = mode != ChunkMode::kIdentity;
   for (int i = 0; i < kChunk; ++i) {
     float* q = &s.q[size_t(i) * K];
     float* k = &s.k[size_t(i) * K];
@@ -330,15 +339,21 @@ void load_chunk(const PrefillProblem& p, const HeadTask& task, int64_t first_tok
       continue;
     }
     const int64_t token = first_token + i;
-    const uint16_t* q_in = token_row(p.q, task, token);
     const uint16_t* k_in = token_row(p.k, task, token);
-    const uint16_t* v_in = token_row(p.v, task, token);
-    for (int c = 0; c < K; ++c) {
-      q[c] = float_of_bf16(q_in[c]);
-      k[c] = float_of_bf16(k_in[c]);
+    for (int c = 0; c < K; ++c) k[c] = float_of_bf16(k_in[c]);
+    if (with_queries) {
+      const uint16_t* q_in = token_row(p.q, task, token);
+      for (int c = 0; c < K; ++c) q[c] = float_of_bf16(q_in[c]);
+    } else {
+      std::fill(q, q + K, 0.f);
     }
     read_row(p.g, p.gate.g_is_f32, task, token, K, g);
-    for (int e = 0; e < V; ++e) v[e] = float_of_bf16(v_in[e]);
+    if (with_values) {
+      const uint16_t* v_in = token_row(p.v, task, token);
+      for (int e = 0; e < V; ++e) v[e] = float_of_bf16(v_in[e]);
+    } else {
+      std::fill(v, v + V, 0.f);
+    }
     read_row(p.beta, p.gate.beta_is_f32, task, token, 1, &s.beta[i]);
   }
 }
@@ -637,19 +652,14 @@ void advance_state(ChunkScratch& s) {
 
 // ------------------------------------------------------------- drivers ---
 
-void run_head(const PrefillProblem& p, const HeadTask& task, ChunkScratch& s) {
-  const StatePlaces places = state_places(p, task);
-  if (places.padding) {
-    for (int64_t token = task.begin; token < task.end; ++token) {
-      uint16_t* out = out_row(p.out, task, token);
-      std::fill(out, out + s.V, uint16_t(0));
-    }
-    return;
-  }
-  read_state(places.initial, p.state_layout, s.V, s.K, s.state);
-  for (int64_t first = task.begin; first < task.end; first += kChunk) {
-    s.len = static_cast<int>(std::min<int64_t>(kChunk, task.end - first));
-    load_chunk(p, task, first, s);
+// Advances s.state over tokens [begin, end) of the task's sequence, chunk by
+// chunk on the sequence's grid of 16 (begin - task.begin is a multiple of
+// 16). kOutput also writes out and the checkpoints due in the range.
+void advance_chunks(const PrefillProblem& p, const HeadTask& task, int64_t begin, int64_t end, ChunkMode mode,
+                    ChunkScratch& s) {
+  for (int64_t first = begin; first < end; first += kChunk) {
+    s.len = static_cast<int>(std::min<int64_t>(kChunk, end - first));
+    load_chunk(p, task, first, mode, s);
     gate_cumsum(p, task, s);
     norms_and_beta(p.gate.beta_mode, s);
     recurrence_operands(p.scale, p.gate.gate_mode != FKDA_GATE_BOUNDED, s);
@@ -662,10 +672,27 @@ void run_head(const PrefillProblem& p, const HeadTask& task, ChunkScratch& s) {
     invert_unit_lower(s);
     project_state(s);
     delta_updates(s);
-    write_output(p, task, first, s);
+    if (mode == ChunkMode::kOutput) write_output(p, task, first, s);
     advance_state(s);
-    store_checkpoints(p, task, first + s.len - task.begin, s);
+    if (mode == ChunkMode::kOutput) store_checkpoints(p, task, first + s.len - task.begin, s);
   }
+}
+
+void zero_output_rows(const PrefillProblem& p, const HeadTask& task, int V) {
+  for (int64_t token = task.begin; token < task.end; ++token) {
+    uint16_t* out = out_row(p.out, task, token);
+    std::fill(out, out + V, uint16_t(0));
+  }
+}
+
+void run_head(const PrefillProblem& p, const HeadTask& task, ChunkScratch& s) {
+  const StatePlaces places = state_places(p, task);
+  if (places.padding) {
+    zero_output_rows(p, task, s.V);
+    return;
+  }
+  read_state(places.initial, p.state_layout, s.V, s.K, s.state);
+  advance_chunks(p, task, task.begin, task.end, ChunkMode::kOutput, s);
   write_state(places.final, p.state_layout, s.V, s.K, s.state);
 }
 
@@ -674,7 +701,7 @@ constexpr int64_t kChunksPerExtraThread = 8;
 
 // Workers for a call of at most this many chunks over this many (sequence,
 // head) pairs: one per core, no more than there are pairs or chunks to share.
-int64_t worker_count(int64_t pairs, int64_t chunks) {
+int64_t workers_for(int64_t pairs, int64_t chunks) {
   const int64_t hardware = std::max<int64_t>(1, std::thread::hardware_concurrency());
   return std::clamp<int64_t>(std::min<int64_t>(pairs, chunks / kChunksPerExtraThread), 1, hardware);
 }
@@ -783,29 +810,84 @@ void decode_head(const DecodeProblem& p, const HeadTask& task, DecodeScratch& s)
 
 }  // namespace
 
-size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, int32_t head_dim_k,
-                      int32_t head_dim_v) {
-  // Each sequence adds at most one partial chunk to total_tokens / 16 full
-  // ones. Any size is answered: past int64 both bounds only need to be large.
-  const int64_t chunk_bound = saturating_add(total_tokens / kChunk, num_seqs);
-  const int64_t workers = worker_count(saturating_mul(num_seqs, num_heads), chunk_bound);
-  return size_t(workers) * ChunkScratch::floats_needed(head_dim_k, head_dim_v) * sizeof(float);
+// ------------------------------------------------- pieces of sequences ---
+
+size_t ChunkRunner::floats_needed(int head_dim_k, int head_dim_v) {
+  return ChunkScratch::floats_needed(head_dim_k, head_dim_v);
 }
 
-void fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes) {
+ChunkRunner::ChunkRunner(int head_dim_k, int head_dim_v, float* memory)
+    : scratch_(new ChunkScratch(head_dim_k, head_dim_v, memory)) {}
+ChunkRunner::ChunkRunner(ChunkRunner&&) noexcept = default;
+ChunkRunner::~ChunkRunner() = default;
+
+float* ChunkRunner::state() { return scratch_->state; }
+
+void ChunkRunner::advance(const PrefillProblem& p, const Pair& pair, int64_t begin, int64_t end, ChunkMode mode) {
+  advance_chunks(p, HeadTask{pair.seq, pair.head, pair.row, pair.begin, pair.end}, begin, end, mode, *scratch_);
+}
+
+bool read_initial_state(const PrefillProblem& p, const Pair& pair, float* state) {
+  const HeadTask task{pair.seq, pair.head, pair.row, pair.begin, pair.end};
+  const StatePlaces places = state_places(p, task);
+  if (places.padding) {
+    zero_output_rows(p, task, p.head_dim_v);
+    return false;
+  }
+  read_state(places.initial, p.state_layout, p.head_dim_v, p.head_dim_k, state);
+  return true;
+}
+
+void write_final_state(const PrefillProblem& p, const Pair& pair, const float* state) {
+  const StatePlaces places = state_places(p, HeadTask{pair.seq, pair.head, pair.row, pair.begin, pair.end});
+  if (!places.padding) write_state(places.final, p.state_layout, p.head_dim_v, p.head_dim_k, state);
+}
+
+int64_t worker_count(int64_t tasks, int64_t chunks) { return workers_for(tasks, chunks); }
+
+void run_parallel(size_t count, int64_t workers, const std::function<void(int64_t, size_t)>& run) {
+  run_on_workers(count, workers, run);
+}
+
+int64_t prefill_workers(int64_t total_tokens, int64_t num_seqs, int32_t num_heads) {
+  // Each sequence adds at most one partial chunk to total_tokens / 16 full
+  // ones, and each head runs every chunk. Any size is answered: past int64
+  // the bounds only need to be large.
+  const int64_t chunk_bound = saturating_mul(saturating_add(total_tokens / kChunk, num_seqs), num_heads);
+  return workers_for(saturating_mul(num_seqs, num_heads), chunk_bound);
+}
+
+size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, int32_t head_dim_k,
+                      int32_t head_dim_v, const Tuning& tuning) {
+  if (use_chunk_parallel(tuning)) {
+    return chunk_parallel_workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v, tuning);
+  }
+  return size_t(prefill_workers(total_tokens, num_seqs, num_heads)) *
+         ChunkScratch::floats_needed(head_dim_k, head_dim_v) * sizeof(float);
+}
+
+int64_t fwd_workers(const PrefillProblem& problem, size_t workspace_bytes) {
+  const size_t per_worker = ChunkScratch::floats_needed(problem.head_dim_k, problem.head_dim_v);
+  const int64_t affordable = int64_t(workspace_bytes / (per_worker * sizeof(float)));
+  const int64_t wanted = prefill_workers(problem.batch * problem.seq_len, problem.num_seqs, problem.num_heads);
+  return std::max<int64_t>(1, std::min(wanted, affordable));
+}
+
+void fwd(const PrefillProblem& problem, const Tuning& tuning, void* workspace, size_t workspace_bytes) {
   // Without tokens a call only carries states over; with no state to write
   // it has no effect at all, however many sequences q's empty batch claims.
   if (problem.batch * problem.seq_len == 0 && problem.final_state == nullptr && problem.pool.data == nullptr) {
     return;
   }
+  if (use_chunk_parallel(tuning)) {
+    fwd_chunk_parallel(problem, tuning, workspace, workspace_bytes);
+    return;
+  }
   const std::vector<HeadTask> tasks = head_tasks(problem);
   if (tasks.empty()) return;
 
-  int64_t total_chunks = 0;
-  for (const HeadTask& task : tasks) total_chunks += (task.end - task.begin + kChunk - 1) / kChunk;
   const size_t per_worker = ChunkScratch::floats_needed(problem.head_dim_k, problem.head_dim_v);
-  const int64_t affordable = int64_t(workspace_bytes / (per_worker * sizeof(float)));
-  const int64_t workers = std::min(worker_count(int64_t(tasks.size()), total_chunks), affordable);
+  const int64_t workers = fwd_workers(problem, workspace_bytes);
 
   std::vector<ChunkScratch> scratch;
   scratch.reserve(size_t(workers));
@@ -826,7 +908,7 @@ void decode(const DecodeProblem& problem) {
     pair_tokens += range.length() * problem.num_heads;
   }
   // A token of one pair costs about what a chunk of the forward pass does.
-  const int64_t workers = worker_count(int64_t(tasks.size()), pair_tokens);
+  const int64_t workers = workers_for(int64_t(tasks.size()), pair_tokens);
   // Allocated here, before any worker starts, so that no worker can throw.
   std::vector<DecodeScratch> scratch(size_t(workers), DecodeScratch(problem.head_dim_k, problem.head_dim_v));
   run_on_workers(tasks.size(), workers,

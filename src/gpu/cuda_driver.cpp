@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <mutex>
 
 #include "error.h"
@@ -98,12 +99,39 @@ Loaded load() {
   return loaded;
 }
 
+// Set once loaded() has run: from then on asking the driver starts nothing.
+std::atomic<bool> load_attempted{false};
+
 const Loaded& loaded() {
   static const Loaded instance = load();  // thread-safe, once per process
+  load_attempted.store(true, std::memory_order_release);
   return instance;
 }
 
+// Whether a libcuda.so.1 already in the process has been through cuInit:
+// before it, every call but a few returns CUDA_ERROR_NOT_INITIALIZED, and no
+// device memory can exist.
+bool resident_and_initialised() {
+  void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+  if (handle == nullptr) return false;
+  bool initialised = false;
+  auto get_proc = reinterpret_cast<GetProcAddress>(dlsym(handle, "cuGetProcAddress_v2"));
+  CUresult (*device_count)(int*) = nullptr;
+  std::string ignored;
+  if (get_proc != nullptr && resolve(get_proc, "cuDeviceGetCount", device_count, ignored)) {
+    int count = 0;
+    initialised = device_count(&count) != CUDA_ERROR_NOT_INITIALIZED;
+  }
+  dlclose(handle);  // drops the reference RTLD_NOLOAD took; the library stays
+  return initialised;
+}
+
 }  // namespace
+
+const Driver* driver_if_started() {
+  if (load_attempted.load(std::memory_order_acquire) || resident_and_initialised()) return driver();
+  return nullptr;
+}
 
 const Driver* driver() {
   const Loaded& l = loaded();

@@ -39,6 +39,13 @@ struct Driver {
 const Driver* driver();
 const std::string& unavailable_reason();
 
+// The driver only when this process already runs CUDA: driver() has been
+// called, or libcuda.so.1 is loaded and initialised by someone else. Never
+// loads the library or calls cuInit itself, so that CPU plans leave a
+// process free to fork and start CUDA later. nullptr means no memory of
+// this process can be device memory.
+const Driver* driver_if_started();
+
 // cuDriverGetVersion of the libcuda.so.1 found, usable or not; 0 if none.
 int found_driver_version();
 // Whether a driver was found whose CUDA version is below the kernels' floor.

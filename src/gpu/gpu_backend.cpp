@@ -5,51 +5,18 @@
 #include "gpu/gpu_backend.h"
 
 #include <algorithm>
-#include <cerrno>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
 
 #include "checked_arith.h"
 #include "error.h"
+#include "gpu/gpu_transitions.h"
 #include "gpu/kernel_library.h"
 #include "prefill_params.h"
 
 namespace fkda::gpu {
 namespace {
-
-// The tuning variables (README.md, "Tuning"). They are read at every call,
-// so that one process may change them between calls; a value that is not
-// accepted is an error naming the variable, never silently ignored. Unset or
-// empty means the automatic choice.
-const char* tuning_variable(const char* name) {
-  const char* text = std::getenv(name);
-  return text != nullptr && *text != '\0' ? text : nullptr;
-}
-
-// FKDA_VSPLIT=1|2|4|8: the V split of the recurrence; 0 when automatic.
-int forced_vsplit() {
-  const char* text = tuning_variable("FKDA_VSPLIT");
-  if (text == nullptr) return 0;
-  const std::string value(text);
-  if (value == "1" || value == "2" || value == "4" || value == "8") return std::stoi(value);
-  invalid("FKDA_VSPLIT: expected 1, 2, 4 or 8 (or unset for the automatic choice), got \"" + value + "\"");
-}
-
-// FKDA_WINDOW_SLOTS=<positive integer>: chunk slots per window; 0 when automatic.
-int64_t forced_window_slots() {
-  const char* text = tuning_variable("FKDA_WINDOW_SLOTS");
-  if (text == nullptr) return 0;
-  errno = 0;
-  char* end = nullptr;
-  const long long value = std::strtoll(text, &end, 10);
-  if (errno != 0 || end == text || *end != '\0' || value <= 0) {
-    invalid(std::string("FKDA_WINDOW_SLOTS: expected a positive integer (or unset for the automatic choice), "
-                        "got \"") + text + "\"");
-  }
-  return int64_t(value);
-}
 
 // The records of one window take at most kWindowBudgetBytes, unless the
 // window must be larger to hold kWindowSlotsPerSequence slots for each
@@ -75,11 +42,12 @@ struct Windows {
 
 // The windows of a call, from its sizes alone (the host never reads the
 // offsets): as few windows as the budget allows, then equal slot counts, so
-// that each launch pair has the same amount of work.
-Windows windows_for(int64_t total_tokens, int64_t num_seqs, int32_t num_heads) {
+// that each launch pair has the same amount of work. forced_slots > 0 is the
+// plan's window_slots.
+Windows windows_for(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, int64_t forced_slots) {
   Windows w;
   w.total_slots = fkda_num_chunk_slots(total_tokens, num_seqs);
-  int64_t slots = forced_window_slots();
+  int64_t slots = forced_slots;
   if (slots == 0) {
     const int64_t most = std::max(saturating_mul(kWindowSlotsPerSequence, std::max<int64_t>(num_seqs, 1)),
                                   kWindowBudgetBytes / (int64_t(num_heads) * FKDA_WS_RECORD_BYTES));
@@ -90,10 +58,58 @@ Windows windows_for(int64_t total_tokens, int64_t num_seqs, int32_t num_heads) {
   return w;
 }
 
+// Chunk-parallel prefill (docs/ARCHITECTURE.md, "Chunk-parallel prefill"):
+// a transition pass (E and M of each segment: 2 * vsplit blocks per segment
+// and head), the scan, and a segment pass (vsplit blocks). The passes do the
+// serial recurrence's work three times over, spread over many more blocks,
+// so they pay where the serial grid leaves the GPU idle: on an H200 the
+// segments win from a few (sequence, head) pairs up to about 16 (bench/RESULTS.md,
+// the L cases and their segment sweep) and lose from 24 on. The choice
+// comes from the call's sizes alone (the host never reads the offsets) and
+// not from the device, so that the workspace size does not depend on it.
+constexpr int kSegmentVsplit = 2;
+constexpr int64_t kMaxAutomaticPairs = 16;
+// Segments of 128 chunks measured fastest on long sequences (shorter ones
+// add scan steps, longer ones leave the passes fewer blocks); sequences of
+// fewer than 1024 chunks get about 8 segments, of at least 16 chunks each,
+// below which each segment's start and state store cost more than it saves.
+constexpr int64_t kLongSegmentChunks = 128;
+constexpr int64_t kSegmentsPerShortSequence = 8;
+constexpr int64_t kMinAutomaticSegmentChunks = 16;
+constexpr int64_t kMinSegmentsPerSequence = 4;
+
+struct Segments {
+  int64_t chunks = 0;    // per segment; 0: the serial path
+  int64_t per_seq = 0;   // grid x = N * per_seq
+  int64_t capacity = 0;  // records per head in each of seg_m and seg_e
+};
+
+Segments segments_for(int64_t window_slots, int64_t total_slots, int64_t num_seqs, int32_t num_heads,
+                      const Tuning& tuning) {
+  Segments seg;
+  const int mode = tuning.chunk_parallel;
+  if (mode == FKDA_CHUNK_PARALLEL_OFF || num_seqs <= 0) return seg;
+  const int64_t chunks_per_seq = ceil_div(total_slots, num_seqs);
+  int64_t chunks = tuning.segment_chunks;
+  if (chunks == 0) {
+    chunks = std::min(kLongSegmentChunks,
+                      std::max(kMinAutomaticSegmentChunks, ceil_div(chunks_per_seq, kSegmentsPerShortSequence)));
+  }
+  if (mode == FKDA_CHUNK_PARALLEL_AUTO &&
+      (num_seqs * num_heads > kMaxAutomaticPairs || chunks_per_seq < kMinSegmentsPerSequence * chunks)) {
+    return seg;
+  }
+  seg.chunks = chunks;
+  seg.per_seq = ceil_div(window_slots, chunks) + 1;
+  seg.capacity = fkda_segment_capacity(window_slots, chunks, num_seqs);
+  return seg;
+}
+
 // Enough blocks to fill the GPU: the largest power of two <= 8 with
 // N * H * vsplit <= 2 * SMs, at least 1, and within the shared memory limit.
-int choose_vsplit(int64_t seqs_times_heads, const DeviceFacts& facts) {
-  int vsplit = forced_vsplit();
+// forced > 0 is the plan's vsplit.
+int choose_vsplit(int64_t seqs_times_heads, const DeviceFacts& facts, int forced) {
+  int vsplit = forced;
   if (vsplit == 0) {
     vsplit = kMaxVsplit;
     while (vsplit > 1 && seqs_times_heads * vsplit > 2 * int64_t(facts.sm_count)) vsplit /= 2;
@@ -115,23 +131,31 @@ const NamedKernel& prepare_kernel(const Kernels& kernels, const GateForm& gate) 
   }
 }
 
-}  // namespace
-
-// The workspace: one window's records, then a carry matrix per head for
-// each boundary between windows (prefill_params.h).
-size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads) {
-  if (total_tokens < 0 || num_seqs < 0 || num_heads <= 0) return 0;
+// The workspace of these windows and segments: one window's records, then a
+// carry matrix per head for each boundary between windows, then the
+// segments' M and E records (prefill_params.h).
+size_t launch_workspace(const Windows& w, const Segments& seg, int64_t total_tokens, int32_t num_heads) {
   // Each term below at most half the range, so neither they nor their sum overflow.
   const int64_t limit = std::numeric_limits<int64_t>::max() / 2;
   const int64_t per_slot = int64_t(num_heads) * FKDA_WS_RECORD_BYTES;
   const int64_t per_boundary = int64_t(num_heads) * FKDA_CARRY_BYTES_PER_HEAD;
-  const Windows w =
-      num_seqs < limit ? windows_for(total_tokens, num_seqs, num_heads) : Windows{limit, limit, limit};
-  if (w.slots > limit / per_slot || w.count - 1 > limit / per_boundary) {
+  if (w.slots > limit / per_slot || w.count - 1 > limit / per_boundary ||
+      seg.capacity > limit / (2 * per_boundary)) {
     fail(FKDA_ERROR_UNSUPPORTED, "workspace for " + std::to_string(total_tokens) + " tokens and " +
                                      std::to_string(num_heads) + " heads exceeds the address space");
   }
-  return size_t(w.slots * per_slot + (w.count - 1) * per_boundary);
+  return size_t(w.slots * per_slot + (w.count - 1) * per_boundary + 2 * seg.capacity * per_boundary);
+}
+
+}  // namespace
+
+size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, const Tuning& tuning) {
+  if (total_tokens < 0 || num_seqs < 0 || num_heads <= 0) return 0;
+  const int64_t limit = std::numeric_limits<int64_t>::max() / 2;
+  if (num_seqs >= limit) return launch_workspace(Windows{limit, limit, limit}, Segments{}, total_tokens, num_heads);
+  const Windows w = windows_for(total_tokens, num_seqs, num_heads, tuning.window_slots);
+  return launch_workspace(w, segments_for(w.slots, w.total_slots, num_seqs, num_heads, tuning), total_tokens,
+                          num_heads);
 }
 
 // sm_80 machine code runs on every 8.x device, sm_90a on 9.0, and the
@@ -144,11 +168,20 @@ std::string unsupported_arch_message(int cc_major, int cc_minor) {
          ": this build has kernels for the sm_80 family and sm_90 (and later, through PTX)";
 }
 
-LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t /*workspace_bytes*/, CUstream stream) {
-  const LaunchContext context = launch_context();
-
+LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes, CUstream stream) {
   const int64_t total_tokens = problem.batch * problem.seq_len;
-  const Windows windows = windows_for(total_tokens, problem.num_seqs, problem.num_heads);
+  // The one computation of the launch shape: what runs is what is checked.
+  const Windows windows =
+      windows_for(total_tokens, problem.num_seqs, problem.num_heads, problem.tuning.window_slots);
+  Segments seg = segments_for(windows.slots, windows.total_slots, problem.num_seqs, problem.num_heads, problem.tuning);
+  const size_t needed = launch_workspace(windows, seg, total_tokens, problem.num_heads);
+  if (workspace_bytes < needed) {
+    fail(FKDA_ERROR_WORKSPACE_TOO_SMALL,
+         "workspace_bytes: " + std::to_string(workspace_bytes) + " bytes given, the launch of " +
+             std::to_string(windows.count) + " window(s) of " + std::to_string(windows.slots) +
+             " chunk slots needs " + std::to_string(needed) + " (fkda_plan_workspace_size)");
+  }
+  const LaunchContext context = launch_context();
   const int64_t max_grid_x = std::numeric_limits<int32_t>::max();
   if (problem.num_heads > 65535 || windows.slots > max_grid_x || problem.num_seqs > max_grid_x) {
     fail(FKDA_ERROR_UNSUPPORTED, "problem too large for one launch: " + std::to_string(problem.num_seqs) +
@@ -164,7 +197,7 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t /*workspa
   params.workspace = static_cast<unsigned char*>(workspace);
   params.num_slots = windows.total_slots;
   params.gate_scale = gate_scale(problem.lower_bound);
-  params.vsplit = choose_vsplit(problem.num_seqs * problem.num_heads, context.facts);
+  params.vsplit = choose_vsplit(problem.num_seqs * problem.num_heads, context.facts, problem.tuning.vsplit);
   params.state_pool = problem.pool.data;
   params.pool_slots = problem.pool.slots;
   params.pool_slot_stride = problem.pool.slot_stride;
@@ -178,15 +211,41 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t /*workspa
   params.checkpoint_is_bf16 = problem.checkpoint_dtype == FKDA_DTYPE_BF16;
 
   const unsigned heads = unsigned(problem.num_heads);
-  const NamedKernel& prepare = prepare_kernel(context.kernels, problem.gate);
   const bool serving = params.state_indices.data != nullptr || params.has_initial_state.data != nullptr ||
                        params.checkpoint_offsets.data != nullptr;
-  const NamedKernel& recurrence =
-      (serving ? context.kernels.recurrence_serving : context.kernels.recurrence)[vsplit_index(params.vsplit)];
-  // The carries follow the window's records (a multiple of 16 bytes).
+  // Devices whose shared memory cannot hold the scan run the serial path
+  // (it needs no more workspace than the segments would have).
+  const int64_t max_grid_x_per_seq = max_grid_x / std::max<int64_t>(problem.num_seqs, 1);
+  if (!context.facts.segment_scan_fits || seg.per_seq > max_grid_x_per_seq) seg = Segments{};
+  // Resolved before the first launch: a kernel that fails to resolve must
+  // not find earlier windows' pools already advanced.
+  const ResolvedKernel prepare =
+      total_tokens > 0 ? resolve(context, prepare_kernel(context.kernels, problem.gate)) : ResolvedKernel{};
+  const ResolvedKernel recurrence = resolve(
+      context,
+      (serving ? context.kernels.recurrence_serving : context.kernels.recurrence)[vsplit_index(params.vsplit)]);
+  ResolvedKernel segment_transitions, segment_scan, segment_recurrence;
+  if (seg.chunks > 0) {
+    segment_transitions = resolve(context, context.kernels.segment_transitions[kSegmentVsplit - 1]);
+    segment_scan = resolve(context, context.kernels.segment_scan);
+    segment_recurrence = resolve(context, context.kernels.segment_recurrence[kSegmentVsplit - 1]);
+  }
+  // The carries follow the window's records (a multiple of 16 bytes), then
+  // the segments' M and E records.
   float* carry = reinterpret_cast<float*>(params.workspace + windows.slots * int64_t(problem.num_heads) *
                                                                  FKDA_WS_RECORD_BYTES);
   const int64_t carry_step = int64_t(problem.num_heads) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
+  if (seg.chunks > 0) {
+    params.vsplit = kSegmentVsplit;
+    params.segment_chunks = seg.chunks;
+    params.segments_per_seq = seg.per_seq;
+    params.segment_capacity = seg.capacity;
+    params.seg_m = carry + (windows.count - 1) * carry_step;
+    params.seg_e = params.seg_m + seg.capacity * carry_step;
+  }
+  const unsigned segment_threads = unsigned(32 * fkda_recurrence_warps(kSegmentVsplit));
+  const unsigned segment_smem = unsigned(fkda_recurrence_smem_bytes(kSegmentVsplit));
+  const unsigned segment_grid_x = unsigned(problem.num_seqs * seg.per_seq);
   // Each window's preparation overwrites the records the previous window's
   // recurrence read: the stream orders them.
   for (int64_t w = 0; w < windows.count; ++w) {
@@ -198,13 +257,124 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t /*workspa
       launch(context, prepare, unsigned(params.window_end - params.window_first), heads, 1,
              FKDA_PREPARE_THREADS, 0, stream, &params);
     }
+    if (seg.chunks > 0) {
+      launch(context, segment_transitions, segment_grid_x, heads,
+             unsigned(2 * kSegmentVsplit), segment_threads, segment_smem, stream, &params);
+      launch(context, segment_scan, unsigned(problem.num_seqs), heads,
+             unsigned(FKDA_HEAD_DIM / FKDA_SCAN_ROWS), FKDA_SCAN_THREADS, FKDA_SCAN_SMEM_BYTES, stream, &params);
+      launch(context, segment_recurrence, segment_grid_x, heads,
+             unsigned(kSegmentVsplit), segment_threads, segment_smem, stream, &params);
+      continue;
+    }
     // Launched even without tokens: zero-length sequences still copy their
     // initial state (or zeros) to the final state.
     launch(context, recurrence, unsigned(problem.num_seqs), heads, unsigned(params.vsplit),
            unsigned(32 * fkda_recurrence_warps(params.vsplit)),
            unsigned(fkda_recurrence_smem_bytes(params.vsplit)), stream, &params);
   }
-  return LaunchShape{params.vsplit, windows.count, windows.slots};
+  return LaunchShape{params.vsplit, windows.count, windows.slots, seg.chunks > 0 ? 1 : 0, seg.chunks};
+}
+
+// ------------------------------------------------------- transitions ---
+
+namespace {
+
+// fkda_transitions always cuts its sequences into segments: forced on,
+// with the plan's segment length if it has one.
+Tuning transitions_tuning(Tuning tuning) {
+  tuning.chunk_parallel = FKDA_CHUNK_PARALLEL_ON;
+  return tuning;
+}
+
+}  // namespace
+
+size_t transitions_workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, const Tuning& tuning) {
+  return workspace_size(total_tokens, num_seqs, num_heads, transitions_tuning(tuning));
+}
+
+void transitions(const TransitionProblem& problem, const Tuning& plan_tuning, void* workspace,
+                 size_t workspace_bytes, CUstream stream) {
+  const Tuning tuning = transitions_tuning(plan_tuning);
+  const int64_t total_tokens = problem.batch * problem.seq_len;
+  const Windows windows = windows_for(total_tokens, problem.num_seqs, problem.num_heads, tuning.window_slots);
+  const Segments seg = segments_for(windows.slots, windows.total_slots, problem.num_seqs, problem.num_heads, tuning);
+  const size_t needed = launch_workspace(windows, seg, total_tokens, problem.num_heads);
+  if (workspace_bytes < needed) {
+    fail(FKDA_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes: " + std::to_string(workspace_bytes) +
+                                             " bytes given, the transitions need " + std::to_string(needed) +
+                                             " (fkda_plan_transitions_workspace_size)");
+  }
+  const LaunchContext context = launch_context();
+  const int64_t max_grid_x = std::numeric_limits<int32_t>::max();
+  if (problem.num_heads > 65535 || windows.slots > max_grid_x || problem.num_seqs > max_grid_x ||
+      seg.per_seq > max_grid_x / std::max<int64_t>(problem.num_seqs, 1)) {
+    fail(FKDA_ERROR_UNSUPPORTED, "problem too large for one launch: " + std::to_string(problem.num_seqs) +
+                                     " sequences, " + std::to_string(total_tokens) + " tokens, " +
+                                     std::to_string(problem.num_heads) + " heads");
+  }
+  if (!context.facts.segment_scan_fits) {
+    fail(FKDA_ERROR_UNSUPPORTED_ARCH, "fkda_transitions needs " + std::to_string(FKDA_SCAN_SMEM_BYTES) +
+                                          " bytes of shared memory per block; the device allows " +
+                                          std::to_string(context.facts.max_dynamic_smem));
+  }
+
+  // The call as a prefill without q, out or states: q's view is k's (the
+  // preparation forms Qd, which the transition pass never reads).
+  PrefillProblem prefill;
+  prefill.batch = problem.batch;
+  prefill.seq_len = problem.seq_len;
+  prefill.num_seqs = problem.num_seqs;
+  prefill.num_heads = problem.num_heads;
+  prefill.q = problem.k;
+  prefill.k = problem.k;
+  prefill.v = problem.v;
+  prefill.g = problem.g;
+  prefill.beta = problem.beta;
+  prefill.A_log = problem.A_log;
+  prefill.dt_bias = problem.dt_bias;
+  prefill.gate = problem.gate;
+  prefill.state_layout = problem.state_layout;
+  prefill.cu_seqlens = problem.cu_seqlens;
+  prefill.lower_bound = problem.lower_bound;
+
+  FkdaPrefillParams params;
+  std::memset(&params, 0, sizeof(params));
+  set_common_params(prefill, params);
+  params.workspace = static_cast<unsigned char*>(workspace);
+  params.num_slots = windows.total_slots;
+  params.gate_scale = gate_scale(problem.lower_bound);
+  params.vsplit = kSegmentVsplit;
+  params.transitions_only = 1;
+  params.trans_m = problem.transition_m;
+  params.trans_e = problem.transition_e;
+  params.segment_chunks = seg.chunks;
+  params.segments_per_seq = seg.per_seq;
+  params.segment_capacity = seg.capacity;
+  float* carry = reinterpret_cast<float*>(params.workspace + windows.slots * int64_t(problem.num_heads) *
+                                                                 FKDA_WS_RECORD_BYTES);
+  const int64_t carry_step = int64_t(problem.num_heads) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
+  params.seg_m = carry + (windows.count - 1) * carry_step;
+  params.seg_e = params.seg_m + seg.capacity * carry_step;
+
+  const ResolvedKernel prepare =
+      total_tokens > 0 ? resolve(context, prepare_kernel(context.kernels, problem.gate)) : ResolvedKernel{};
+  const ResolvedKernel segment_transitions = resolve(context, context.kernels.segment_transitions[kSegmentVsplit - 1]);
+  const ResolvedKernel segment_scan = resolve(context, context.kernels.segment_scan);
+  const unsigned heads = unsigned(problem.num_heads);
+  for (int64_t w = 0; w < windows.count; ++w) {
+    params.window_first = w * windows.slots;
+    params.window_end = std::min(params.window_first + windows.slots, windows.total_slots);
+    if (total_tokens > 0) {
+      launch(context, prepare, unsigned(params.window_end - params.window_first), heads, 1, FKDA_PREPARE_THREADS,
+             0, stream, &params);
+      launch(context, segment_transitions, unsigned(problem.num_seqs * seg.per_seq), heads,
+             unsigned(2 * kSegmentVsplit), unsigned(32 * fkda_recurrence_warps(kSegmentVsplit)),
+             unsigned(fkda_recurrence_smem_bytes(kSegmentVsplit)), stream, &params);
+    }
+    // Also without tokens: zero-length sequences get (I, 0).
+    launch(context, segment_scan, unsigned(problem.num_seqs), heads, unsigned(2 * FKDA_HEAD_DIM / FKDA_SCAN_ROWS),
+           FKDA_SCAN_THREADS, FKDA_SCAN_SMEM_BYTES, stream, &params);
+  }
 }
 
 }  // namespace fkda::gpu

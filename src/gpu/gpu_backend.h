@@ -11,11 +11,13 @@
 
 #include "decode_problem.h"
 #include "prefill_problem.h"
+#include "tuning.h"
 
 namespace fkda::gpu {
 
-// Device workspace bytes for a call with these sizes (any state mode).
-size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads);
+// Device workspace bytes for a call with these sizes (any state mode) under
+// the plan's tuning.
+size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, const Tuning& tuning);
 
 // Whether the embedded fatbin has an image that runs on compute capability major.minor.
 bool has_kernels_for(int cc_major, int cc_minor);
@@ -27,13 +29,17 @@ struct LaunchShape {
   int32_t vsplit = 0;            // blocks sharing the V rows of one (sequence, head)
   int64_t windows = 0;           // preparation + recurrence launch pairs
   int64_t slots_per_window = 0;  // chunk slots of each window; the last may hold fewer
+  int64_t chunk_parallel = 0;    // 1 when the chunk-parallel path ran
+  int64_t segment_chunks = 0;    // its chunks per segment, 0 when it did not run
 };
 
-// Enqueues the forward pass and says how it was launched. Throws
-// fkda::Error: FKDA_ERROR_NO_DEVICE, FKDA_ERROR_UNSUPPORTED_ARCH,
-// FKDA_ERROR_DRIVER, FKDA_ERROR_LAUNCH_FAILED, or FKDA_ERROR_INVALID_ARGUMENT
-// for a bad tuning variable (FKDA_VSPLIT, FKDA_WINDOW_SLOTS).
-// The workspace size has been checked by the caller.
+// Enqueues the forward pass under problem.tuning and says how it was
+// launched. Throws fkda::Error: FKDA_ERROR_WORKSPACE_TOO_SMALL when the
+// launch shape needs more than workspace_bytes, FKDA_ERROR_NO_DEVICE,
+// FKDA_ERROR_UNSUPPORTED_ARCH, FKDA_ERROR_DRIVER or FKDA_ERROR_LAUNCH_FAILED.
+// Every kernel is resolved and every limit checked before the first launch,
+// so any error but a launch the driver refuses after accepting earlier
+// ones leaves the caller's memory untouched.
 LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes, CUstream stream);
 
 // Enqueues the decode step (no workspace). Same errors as fwd.

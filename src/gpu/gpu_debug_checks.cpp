@@ -7,7 +7,7 @@
 #include "error.h"
 #include "gpu/cuda_driver.h"
 #include "validate_checks.h"
-#include "validate_serving.h"
+#include "validate_contents.h"
 
 namespace fkda::gpu {
 namespace {

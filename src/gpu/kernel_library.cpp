@@ -55,6 +55,16 @@ Kernels load_kernels(const cuda::Driver& d) {
     get(&kernels.recurrence[i], recurrence[i]);
     get(&kernels.recurrence_serving[i], recurrence_serving[i]);
   }
+  const char* segment_transitions[kSegmentVsplitCount] = {"fkda_prefill_segment_transitions_v1",
+                                                          "fkda_prefill_segment_transitions_v2"};
+  const char* segment_recurrence[kSegmentVsplitCount] = {"fkda_prefill_segment_recurrence_v1",
+                                                         "fkda_prefill_segment_recurrence_v2"};
+  for (int i = 0; i < kSegmentVsplitCount; ++i) {
+    get(&kernels.segment_transitions[i], segment_transitions[i]);
+    get(&kernels.segment_recurrence[i], segment_recurrence[i]);
+  }
+  get(&kernels.segment_scan, "fkda_prefill_segment_scan");
+  get(&kernels.apply_transitions, "fkda_apply_transitions");
   get(&kernels.decode[decode_kernel_index(false, false)], "fkda_decode_f32_vk");
   get(&kernels.decode[decode_kernel_index(false, true)], "fkda_decode_f32_kv");
   get(&kernels.decode[decode_kernel_index(true, false)], "fkda_decode_bf16_vk");
@@ -97,18 +107,32 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
                                           " bytes of shared memory per block; the recurrence kernel needs " +
                                           std::to_string(fkda_recurrence_smem_bytes(kMaxVsplit)));
   }
+  auto allow_smem = [&](const NamedKernel& kernel, int bytes) {
+    CUresult result = d.cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes, kernel.kernel,
+                                             device);
+    if (result != CUDA_SUCCESS) {
+      fail(FKDA_ERROR_DRIVER, std::string("cuKernelSetAttribute(") + kernel.name +
+                                  ", max dynamic shared memory) failed: " + cuda::describe(result));
+    }
+  };
   for (int vsplit = 1; vsplit <= kMaxVsplit; vsplit *= 2) {
     const int bytes = fkda_recurrence_smem_bytes(vsplit);
     if (bytes > facts.max_dynamic_smem) continue;
     const int at = vsplit_index(vsplit);
-    for (const NamedKernel* recurrence : {&k.recurrence[at], &k.recurrence_serving[at]}) {
-      CUresult result =
-          d.cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes, recurrence->kernel, device);
-      if (result != CUDA_SUCCESS) {
-        fail(FKDA_ERROR_DRIVER, std::string("cuKernelSetAttribute(") + recurrence->name +
-                                    ", max dynamic shared memory) failed: " + cuda::describe(result));
-      }
+    allow_smem(k.recurrence[at], bytes);
+    allow_smem(k.recurrence_serving[at], bytes);
+    if (vsplit <= kSegmentVsplitCount) {
+      allow_smem(k.segment_transitions[vsplit - 1], bytes);
+      allow_smem(k.segment_recurrence[vsplit - 1], bytes);
     }
+  }
+  // Devices with less shared memory than the scan needs run prefill serially
+  // (chunk_parallel_possible below).
+  facts.segment_scan_fits = FKDA_SCAN_SMEM_BYTES <= facts.max_dynamic_smem &&
+                            fkda_recurrence_smem_bytes(kSegmentVsplitCount) <= facts.max_dynamic_smem;
+  if (facts.segment_scan_fits) {
+    allow_smem(k.segment_scan, FKDA_SCAN_SMEM_BYTES);
+    allow_smem(k.apply_transitions, FKDA_APPLY_SMEM_BYTES);
   }
   known.emplace_back(device, facts);
   return known.back().second;
@@ -140,15 +164,23 @@ CUfunction function_for_context(const LaunchContext& context, const NamedKernel&
   return function;
 }
 
-void launch(const LaunchContext& context, const NamedKernel& kernel, unsigned grid_x, unsigned grid_y,
+ResolvedKernel resolve(const LaunchContext& context, const NamedKernel& kernel) {
+  return ResolvedKernel{function_for_context(context, kernel), kernel.name};
+}
+
+void launch(const LaunchContext& context, const ResolvedKernel& kernel, unsigned grid_x, unsigned grid_y,
             unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params) {
-  CUfunction function = function_for_context(context, kernel);
   void* args[] = {params};
-  CUresult result =
-      context.driver.cuLaunchKernel(function, grid_x, grid_y, grid_z, threads, 1, 1, smem, stream, args, nullptr);
+  CUresult result = context.driver.cuLaunchKernel(kernel.function, grid_x, grid_y, grid_z, threads, 1, 1, smem,
+                                                  stream, args, nullptr);
   if (result != CUDA_SUCCESS) {
     fail(FKDA_ERROR_LAUNCH_FAILED, std::string("launch of ") + kernel.name + " failed: " + cuda::describe(result));
   }
+}
+
+void launch(const LaunchContext& context, const NamedKernel& kernel, unsigned grid_x, unsigned grid_y,
+            unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params) {
+  launch(context, resolve(context, kernel), grid_x, grid_y, grid_z, threads, smem, stream, params);
 }
 
 }  // namespace fkda::gpu

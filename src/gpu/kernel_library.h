@@ -21,6 +21,9 @@ constexpr int kVsplitCount = 4;
 constexpr int kMaxVsplit = 8;
 inline int vsplit_index(int vsplit) { return vsplit == 1 ? 0 : vsplit == 2 ? 1 : vsplit == 4 ? 2 : 3; }
 
+// The chunk-parallel passes exist for V splits 1 and 2.
+constexpr int kSegmentVsplitCount = 2;
+
 // One decode kernel per pool dtype and layout, indexed by decode_kernel_index.
 constexpr int kDecodeKernelCount = 4;
 inline int decode_kernel_index(bool bf16, bool kv) { return (bf16 ? 2 : 0) + (kv ? 1 : 0); }
@@ -37,6 +40,12 @@ struct Kernels {
   NamedKernel prepare_log_decay[2];   // LOG_DECAY gate: g bf16, g f32
   NamedKernel recurrence[kVsplitCount];          // contiguous states or none
   NamedKernel recurrence_serving[kVsplitCount];  // pool slots, has_initial_state, checkpoints
+  // Chunk-parallel prefill: the transition and segment passes (V split 1
+  // and 2, indexed by vsplit - 1) and the scan between them.
+  NamedKernel segment_transitions[kSegmentVsplitCount];
+  NamedKernel segment_recurrence[kSegmentVsplitCount];
+  NamedKernel segment_scan;
+  NamedKernel apply_transitions;  // fkda_apply_transitions
   NamedKernel decode[kDecodeKernelCount];
 };
 
@@ -46,6 +55,7 @@ struct DeviceFacts {
   int cc_minor = 0;
   int sm_count = 0;
   int max_dynamic_smem = 0;  // opt-in limit per block
+  bool segment_scan_fits = false;  // the chunk-parallel kernels' shared memory fits
 };
 
 // Everything a launch needs: the driver, the kernels and the current
@@ -61,8 +71,19 @@ LaunchContext launch_context();
 // The kernel's function in the current context.
 CUfunction function_for_context(const LaunchContext& context, const NamedKernel& kernel);
 
+// A kernel's function in the current context, ready to launch. Resolving
+// is the step that fails on a missing or refused image; a call with several
+// launches resolves them all before the first.
+struct ResolvedKernel {
+  CUfunction function = nullptr;
+  const char* name = "";
+};
+ResolvedKernel resolve(const LaunchContext& context, const NamedKernel& kernel);
+
 // Enqueues `kernel` with its single by-value argument; FKDA_ERROR_LAUNCH_FAILED
 // when the driver refuses.
+void launch(const LaunchContext& context, const ResolvedKernel& kernel, unsigned grid_x, unsigned grid_y,
+            unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params);
 void launch(const LaunchContext& context, const NamedKernel& kernel, unsigned grid_x, unsigned grid_y,
             unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params);
 

@@ -35,6 +35,7 @@ constexpr unsigned char kPoisonByte = 0xFF;  // 0xFFFFFFFF is an f32 NaN, 0xFFFF
 // they add up to more.
 constexpr double kCpuAgreement = 6.0e-4;
 constexpr double kCpuAgreementSlowDecay = 1.5e-3;
+constexpr double kCpuAgreementSegments = 2.0e-3;
 // How far a run from a damaged state must miss its target, so that the
 // check it fails could not mistake the damage for rounding.
 constexpr double kWideMargin = 10.0;
@@ -44,6 +45,8 @@ constexpr double kWideMargin = 10.0;
 class ScopedEnv {
  public:
   ScopedEnv(const char* name, int64_t value);
+  // Sets the variable to `text`, or leaves it alone when text is NULL.
+  ScopedEnv(const char* name, const char* text);
   ~ScopedEnv();
   ScopedEnv(const ScopedEnv&) = delete;
   ScopedEnv& operator=(const ScopedEnv&) = delete;
@@ -57,10 +60,16 @@ class ScopedEnv {
 
 // The launch tuning variables of flashkda.h for the life of the object:
 // each < 0 leaves the environment's setting, 0 the automatic choice, > 0 forces.
+// chunk_parallel: an fkda_chunk_parallel value, or < 0 to leave the environment's.
+const char* chunk_parallel_text(int64_t chunk_parallel);
 struct Tuning {
-  ScopedEnv vsplit, window_slots;
-  Tuning(int64_t forced_vsplit, int64_t forced_window_slots)
-      : vsplit("FKDA_VSPLIT", forced_vsplit), window_slots("FKDA_WINDOW_SLOTS", forced_window_slots) {}
+  ScopedEnv vsplit, window_slots, chunk_parallel, segment_chunks;
+  Tuning(int64_t forced_vsplit, int64_t forced_window_slots, int64_t forced_chunk_parallel = -1,
+         int64_t forced_segment_chunks = -1)
+      : vsplit("FKDA_VSPLIT", forced_vsplit),
+        window_slots("FKDA_WINDOW_SLOTS", forced_window_slots),
+        chunk_parallel("FKDA_CHUNK_PARALLEL", chunk_parallel_text(forced_chunk_parallel)),
+        segment_chunks("FKDA_SEGMENT_CHUNKS", forced_segment_chunks) {}
 };
 
 fkda_launch_report launch_report(fkda_plan_t plan);
@@ -117,7 +126,12 @@ struct Case {
   // Launch tuning (Tuning): < 0 the environment's, 0 automatic, > 0 forced.
   int64_t vsplit = -1;
   int64_t window_slots = -1;
+  int64_t chunk_parallel = -1;  // an fkda_chunk_parallel value; < 0 the environment's
+  int64_t segment_chunks = -1;
 };
+
+// The case cut into segments of `chunks` chunks (chunk-parallel, forced on).
+Case in_segments(Case c, int64_t chunks);
 
 Case batched(std::string name, int64_t B, int64_t T, int64_t H, uint64_t seed);
 Case varlen(std::string name, std::vector<int64_t> lengths, int64_t H, uint64_t seed);

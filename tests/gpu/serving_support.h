@@ -166,7 +166,8 @@ inline SequenceTokens tokens_of(const Problem& p, int64_t n) {
 }
 
 // The fp64 recurrence over the first `count` tokens of the sequence at `s`
-// in p's activations, starting from `initial` ([H, V, K] f32, V-first).
+// in p's activations, starting from `initial` ([H, V, K] f32, V-first),
+// under p's gate and beta modes.
 inline Reference sequence_reference(const Problem& p, const SequenceTokens& s, int64_t count,
                                     const std::vector<float>& initial) {
   Problem one;
@@ -175,6 +176,8 @@ inline Reference sequence_reference(const Problem& p, const SequenceTokens& s, i
   one.H = p.H;
   one.scale = p.scale;
   one.lower_bound = p.lower_bound;
+  one.gate_mode = p.gate_mode;
+  one.beta_mode = p.beta_mode;
   one.A_log = p.A_log;
   one.dt_bias = p.dt_bias;
   one.initial_state = initial;
@@ -189,7 +192,24 @@ inline Reference sequence_reference(const Problem& p, const SequenceTokens& s, i
   one.v = slice(p.v, row);
   one.g = slice(p.g, row);
   one.beta = slice(p.beta, beta_row);
+  auto slice_f32 = [&](const std::vector<float>& all, size_t width) {
+    if (all.empty()) return all;
+    const size_t first = size_t(s.row * p.T + s.begin) * width;
+    return std::vector<float>(all.begin() + std::ptrdiff_t(first),
+                              all.begin() + std::ptrdiff_t(first + size_t(count) * width));
+  };
+  one.g_f32 = slice_f32(p.g_f32, row);
+  one.beta_f32 = slice_f32(p.beta_f32, beta_row);
   return reference_recurrence(one);
+}
+
+// The plan for p's gate and beta modes (and floor, for the bounded gate).
+inline fkda_plan_desc serving_desc(const Problem& p, fkda_dtype state_dtype, fkda_state_layout layout,
+                                   fkda_backend backend = FKDA_BACKEND_GPU,
+                                   fkda_null_slot_rule rule = FKDA_NULL_SLOT_NEGATIVE) {
+  fkda_plan_desc desc = plan_desc(p.H, p.lower_bound, state_dtype, layout, backend, rule);
+  apply_gate(p, &desc);
+  return desc;
 }
 
 inline std::vector<double> widen(const std::vector<float>& values) {
@@ -197,8 +217,10 @@ inline std::vector<double> widen(const std::vector<float>& values) {
 }
 
 // A slow-decay problem whose states come from a pool (none of its own):
-// B rows of T tokens, or packed sequences of the given lengths.
-inline Problem pool_problem(int64_t B, int64_t T, int64_t H, const std::vector<int64_t>& lengths, uint64_t seed) {
+// B rows of T tokens, or packed sequences of the given lengths, under the
+// gate mode given.
+inline Problem pool_problem(int64_t B, int64_t T, int64_t H, const std::vector<int64_t>& lengths, uint64_t seed,
+                            int32_t gate_mode = FKDA_GATE_BOUNDED) {
   ProblemShape shape;
   shape.H = H;
   if (lengths.empty()) {
@@ -208,6 +230,12 @@ inline Problem pool_problem(int64_t B, int64_t T, int64_t H, const std::vector<i
     shape.lengths = lengths;
   }
   shape = slow_decay(shape);
+  shape.gate_mode = gate_mode;
+  if (gate_mode == FKDA_GATE_LOG_DECAY) {
+    // g is the log-decay itself: slow_decay's logits would forget at once.
+    shape.gate_mean = -0.05f;
+    shape.gate_std = 0.05f;
+  }
   shape.with_initial_state = false;
   return random_problem(shape, seed);
 }

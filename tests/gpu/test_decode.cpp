@@ -49,6 +49,7 @@ struct DecodeCase {
   fkda_dtype state_dtype = FKDA_DTYPE_F32;
   fkda_state_layout layout = FKDA_STATE_LAYOUT_VK;
   fkda_null_slot_rule rule = FKDA_NULL_SLOT_NONPOSITIVE;
+  int32_t gate_mode = FKDA_GATE_BOUNDED;  // fkda_gate_mode of the problem and the plans
   fkda_dtype index_dtype = FKDA_DTYPE_I32;
   fkda_dtype offsets_dtype = FKDA_DTYPE_I32;
   int64_t table_cols = 0;         // W > 0: an [N, W] table, else [N] indices
@@ -74,7 +75,7 @@ struct Setup {
 };
 
 Setup make_setup(const DecodeCase& c) {
-  Problem p = pool_problem(c.N, c.T, c.H, c.lengths, c.seed);
+  Problem p = pool_problem(c.N, c.T, c.H, c.lengths, c.seed, c.gate_mode);
   const int64_t N = p.num_seqs();
   const int64_t W = is_table(c) ? c.table_cols : 1;
   const int64_t slots = 2 * N * W + 3;
@@ -188,8 +189,8 @@ fkda_decode_args decode_args(const Setup& s, const DecodePointers& at, int64_t f
   a.g = activation(p, at.g, 128, first, count);
   a.beta = activation(p, at.beta, 0, first, count);
   a.out = activation(p, at.out, 128, first, count);
-  a.A_log = tensor(at.A_log, FKDA_DTYPE_F32, {p.H});
-  a.dt_bias = tensor(at.dt_bias, FKDA_DTYPE_F32, {p.H, 128});
+  if (!p.A_log.empty()) a.A_log = tensor(at.A_log, FKDA_DTYPE_F32, {p.H});
+  if (!p.dt_bias.empty()) a.dt_bias = tensor(at.dt_bias, FKDA_DTYPE_F32, {p.H, 128});
   a.state_pool = s.pool.view(at.pool);
   const int64_t N = s.N();
   a.state_indices = is_table(s.c) ? tensor(at.indices, s.c.index_dtype, {N, s.W})
@@ -212,7 +213,7 @@ std::pair<std::vector<uint16_t>, HostPool> run_cpu(const Setup& s) {
                           p.beta.data(), p.A_log.data(),    p.dt_bias.data(), out.data(),
                           pool.bytes.data(), indices.data(), accepted.data(), offsets.data()};
   const fkda_decode_args a = decode_args(s, at);
-  Plan plan(plan_desc(p.H, p.lower_bound, s.c.state_dtype, s.c.layout, FKDA_BACKEND_CPU, s.c.rule));
+  Plan plan(serving_desc(p, s.c.state_dtype, s.c.layout, FKDA_BACKEND_CPU, s.c.rule));
   FKDA_REQUIRE(fkda_decode(plan.get(), &a, nullptr, 0, nullptr));
   return {out, pool};
 }
@@ -230,7 +231,7 @@ struct DeviceDecode {
         pool(setup.pool.bytes), indices(integer_bytes(setup.indices, setup.c.index_dtype)),
         accepted(integer_bytes(setup.accepted, setup.c.index_dtype)),
         offsets(integer_bytes(setup.offsets, setup.c.offsets_dtype)),
-        plan(plan_desc(setup.p.H, setup.p.lower_bound, setup.c.state_dtype, setup.c.layout, FKDA_BACKEND_GPU,
+        plan(serving_desc(setup.p, setup.c.state_dtype, setup.c.layout, FKDA_BACKEND_GPU,
                        setup.c.rule)) {}
 
   fkda_decode_args args(int64_t first = 0, int64_t count = -1) const {
@@ -429,6 +430,24 @@ TEST_CASE("decode: against the fp64 recurrence", "[gpu][decode]") {
   }
 }
 
+TEST_CASE("decode: against the fp64 recurrence under the softplus and log-decay gates", "[gpu][decode]") {
+  // make_setup's expected results follow the case's gate (serving_support.h).
+  for (int32_t gate : {FKDA_GATE_SOFTPLUS, FKDA_GATE_LOG_DECAY}) {
+    const std::string name = gate == FKDA_GATE_SOFTPLUS ? "softplus: " : "log-decay: ";
+    std::vector<DecodeCase> cases = {batched(name + "N=5 H=8 T=1", 5, 1, 8, 31),
+                                     batched(name + "N=3 H=2 T=16", 3, 16, 2, 32),
+                                     packed(name + "packed 1,0,5,16,2,0", {1, 0, 5, 16, 2, 0}, 3, 33)};
+    DecodeCase c = batched(name + "bf16 KV pool N=6 H=3 T=2", 6, 2, 3, 34);
+    c.state_dtype = FKDA_DTYPE_BF16;
+    c.layout = FKDA_STATE_LAYOUT_KV;
+    cases.push_back(c);
+    for (DecodeCase& one : cases) {
+      one.gate_mode = gate;
+      run_and_check(make_setup(one));
+    }
+  }
+}
+
 TEST_CASE("decode: five chained steps keep an f32 pool within 1e-6 and equal one prefill", "[gpu][decode]") {
   for (int64_t steps : {5, 16}) {
     DecodeCase c = batched("chained " + std::to_string(steps) + " steps N=3 H=4", 3, steps, 4, 20 + uint64_t(steps));
@@ -464,7 +483,7 @@ TEST_CASE("decode: five chained steps keep an f32 pool within 1e-6 and equal one
     buffers.initial_state = initial_device.get();
     buffers.final_state = final_device.get();
     const fkda_fwd_args args = make_args(s.p, buffers, FKDA_DTYPE_F32);
-    const Plan plan(plan_desc(s.p.H, s.p.lower_bound, FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK, FKDA_BACKEND_GPU, c.rule));
+    const Plan plan(serving_desc(s.p, FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK, FKDA_BACKEND_GPU, c.rule));
     size_t bytes = 0;
     FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), s.p.B * s.p.T, N, &bytes));
     DeviceBuffer workspace(bytes);

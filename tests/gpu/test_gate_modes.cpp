@@ -18,6 +18,7 @@
 #include "flashkda.h"
 #include "gpu_support.h"
 #include "kda_reference.h"
+#include "prefill_harness.h"
 
 namespace {
 
@@ -228,6 +229,21 @@ TEST_CASE("softplus gate: realistic and extreme decays, prefill", "[gpu][gate]")
     std::printf("softplus output against the bounded gate's reference: %.2e\n", error);
     CHECK(error >= kWideMargin * accuracy_targets(FKDA_DTYPE_F32, true).out);
   }
+}
+
+TEST_CASE("softplus and log-decay gates through chunk-parallel prefill", "[gpu][gate][segments]") {
+  // The transitions and the segments of any decay, down to total
+  // forgetting, within the same targets as the serial path.
+  const fkda_test::Tuning segments(-1, -1, FKDA_CHUNK_PARALLEL_ON, 5);
+  for (const ProblemShape& base : {accuracy_shape(), varlen_shape()}) {
+    const std::string shape_name = base.lengths.empty() ? "T=2048 H=4" : "varlen H=3";
+    check_prefill("segments: softplus realistic " + shape_name, random_problem(realistic_softplus(base), 33),
+                  FKDA_DTYPE_F32);
+    check_prefill("segments: softplus extreme " + shape_name, random_problem(extreme_softplus(base), 34),
+                  FKDA_DTYPE_BF16);
+  }
+  check_prefill("segments: log-decay f32 g", as_log_decay(random_problem(extreme_softplus(varlen_shape()), 42), true),
+                FKDA_DTYPE_F32);
 }
 
 TEST_CASE("log-decay gate: bf16 and f32 log-decays; beta as probabilities", "[gpu][gate]") {

@@ -48,8 +48,12 @@ TEST_CASE("the final state may overwrite the initial state in place", "[gpu][sta
   shape.lengths = {40, 0, 17, 1, 90};
   for (bool slow : {false, true}) {
     const fkda_ref::Problem given = fkda_ref::random_problem(slow ? fkda_ref::slow_decay(shape) : shape, 4242);
-    for (int64_t window_slots : {-1, 2}) {
-      const fkda_test::Tuning tuning(-1, window_slots);
+    // Windows of 2 slots; and segments of 2 chunks, whose last segment writes
+    // the final state while the first may not have read the initial one yet.
+    for (int64_t window_slots : {-1, 2, -2}) {
+      const bool segments = window_slots == -2;
+      const fkda_test::Tuning tuning(-1, segments ? -1 : window_slots,
+                                     segments ? FKDA_CHUNK_PARALLEL_ON : FKDA_CHUNK_PARALLEL_OFF, segments ? 2 : -1);
       for (fkda_state_layout layout : {FKDA_STATE_LAYOUT_VK, FKDA_STATE_LAYOUT_KV}) {
         for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
           CAPTURE(slow, window_slots, layout, dtype);

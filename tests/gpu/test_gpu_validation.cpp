@@ -120,43 +120,66 @@ TEST_CASE("device queries describe the current device as the CUDA runtime sees i
   CHECK(std::string(fkda_last_error()).rfind("device: ordinal", 0) == 0);
 }
 
-TEST_CASE("bad launch tuning variables are errors naming the variable", "[gpu][validation]") {
+TEST_CASE("launch tuning is read at plan creation; bad values are errors naming the variable or field",
+          "[gpu][validation]") {
   DeviceCall call;
-  const fkda_ref::Plan gpu = make_plan(FKDA_BACKEND_GPU);
-  size_t bytes = 0;
-  {
-    const fkda_test::Tuning automatic(0, 0);
-    REQUIRE(fkda_plan_workspace_size(gpu.get(), kB * kT, kB, &bytes) == FKDA_SUCCESS);
-  }
-  DeviceBuffer workspace(bytes);
   struct Bad {
     const char* variable;
     const char* value;
   };
   for (const Bad& bad : {Bad{"FKDA_VSPLIT", "3"}, Bad{"FKDA_VSPLIT", "16"}, Bad{"FKDA_VSPLIT", "two"},
                          Bad{"FKDA_VSPLIT", "4x"}, Bad{"FKDA_WINDOW_SLOTS", "0"}, Bad{"FKDA_WINDOW_SLOTS", "-3"},
-                         Bad{"FKDA_WINDOW_SLOTS", "7 slots"}, Bad{"FKDA_WINDOW_SLOTS", "99999999999999999999"}}) {
+                         Bad{"FKDA_WINDOW_SLOTS", "7 slots"}, Bad{"FKDA_WINDOW_SLOTS", "99999999999999999999"},
+                         Bad{"FKDA_CHUNK_PARALLEL", "1"}, Bad{"FKDA_SEGMENT_CHUNKS", "0"}}) {
     CAPTURE(bad.variable, bad.value);
     const fkda_test::Tuning automatic(0, 0);
+    fkda_test::ScopedEnv chunk_parallel("FKDA_CHUNK_PARALLEL", 0), segment_chunks("FKDA_SEGMENT_CHUNKS", 0);
     REQUIRE(setenv(bad.variable, bad.value, 1) == 0);
-    const std::string expected = std::string(bad.variable) + ": ";
-    expect_invalid(fkda_fwd(gpu.get(), &call.args, workspace.get(), bytes, nullptr), expected);
-    if (std::string(bad.variable) == "FKDA_WINDOW_SLOTS") {
-      size_t ignored = 0;
-      expect_invalid(fkda_plan_workspace_size(gpu.get(), kB * kT, kB, &ignored), expected);
-    }
+    const fkda_plan_desc desc = fkda_ref::plan_desc(kH, -5.0f, FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK);
+    fkda_plan_t plan = nullptr;
+    expect_invalid(fkda_plan_create(&desc, &plan), std::string(bad.variable) + ": ");
+    CHECK(plan == nullptr);
   }
-  // Good values are taken and reported back.
+  fkda_plan_desc bad_field = fkda_ref::plan_desc(kH, -5.0f, FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK);
+  bad_field.vsplit = 3;
+  fkda_plan_t plan = nullptr;
+  expect_invalid(fkda_plan_create(&bad_field, &plan), "desc.vsplit: ");
+
+  // Good values are taken and reported back, whatever the environment says
+  // after the plan's creation.
   for (int64_t vsplit : {1, 2, 4, 8}) {
+    CAPTURE(vsplit);
     const fkda_test::Tuning forced(vsplit, 1);
+    const fkda_ref::Plan gpu = make_plan(FKDA_BACKEND_GPU);
     size_t forced_bytes = 0;
     REQUIRE(fkda_plan_workspace_size(gpu.get(), kB * kT, kB, &forced_bytes) == FKDA_SUCCESS);
     DeviceBuffer forced_workspace(forced_bytes);
+    const fkda_test::Tuning later(vsplit == 8 ? 1 : 8, 0);
+    size_t later_bytes = 0;
+    REQUIRE(fkda_plan_workspace_size(gpu.get(), kB * kT, kB, &later_bytes) == FKDA_SUCCESS);
+    CHECK(later_bytes == forced_bytes);
     REQUIRE(fkda_fwd(gpu.get(), &call.args, forced_workspace.get(), forced_bytes, nullptr) == FKDA_SUCCESS);
     CUDA_REQUIRE(cudaDeviceSynchronize());  // before the workspace is freed
     const fkda_launch_report launch = fkda_test::launch_report(gpu.get());
     CHECK(launch.vsplit == vsplit);
     CHECK(launch.slots_per_window == 1);
     CHECK(launch.windows >= kT / 16);
+    CHECK(launch.chunk_parallel == 0);
   }
+  // The desc's fields, ahead of the environment.
+  const fkda_test::Tuning environment(8, 0);
+  fkda_plan_desc desc = fkda_ref::plan_desc(kH, -5.0f, FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK);
+  desc.vsplit = 2;
+  desc.window_slots = 2;
+  const fkda_ref::Plan gpu(desc);
+  size_t bytes = 0;
+  REQUIRE(fkda_plan_workspace_size(gpu.get(), kB * kT, kB, &bytes) == FKDA_SUCCESS);
+  DeviceBuffer workspace(bytes);
+  // One byte short of the launch the plan computes: refused before any launch.
+  CHECK(fkda_fwd(gpu.get(), &call.args, workspace.get(), bytes - 1, nullptr) == FKDA_ERROR_WORKSPACE_TOO_SMALL);
+  REQUIRE(fkda_fwd(gpu.get(), &call.args, workspace.get(), bytes, nullptr) == FKDA_SUCCESS);
+  CUDA_REQUIRE(cudaDeviceSynchronize());
+  const fkda_launch_report launch = fkda_test::launch_report(gpu.get());
+  CHECK(launch.vsplit == 2);
+  CHECK(launch.slots_per_window == 2);
 }

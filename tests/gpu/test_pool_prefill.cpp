@@ -25,6 +25,7 @@
 #include "flashkda.h"
 #include "gpu_support.h"
 #include "kda_reference.h"
+#include "prefill_harness.h"
 #include "serving_support.h"
 
 namespace {
@@ -49,6 +50,7 @@ struct PoolCase {
   fkda_dtype state_dtype = FKDA_DTYPE_F32;
   fkda_state_layout layout = FKDA_STATE_LAYOUT_VK;
   fkda_null_slot_rule rule = FKDA_NULL_SLOT_NONPOSITIVE;
+  int32_t gate_mode = FKDA_GATE_BOUNDED;  // fkda_gate_mode of the problem and the plans
   fkda_dtype index_dtype = FKDA_DTYPE_I32;
   std::vector<int64_t> padded;   // sequences with a null index
   bool with_flags = false;       // has_initial_state present
@@ -127,7 +129,7 @@ struct PoolSetup {
 };
 
 PoolSetup make_setup(const PoolCase& c) {
-  Problem p = pool_problem(c.B, c.T, c.H, c.lengths, c.seed);
+  Problem p = pool_problem(c.B, c.T, c.H, c.lengths, c.seed, c.gate_mode);
   const int64_t N = p.num_seqs();
   const int64_t C = c.checkpoint_offsets.empty() ? 0 : int64_t(c.checkpoint_offsets[0].size());
   const int64_t slots = 2 * (N + N * C) + 3;
@@ -190,7 +192,7 @@ PoolRun run_pool(const PoolSetup& s, cudaStream_t stream = nullptr) {
       args.checkpoint_slots = tensor(slots.get(), s.c.index_dtype, {N, s.C});
     }
   }
-  Plan plan(plan_desc(p.H, p.lower_bound, s.c.state_dtype, s.c.layout, FKDA_BACKEND_GPU, s.c.rule));
+  Plan plan(serving_desc(p, s.c.state_dtype, s.c.layout, FKDA_BACKEND_GPU, s.c.rule));
   size_t bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, N, &bytes));
   DeviceBuffer workspace(bytes);
@@ -222,7 +224,7 @@ ContiguousRun run_contiguous(const Problem& p, fkda_dtype dtype, fkda_state_layo
   buffers.final_state = final_device.get();
   fkda_fwd_args args = make_args(p, buffers, dtype);
   if (!flags.empty()) args.has_initial_state = tensor(flags_device.get(), flag_dtype, {N});
-  Plan plan(plan_desc(p.H, p.lower_bound, dtype, layout));
+  Plan plan(serving_desc(p, dtype, layout));
   size_t bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, N, &bytes));
   DeviceBuffer workspace(bytes);
@@ -533,6 +535,72 @@ TEST_CASE("pool prefill: checkpoints equal prefills cut at their offsets", "[gpu
   }
 }
 
+TEST_CASE("pool prefill: chunk-parallel, checkpoints across segment boundaries", "[gpu][pool][segments]") {
+  // Segments of 3 chunks (48 tokens): checkpoints at 16, 48, 64, 256 and 288
+  // tokens fall inside segments and at their ends. The pool run and the
+  // contiguous run it is compared with are cut the same way, so they agree
+  // bit for bit; the checkpoints are held to fp64 only, since the prefills
+  // cut at their offsets have other segments.
+  const fkda_test::Tuning segments(-1, -1, FKDA_CHUNK_PARALLEL_ON, 3);
+  const std::vector<int64_t> lengths = {64, 48, 300, 15, 0, 257};
+  const std::vector<std::vector<int64_t>> offsets = {
+      {16, 48, 64}, {32, 48, -1}, {16, 256, 288}, {-1, -1, -1}, {-1, -1, -1}, {48, 96, 256}};
+  for (CheckpointsTo to : {CheckpointsTo::kTensor, CheckpointsTo::kSlots}) {
+    PoolCase c = varlen(to == CheckpointsTo::kTensor ? "segments: checkpoints to a tensor, fresh, padding"
+                                                     : "segments: checkpoints to slots, bf16 pool, KV",
+                        lengths, 3, to == CheckpointsTo::kTensor ? 30 : 31);
+    c.checkpoint_offsets = offsets;
+    c.checkpoints_to = to;
+    c.with_flags = true;
+    c.fresh = {2};
+    c.padded = {1};
+    if (to == CheckpointsTo::kSlots) {
+      c.state_dtype = FKDA_DTYPE_BF16;
+      c.layout = FKDA_STATE_LAYOUT_KV;
+    }
+    const PoolSetup s = make_setup(c);
+    INFO(s.c.name);
+    const Findings f = examine(s, run_pool(s));
+    const fkda_dtype checkpoint_dtype = to == CheckpointsTo::kSlots ? c.state_dtype : c.checkpoint_dtype;
+    std::printf("%-44s  out %.3e state %.3e checkpoints %.3e (%zu taken); %zu output values, %zu states differ "
+                "from the contiguous run\n",
+                s.c.name.c_str(), f.out_error, f.state_error, f.checkpoint_error, f.checkpoints_taken,
+                f.out_differing, f.states_differing);
+    std::fflush(stdout);
+    CHECK(f.out_error <= kOutTolerance);
+    CHECK(f.state_error <= state_tolerance(c.state_dtype));
+    CHECK(f.checkpoint_error <= state_tolerance(checkpoint_dtype));
+    CHECK(f.checkpoints_taken > 0);
+    CHECK(f.out_differing == 0);
+    CHECK(f.states_differing == 0);
+    CHECK(f.padding_nonzero == 0);
+    CHECK(f.pool_touched == 0);
+    CHECK(f.checkpoint_bytes_touched == 0);
+  }
+}
+
+TEST_CASE("pool prefill: pools, padding and checkpoints under the softplus and log-decay gates",
+          "[gpu][pool][window]") {
+  // make_setup's expected results follow the case's gate (serving_support.h).
+  for (int32_t gate : {FKDA_GATE_SOFTPLUS, FKDA_GATE_LOG_DECAY}) {
+    const std::string name = gate == FKDA_GATE_SOFTPLUS ? "softplus: " : "log-decay: ";
+    PoolCase a = varlen(name + "pool f32 VK varlen, padding, fresh", {40, 0, 17, 1, 100, 33}, 3, 21);
+    a.gate_mode = gate;
+    a.padded = {3};
+    a.with_flags = true;
+    a.fresh = {1, 4};
+    run_and_check(make_setup(a));
+
+    PoolCase t = varlen(name + "checkpoints to bf16 KV pool slots", {64, 48, 300, 15}, 2, 22);
+    t.gate_mode = gate;
+    t.state_dtype = FKDA_DTYPE_BF16;
+    t.layout = FKDA_STATE_LAYOUT_KV;
+    t.checkpoint_offsets = {{16, 64, -1}, {32, -1, -1}, {16, 256, 288}, {-1, -1, -1}};
+    t.checkpoints_to = CheckpointsTo::kSlots;
+    run_and_check(make_setup(t));
+  }
+}
+
 TEST_CASE("pool prefill: padding and out-of-range device values touch nothing", "[gpu][pool][window][sanitize]") {
   for (fkda_null_slot_rule rule : {FKDA_NULL_SLOT_NEGATIVE, FKDA_NULL_SLOT_NONPOSITIVE}) {
     PoolCase c = varlen(std::string("padding, rule ") + (rule == FKDA_NULL_SLOT_NEGATIVE ? "negative" : "nonpositive"),
@@ -575,7 +643,7 @@ TEST_CASE("pool prefill: a captured CUDA graph replays the eager run", "[gpu][po
   args.has_initial_state = tensor(flags.get(), c.flag_dtype, {N});
   args.checkpoint_offsets = tensor(offsets.get(), c.index_dtype, {N, s.C});
   args.checkpoint_slots = tensor(slots.get(), c.index_dtype, {N, s.C});
-  Plan plan(plan_desc(p.H, p.lower_bound, c.state_dtype, c.layout, FKDA_BACKEND_GPU, c.rule));
+  Plan plan(serving_desc(p, c.state_dtype, c.layout, FKDA_BACKEND_GPU, c.rule));
   size_t bytes = 0;
   FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, N, &bytes));
   DeviceBuffer workspace(bytes);

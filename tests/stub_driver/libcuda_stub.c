@@ -1,11 +1,16 @@
 /*
  * A stand-in libcuda.so.1 for machines without a GPU: enough of the driver
  * API for libflashkda's loader, one device of compute capability 9.0 with a
- * current context, and two knobs read from the environment:
+ * current context, and knobs read from the environment:
  *   FKDA_STUB_DRIVER_VERSION  what cuDriverGetVersion reports (default 13000)
  *   FKDA_STUB_LOAD_RESULT     the CUresult cuLibraryLoadData returns (default 0)
+ *   FKDA_STUB_FAIL_KERNEL     cuKernelGetFunction fails for kernels whose
+ *                             name contains this text
  * Every pointer is reported as device memory of device 0, so a GPU plan's
- * arguments pass validation and the call reaches the kernel image.
+ * arguments pass validation and the call reaches the kernel image. Launches
+ * run nothing; they are counted (fkda_stub_launches), as are cuInit calls
+ * (fkda_stub_inits). Before cuInit, cuDeviceGetCount answers
+ * CUDA_ERROR_NOT_INITIALIZED, as the real driver does.
  */
 #include <cuda.h>
 #include <stdlib.h>
@@ -23,8 +28,15 @@ STUB_API CUresult cuDriverGetVersion(int* version) {
   return CUDA_SUCCESS;
 }
 
+static int inits;
+static int launches;
+
+STUB_API int fkda_stub_inits(void) { return inits; }
+STUB_API int fkda_stub_launches(void) { return launches; }
+
 static CUresult stub_init(unsigned int flags) {
   (void)flags;
+  ++inits;
   return CUDA_SUCCESS;
 }
 
@@ -42,6 +54,7 @@ static CUresult stub_error_string(CUresult result, const char** text) {
 }
 
 static CUresult stub_device_count(int* count) {
+  if (inits == 0) return CUDA_ERROR_NOT_INITIALIZED;
   *count = 1;
   return CUDA_SUCCESS;
 }
@@ -100,6 +113,38 @@ static CUresult stub_library_load(CUlibrary* library, const void* image, CUjit_o
   return (CUresult)env_int("FKDA_STUB_LOAD_RESULT", CUDA_SUCCESS);
 }
 
+/* Kernels by name: a CUkernel (and its CUfunction) points at its name. */
+static char kernel_names[64][96];
+static int kernel_count;
+
+static CUresult stub_library_kernel(CUkernel* kernel, CUlibrary library, const char* name) {
+  (void)library;
+  if (kernel_count == 64) return CUDA_ERROR_OUT_OF_MEMORY;
+  strncpy(kernel_names[kernel_count], name, sizeof kernel_names[0] - 1);
+  *kernel = (CUkernel)kernel_names[kernel_count++];
+  return CUDA_SUCCESS;
+}
+
+static CUresult stub_kernel_function(CUfunction* function, CUkernel kernel) {
+  const char* fail = getenv("FKDA_STUB_FAIL_KERNEL");
+  if (fail != NULL && *fail != '\0' && strstr((const char*)kernel, fail) != NULL) return CUDA_ERROR_NOT_FOUND;
+  *function = (CUfunction)kernel;
+  return CUDA_SUCCESS;
+}
+
+static CUresult stub_kernel_attribute(CUfunction_attribute which, int value, CUkernel kernel, CUdevice device) {
+  (void)which, (void)value, (void)kernel, (void)device;
+  return CUDA_SUCCESS;
+}
+
+static CUresult stub_launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                            unsigned bz, unsigned smem, CUstream stream, void** params, void** extra) {
+  (void)f, (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)smem, (void)stream;
+  (void)params, (void)extra;
+  ++launches;
+  return CUDA_SUCCESS;
+}
+
 /* Entry points the loader resolves but the tests never reach. */
 static CUresult stub_unreached(void) { return CUDA_ERROR_NOT_SUPPORTED; }
 
@@ -121,10 +166,10 @@ static const struct entry entries[] = {
     {"cuCtxGetDevice", (void*)stub_ctx_device},
     {"cuPointerGetAttributes", (void*)stub_pointer_attributes},
     {"cuLibraryLoadData", (void*)stub_library_load},
-    {"cuLibraryGetKernel", (void*)stub_unreached},
-    {"cuKernelGetFunction", (void*)stub_unreached},
-    {"cuKernelSetAttribute", (void*)stub_unreached},
-    {"cuLaunchKernel", (void*)stub_unreached},
+    {"cuLibraryGetKernel", (void*)stub_library_kernel},
+    {"cuKernelGetFunction", (void*)stub_kernel_function},
+    {"cuKernelSetAttribute", (void*)stub_kernel_attribute},
+    {"cuLaunchKernel", (void*)stub_launch},
     {"cuStreamGetCtx", (void*)stub_unreached},
     {"cuStreamSynchronize", (void*)stub_unreached},
     {"cuMemcpyDtoH", (void*)stub_unreached},

@@ -5,10 +5,14 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdio>
+#include <fstream>
+#include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "abi_struct.h"
 #include "flashkda.h"
 
 namespace {
@@ -63,7 +67,45 @@ std::vector<int> version_numbers(const std::string& version) {
   return numbers;
 }
 
+// Every function flashkda.h declares: the FKDA_API declarations, whose name
+// is the identifier before the parameter list.
+std::set<std::string> header_functions() {
+  std::ifstream header(std::string(FKDA_SOURCE_DIR) + "/include/flashkda.h");
+  REQUIRE(header.good());
+  std::stringstream text;
+  text << header.rdbuf();
+  const std::string all = text.str();
+  std::set<std::string> names;
+  const std::regex declaration(R"(FKDA_API[^;(]*?\b(fkda_[A-Za-z0-9_]+)\s*\()");
+  for (auto it = std::sregex_iterator(all.begin(), all.end(), declaration); it != std::sregex_iterator(); ++it) {
+    names.insert((*it)[1]);
+  }
+  return names;
+}
+
 }  // namespace
+
+TEST_CASE("the exports are exactly the functions flashkda.h declares", "[abi]") {
+  const std::set<std::string> declared = header_functions();
+  // Guards the parser: these have been in every release.
+  for (const char* name : {"fkda_plan_create", "fkda_fwd", "fkda_decode", "fkda_plan_decode_workspace_size",
+                           "fkda_plan_get_launch_report", "fkda_get_build_info", "fkda_last_error"}) {
+    INFO("not found among the header's declarations: " << name);
+    CHECK(declared.count(name) == 1);
+  }
+  std::set<std::string> exported;
+  for (const DynSym& sym : dynamic_symbols()) {
+    if (sym.defined && sym.name.rfind("fkda_", 0) == 0) exported.insert(sym.name);
+  }
+  for (const std::string& name : declared) {
+    INFO("declared in flashkda.h but not exported: " << name);
+    CHECK(exported.count(name) == 1);
+  }
+  for (const std::string& name : exported) {
+    INFO("exported but not declared in flashkda.h: " << name);
+    CHECK(declared.count(name) == 1);
+  }
+}
 
 TEST_CASE("only fkda_* symbols are exported, each under the version node FLASHKDA_0", "[abi]") {
   const std::string node = "FLASHKDA_" + std::to_string(FKDA_ABI_VERSION);
@@ -155,7 +197,12 @@ TEST_CASE("struct layouts are frozen", "[abi]") {
   STATIC_REQUIRE(offsetof(fkda_plan_desc, debug_checks) == 40);
   STATIC_REQUIRE(offsetof(fkda_plan_desc, gate_mode) == 44);
   STATIC_REQUIRE(offsetof(fkda_plan_desc, beta_mode) == 48);
-  STATIC_REQUIRE(sizeof(fkda_plan_desc) == 56);
+  // 0.4's vsplit sits in 0.3's trailing padding (sizeof 56 then).
+  STATIC_REQUIRE(offsetof(fkda_plan_desc, vsplit) == 52);
+  STATIC_REQUIRE(offsetof(fkda_plan_desc, chunk_parallel) == 56);
+  STATIC_REQUIRE(offsetof(fkda_plan_desc, window_slots) == 64);
+  STATIC_REQUIRE(offsetof(fkda_plan_desc, segment_chunks) == 72);
+  STATIC_REQUIRE(sizeof(fkda_plan_desc) == 80);
   STATIC_REQUIRE(offsetof(fkda_fwd_args, q) == 8);
   STATIC_REQUIRE(offsetof(fkda_fwd_args, cu_seqlens) == 8 + 10 * 112);
   STATIC_REQUIRE(offsetof(fkda_fwd_args, scale) == 8 + 11 * 112);
@@ -169,10 +216,69 @@ TEST_CASE("struct layouts are frozen", "[abi]") {
   STATIC_REQUIRE(sizeof(fkda_device_info) == 296);
   STATIC_REQUIRE(offsetof(fkda_launch_report, vsplit) == 8);
   STATIC_REQUIRE(offsetof(fkda_launch_report, slots_per_window) == 24);
-  STATIC_REQUIRE(sizeof(fkda_launch_report) == 32);
+  STATIC_REQUIRE(offsetof(fkda_launch_report, chunk_parallel) == 32);
+  STATIC_REQUIRE(sizeof(fkda_launch_report) == 48);
+  STATIC_REQUIRE(offsetof(fkda_transition_args, k) == 8);
+  STATIC_REQUIRE(offsetof(fkda_transition_args, transition_e) == 8 + 8 * 112);
+  STATIC_REQUIRE(sizeof(fkda_transition_args) == 8 + 9 * 112);
+  STATIC_REQUIRE(offsetof(fkda_apply_args, final_state) == 8 + 3 * 112);
+  STATIC_REQUIRE(sizeof(fkda_apply_args) == 8 + 4 * 112);
   STATIC_REQUIRE(offsetof(fkda_build_info, min_driver_version) == 12);
   STATIC_REQUIRE(offsetof(fkda_build_info, architectures) == 16);
   STATIC_REQUIRE(sizeof(fkda_build_info) == 80);
+}
+
+namespace {
+
+#define FIELD_END(S, f) (offsetof(S, f) + sizeof(static_cast<S*>(nullptr)->f))
+
+// A release's layout from flashkda.h: its version, the field it ended with,
+// and its sizeof (that end rounded up to the struct's alignment).
+template <typename S>
+fkda::StructRelease layout(const char* version, size_t fields_end) {
+  return {version, (fields_end + alignof(S) - 1) / alignof(S) * alignof(S), fields_end};
+}
+
+template <typename S>
+void check_release_table(const std::vector<fkda::StructRelease>& expected) {
+  const auto& rows = fkda::AbiStruct<S>::releases;
+  const size_t count = sizeof rows / sizeof rows[0];
+  INFO(fkda::AbiStruct<S>::name);
+  REQUIRE(count == expected.size());
+  for (size_t i = 0; i < count; ++i) {
+    INFO("release " << expected[i].version);
+    CHECK(std::string(rows[i].version) == expected[i].version);
+    CHECK(rows[i].size == expected[i].size);
+    CHECK(rows[i].fields_end == expected[i].fields_end);
+    // Each release's size is new: a size names one release.
+    if (i > 0) CHECK(rows[i].size > rows[i - 1].size);
+  }
+  CHECK(rows[count - 1].size == sizeof(S));
+}
+
+}  // namespace
+
+// Which field each release ended each struct with, from CHANGELOG.md and the
+// history of flashkda.h. A new release appends a row here and in
+// src/abi_struct.h.
+TEST_CASE("the table of struct sizes per release matches flashkda.h", "[abi]") {
+  using P = fkda_plan_desc;
+  check_release_table<P>({layout<P>("0.1", FIELD_END(P, lower_bound)), layout<P>("0.2", FIELD_END(P, debug_checks)),
+                          layout<P>("0.3", FIELD_END(P, beta_mode)), layout<P>("0.4", FIELD_END(P, segment_chunks))});
+  using F = fkda_fwd_args;
+  check_release_table<F>({layout<F>("0.1", FIELD_END(F, scale)), layout<F>("0.2", FIELD_END(F, checkpoint_slots))});
+  using D = fkda_decode_args;
+  check_release_table<D>({layout<D>("0.2", FIELD_END(D, scale))});
+  using T = fkda_transition_args;
+  check_release_table<T>({layout<T>("0.4", FIELD_END(T, transition_e))});
+  using A = fkda_apply_args;
+  check_release_table<A>({layout<A>("0.4", FIELD_END(A, final_state))});
+  using I = fkda_device_info;
+  check_release_table<I>({layout<I>("0.1", FIELD_END(I, name))});
+  using B = fkda_build_info;
+  check_release_table<B>({layout<B>("0.2", FIELD_END(B, architectures))});
+  using R = fkda_launch_report;
+  check_release_table<R>({layout<R>("0.2", FIELD_END(R, slots_per_window)), layout<R>("0.4", FIELD_END(R, segment_chunks))});
 }
 
 TEST_CASE("build info names the kernels' CUDA version, images and driver floor", "[abi]") {
@@ -229,6 +335,25 @@ TEST_CASE("the library works without a GPU driver", "[abi]") {
     CHECK(std::string(fkda_last_error()).find("desc.backend: GPU requested but no usable CUDA driver") == 0);
     CHECK(plan == nullptr);
   } else {
-    WARN("a CUDA driver is present: the no-driver path is not exercised here");
+    // With a driver, what it reports must hold together, and AUTO and GPU
+    // plans must follow it: errors, not a note, so a GPU machine checks too.
+    CHECK(info.driver_version > 0);
+    CHECK(info.device_count >= 0);
+    CHECK((info.device_count == 0) == (info.device == -1));
+    const bool usable = info.device_count > 0 && info.has_kernels == 1;
+    fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+    desc.num_heads = 1;
+    fkda_plan_t plan = nullptr;
+    REQUIRE(fkda_plan_create(&desc, &plan) == FKDA_SUCCESS);
+    fkda_backend backend = FKDA_BACKEND_AUTO;
+    REQUIRE(fkda_plan_get_backend(plan, &backend) == FKDA_SUCCESS);
+    CHECK(backend == (usable ? FKDA_BACKEND_GPU : FKDA_BACKEND_CPU));
+    fkda_plan_destroy(plan);
+    plan = nullptr;
+    desc.backend = FKDA_BACKEND_GPU;
+    const fkda_status status = fkda_plan_create(&desc, &plan);
+    CHECK((status == FKDA_SUCCESS) == usable);
+    if (!usable) CHECK(std::string(fkda_last_error()).rfind("desc.backend: GPU requested but ", 0) == 0);
+    fkda_plan_destroy(plan);
   }
 }

@@ -7,9 +7,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <limits>
+#include <set>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "flashkda.h"
@@ -171,12 +174,19 @@ std::vector<BadPrefill> bad_prefill_calls() {
       {"state_pool over initial_state", kContiguous, [](A& a, F& f) { a.checkpoints = FKDA_TENSOR_NONE; a.checkpoint_slots = f.by_slot().checkpoint_slots; a.state_pool = tensor(a.initial_state.data, FKDA_DTYPE_F32, {1, 1, kD, kD}); }, "state_pool: overlaps initial_state"},
       {"out over q", kBySlot, [](A& a, F&) { a.out.data = a.q.data; }, "out: overlaps q"},
       {"out over the pool", kBySlot, [](A& a, F&) { a.out.data = a.state_pool.data; }, "out: overlaps state_pool"},
+      // One head state apart: head 0's final state would overwrite head 1's
+      // initial state before it is read.
+      {"final_state partly over initial_state", kContiguous, [](A& a, F& f) { f.final_state.assign(f.final_state.size() + size_t(kHeadState), -7.f); a.initial_state.data = f.final_state.data(); a.final_state.data = f.final_state.data() + kHeadState; }, "final_state: partly overlaps initial_state; the two may be the very same memory (updated in place) or disjoint"},
+      {"initial_state partly over final_state", kContiguous, [](A& a, F& f) { f.final_state.assign(f.final_state.size() + size_t(kHeadState), -7.f); a.final_state.data = f.final_state.data(); a.initial_state.data = f.final_state.data() + kHeadState; }, "final_state: partly overlaps initial_state"},
+      {"checkpoints over initial_state", kContiguous, [](A& a, F&) { a.initial_state.data = a.checkpoints.data; }, "checkpoints: overlaps initial_state"},
+      {"out over has_initial_state", kBySlot, [](A& a, F& f) { a.has_initial_state.data = reinterpret_cast<unsigned char*>(f.out.data()) + 64; }, "out: overlaps has_initial_state"},
+      {"state_pool over checkpoint_slots", kBySlot, [](A& a, F&) { a.checkpoint_slots.data = a.state_pool.data; }, "state_pool: overlaps checkpoint_slots"},
       {"final_state over the checkpoints", kContiguous, [](A& a, F&) { a.final_state.data = a.checkpoints.data; }, "checkpoints: overlaps final_state"},
       {"state index past the pool", kBySlot, [](A&, F& f) { f.slots[1] = 8; }, "state_indices[1]: slot 8 is outside the pool's 8 slots (sequence 1)"},
       {"checkpoint offset not a multiple of 16", kBySlot, [](A&, F& f) { f.offsets[2] = 20; }, "checkpoint_offsets[1][0]: 20 is not a multiple of 16 in [16, 40] (sequence 1 has 40 tokens)"},
       {"checkpoint offset past its sequence", kBySlot, [](A&, F& f) { f.offsets[0] = 32; }, "checkpoint_offsets[0][0]: 32 is not a multiple of 16 in [16, 20]"},
       {"checkpoint offset 0", kContiguous, [](A&, F& f) { f.offsets[4] = 0; }, "checkpoint_offsets[2][0]: 0 is not a multiple of 16 in [16, 16]"},
-      {"checkpoint offsets descending", kBySlot, [](A&, F& f) { f.offsets[2] = 32; f.offsets[3] = 16; }, "checkpoint_offsets[1][1]: 16 follows 32; a sequence's offsets must ascend"},
+      {"checkpoint offsets descending", kBySlot, [](A&, F& f) { f.offsets[2] = 32; f.offsets[3] = 16; }, "checkpoint_offsets[1][1]: 16 follows 32; a sequence's offsets must ascend (sequence 1)"},
       {"checkpoint offsets repeated", kContiguous, [](A&, F& f) { f.offsets[3] = 16; }, "checkpoint_offsets[1][1]: 16 follows 16"},
       {"checkpoint slot past the pool", kBySlot, [](A&, F& f) { f.checkpoint_slots[3] = 9; }, "checkpoint_slots[1][1]: slot 9 is outside the pool's 8 slots (sequence 1)"},
   };
@@ -186,8 +196,7 @@ std::vector<BadDecode> bad_decode_calls() {
   using A = fkda_decode_args;
   using F = DecodeFixture;
   return {
-      {"struct_size from a newer header", kPacked, [](A& a, F&) { a.struct_size += 8; }, "args: struct_size is 1368, expected 1360 (initialise with FKDA_DECODE_ARGS_INIT; a larger size"},
-      {"struct_size short", kPacked, [](A& a, F&) { a.struct_size -= 8; }, "args: struct_size is 1352, expected 1360 (initialise with FKDA_DECODE_ARGS_INIT)"},
+      {"struct_size short", kPacked, [](A& a, F&) { a.struct_size -= 8; }, "args: struct_size is 1352, not a size fkda_decode_args has had (1360 in 0.2, or larger with zeros past 1360); initialise it with FKDA_DECODE_ARGS_INIT"},
       {"q missing", kPacked, [](A& a, F&) { a.q = FKDA_TENSOR_NONE; }, "q: required tensor is missing"},
       {"v of another length", kPacked, [](A& a, F&) { a.v.shape[1] = 23; }, "v: expected shape [1, 24, 1, 128], got [1, 23, 1, 128]"},
       {"17 tokens per row", kPacked, [](A& a, F& f) { a = f.batched(1, 17); }, "q: fkda_decode takes at most 16 tokens per sequence, got T = 17"},
@@ -205,13 +214,14 @@ std::vector<BadDecode> bad_decode_calls() {
       {"num_accepted_tokens bool", kSpeculative, [](A& a, F&) { a.num_accepted_tokens.dtype = FKDA_DTYPE_BOOL; }, "num_accepted_tokens: expected dtype i32 or i64, got bool"},
       {"scale NaN", kPacked, [](A& a, F&) { a.scale = std::numeric_limits<float>::quiet_NaN(); }, "scale: must be finite"},
       {"out over the pool", kPacked, [](A& a, F&) { a.out.data = a.state_pool.data; }, "out: overlaps state_pool"},
+      {"state_pool over num_accepted_tokens", kSpeculative, [](A& a, F&) { a.num_accepted_tokens.data = a.state_pool.data; }, "state_pool: overlaps num_accepted_tokens"},
       {"out over v", kPacked, [](A& a, F&) { a.out.data = a.v.data; }, "out: overlaps v"},
       {"cu_seqlens past T", kPacked, [](A&, F& f) { f.cu[4] = 25; }, "cu_seqlens: must end at T = 24"},
       {"a sequence of 17 tokens", kPacked, [](A&, F& f) { f.cu[3] = 7; }, "cu_seqlens: sequence 3 has 17 tokens; fkda_decode takes at most 16 per sequence"},
       {"a sequence longer than its table", kSpeculative, [](A& a, F&) { a.state_indices.shape[1] = 8; }, "state_indices: sequence 3 has 16 tokens but the slot table has 8 columns"},
       {"start slot past the pool", kPacked, [](A&, F& f) { f.slots[2] = 24; }, "state_indices[2]: slot 24 is outside the pool's 24 slots (sequence 2)"},
       {"table slot past the pool", kSpeculative, [](A&, F& f) { f.table[1 * 16 + 2] = 100; }, "state_indices[1][2]: slot 100 is outside the pool's 24 slots (sequence 1)"},
-      {"no accepted token", kSpeculative, [](A&, F& f) { f.accepted[1] = 0; }, "num_accepted_tokens[1]: 0 is outside [1, 16]"},
+      {"no accepted token", kSpeculative, [](A&, F& f) { f.accepted[1] = 0; }, "num_accepted_tokens[1]: 0 is outside [1, 16] (the slot table's columns) (sequence 1)"},
       {"more accepted tokens than columns", kSpeculative, [](A&, F& f) { f.accepted[2] = 17; }, "num_accepted_tokens[2]: 17 is outside [1, 16]"},
   };
 }
@@ -262,6 +272,43 @@ TEST_CASE("null indices are padding, not errors, under either rule", "[validatio
   }
 }
 
+// flashkda.h lists the entries a call never reads; they may hold anything.
+// Each garbage value below is one that fails when the entry is read.
+TEST_CASE("entries the call never reads are not checked, as flashkda.h lists them", "[validation][serving]") {
+  CpuPlan plan(1);
+  SECTION("fkda_fwd: a padding sequence's checkpoints, a checkpoint slot behind a negative offset") {
+    PrefillFixture f;
+    f.slots[0] = -1;  // sequence 0 is padding
+    f.offsets[0] = 7;
+    f.checkpoint_slots[0] = 999;
+    f.checkpoint_slots[1] = 999;  // behind offset -1 of sequence 0
+    f.checkpoint_slots[5] = 999;  // behind offset -1 of sequence 2
+    FKDA_REQUIRE(plan.fwd(f.by_slot()));
+    f.slots[0] = 1;
+    expect_invalid(plan.fwd(f.by_slot()), "checkpoint_offsets[0][0]: 7 is not a multiple of 16 in [16, 20] (sequence 0 has 20 tokens)");
+  }
+  SECTION("fkda_decode: a zero-length sequence's indices and count, table columns past a sequence's length") {
+    DecodeFixture f;
+    f.cu = {0, 0, 4, 8, 24};  // sequence 0 has no token, sequence 1 four
+    f.table[0] = 999;
+    f.accepted[0] = 99;
+    f.table[1 * 16 + 3] = 9;   // sequence 1's fourth column, now read
+    f.table[2 * 16 + 4] = 999;  // past sequence 2's four tokens
+    FKDA_REQUIRE(plan.decode(f.speculative()));
+    f.cu = {0, 1, 4, 8, 24};
+    expect_invalid(plan.decode(f.speculative()), "num_accepted_tokens[0]: 99 is outside [1, 16] (the slot table's columns) (sequence 0)");
+  }
+  SECTION("fkda_decode: a padding sequence's other columns") {
+    DecodeFixture f;
+    f.table[1 * 16 + 1] = -1;  // sequence 1 starts from column 1 (2 accepted): padding
+    f.table[1 * 16 + 0] = 999;
+    f.table[1 * 16 + 2] = 999;
+    FKDA_REQUIRE(plan.decode(f.speculative()));
+    f.table[1 * 16 + 1] = 5;
+    expect_invalid(plan.decode(f.speculative()), "state_indices[1][0]: slot 999 is outside the pool's 24 slots (sequence 1)");
+  }
+}
+
 TEST_CASE("fkda_decode needs no workspace", "[validation][serving]") {
   CpuPlan plan(1);
   size_t bytes = 1;
@@ -276,73 +323,172 @@ TEST_CASE("fkda_decode needs no workspace", "[validation][serving]") {
   expect_invalid(fkda_decode(plan.get(), nullptr, nullptr, 0, nullptr), "args: NULL");
 }
 
-TEST_CASE("structs of the 0.1 sizes keep working; larger ones are rejected", "[validation][abi]") {
-  // Where the 0.1 fields end; 0.1's sizeof rounds that up to 8 bytes, and
-  // 0.2's null_slot_rule sits in fkda_plan_desc's padding of then.
-  constexpr size_t kDesc01 = offsetof(fkda_plan_desc, lower_bound) + sizeof(float);
-  constexpr size_t kArgs01 = offsetof(fkda_fwd_args, scale) + sizeof(float);
-  STATIC_REQUIRE(offsetof(fkda_plan_desc, null_slot_rule) == kDesc01);
+namespace {
 
+// Where a field ends, and a release's sizeof: that end rounded up to the
+// struct's alignment. Computed from flashkda.h, apart from src/abi_struct.h's
+// table, so that the two can disagree.
+#define FIELD_END(S, f) (offsetof(S, f) + sizeof(static_cast<S*>(nullptr)->f))
+template <typename S>
+constexpr size_t release_size(size_t fields_end) {
+  return (fields_end + alignof(S) - 1) / alignof(S) * alignof(S);
+}
+
+// The struct behind a caller's pointer, with room for the sizes of a newer
+// header: `extra` bytes past sizeof(S), zero unless a test sets one.
+template <typename S>
+struct Oversized {
+  std::vector<uint64_t> words;
+  explicit Oversized(const S& value, size_t extra = 64) : words((sizeof(S) + extra + 7) / 8, 0) {
+    std::memcpy(words.data(), &value, sizeof(S));
+  }
+  S* get() { return reinterpret_cast<S*>(words.data()); }
+  unsigned char* bytes() { return reinterpret_cast<unsigned char*>(words.data()); }
+};
+
+// Every size from 0 to sizeof(S) + 64 through `call`: the releases' sizes
+// and larger ones (zeros past the fields) succeed, any other fails naming
+// the argument, the size and the struct.
+template <typename S, typename Call>
+void check_every_size(const S& valid, const std::set<size_t>& releases, const char* argument, const char* name,
+                      const Call& call) {
+  for (size_t size = 0; size <= sizeof(S) + 64; ++size) {
+    CAPTURE(size);
+    Oversized<S> given(valid);
+    given.get()->struct_size = size;
+    const fkda_status status = call(given.get());
+    if (releases.count(size) == 1 || size > sizeof(S)) {
+      CHECK(status == FKDA_SUCCESS);
+      CHECK(std::string(fkda_last_error()).empty());
+    } else {
+      CHECK(status == FKDA_ERROR_INVALID_ARGUMENT);
+      const std::string message = fkda_last_error();
+      CHECK(message.rfind(std::string(argument) + ": struct_size is " + std::to_string(size) + ", ", 0) == 0);
+      CHECK(message.find(name) != std::string::npos);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("struct sizes: exactly the releases' sizes, or larger with zeros past the known fields", "[validation][abi]") {
   SECTION("fkda_plan_desc") {
     fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
     desc.num_heads = 1;
     desc.backend = FKDA_BACKEND_CPU;
-    desc.null_slot_rule = 7;  // past a 0.1 struct: never read
-    desc.debug_checks = 9;
-    fkda_plan_t plan = nullptr;
-    desc.struct_size = kDesc01 + 4;  // sizeof(fkda_plan_desc) in 0.1
-    FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
-    fkda_plan_destroy(plan);
-    desc.struct_size = kDesc01;
-    FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
-    // The 0.1 plan has the default null rule: slot 0 is a real slot and is written.
-    DecodeFixture f;
-    f.slots = {0, 1, 2, 3};
-    const Pool before = f.pool;
-    const fkda_decode_args args = f.packed();
-    FKDA_REQUIRE(fkda_decode(plan, &args, nullptr, 0, nullptr));
-    CHECK(bytes_changed_outside(before, f.pool, {1, 2, 3}) > 0);
-    fkda_plan_destroy(plan);
-
-    desc.struct_size = sizeof(fkda_plan_desc);
-    expect_invalid(fkda_plan_create(&desc, &plan), "desc.null_slot_rule: expected FKDA_NULL_SLOT_NEGATIVE (0) or FKDA_NULL_SLOT_NONPOSITIVE (1), got 7");
-    desc.null_slot_rule = FKDA_NULL_SLOT_NONPOSITIVE;
-    expect_invalid(fkda_plan_create(&desc, &plan), "desc.debug_checks: expected 0 or 1, got 9");
-    desc.struct_size = sizeof(fkda_plan_desc) + 8;
-    expect_invalid(fkda_plan_create(&desc, &plan),
-                  "desc: struct_size is " + std::to_string(sizeof(fkda_plan_desc) + 8) + ", expected " +
-                      std::to_string(kDesc01) + " to " + std::to_string(sizeof(fkda_plan_desc)) +
-                      " (initialise with FKDA_PLAN_DESC_INIT; a larger size means the caller was built against a newer flashkda.h)");
-    desc.struct_size = kDesc01 - 4;
-    expect_invalid(fkda_plan_create(&desc, &plan), "desc: struct_size is " + std::to_string(kDesc01 - 4));
+    const std::set<size_t> releases = {release_size<fkda_plan_desc>(FIELD_END(fkda_plan_desc, lower_bound)),
+                                       release_size<fkda_plan_desc>(FIELD_END(fkda_plan_desc, debug_checks)),
+                                       release_size<fkda_plan_desc>(FIELD_END(fkda_plan_desc, beta_mode)),
+                                       sizeof(fkda_plan_desc)};
+    check_every_size(desc, releases, "desc", "fkda_plan_desc", [](const fkda_plan_desc* d) {
+      fkda_plan_t plan = nullptr;
+      const fkda_status status = fkda_plan_create(d, &plan);
+      if (plan != nullptr) fkda_plan_destroy(plan);  // a refusal's message stays
+      return status;
+    });
   }
+  SECTION("fkda_fwd_args") {
+    CpuPlan plan(1);
+    PrefillFixture f;
+    // Without the 0.2 fields, so that a 0.1 reading is the same call.
+    fkda_fwd_args args = f.contiguous();
+    args.checkpoint_offsets = args.checkpoints = FKDA_TENSOR_NONE;
+    const std::set<size_t> releases = {release_size<fkda_fwd_args>(FIELD_END(fkda_fwd_args, scale)),
+                                       sizeof(fkda_fwd_args)};
+    check_every_size(args, releases, "args", "fkda_fwd_args",
+                     [&](const fkda_fwd_args* a) { return plan.fwd(*a); });
+  }
+  SECTION("fkda_decode_args") {
+    CpuPlan plan(1);
+    DecodeFixture f;
+    check_every_size(f.packed(), {sizeof(fkda_decode_args)}, "args", "fkda_decode_args",
+                     [&](const fkda_decode_args* a) { return plan.decode(*a); });
+  }
+}
 
-  SECTION("fkda_plan_desc of the 0.2 size") {
-    // 0.2 ended the struct after debug_checks; its sizeof rounds that up to
-    // 48 bytes, where 0.3's gate_mode sits: garbage in a 0.2 caller's padding.
-    constexpr size_t kDesc02 = offsetof(fkda_plan_desc, debug_checks) + sizeof(int32_t);
-    STATIC_REQUIRE(offsetof(fkda_plan_desc, gate_mode) == kDesc02);
+TEST_CASE("struct sizes that split a field are refused, naming the struct", "[validation][abi]") {
+  // 1424 ends inside state_indices' descriptor; 1919 one byte short of 0.2's struct.
+  CpuPlan plan(1);
+  PrefillFixture f;
+  for (size_t size : {size_t(1424), sizeof(fkda_fwd_args) - 1}) {
+    CAPTURE(size);
+    fkda_fwd_args args = f.by_slot();
+    args.struct_size = size;
+    std::fill(f.out.begin(), f.out.end(), kPoisonBf16);
+    const Pool before = f.pool;
+    expect_invalid(plan.fwd(args), "args: struct_size is " + std::to_string(size) + ", not a size fkda_fwd_args has had (1248 in 0.1, 1920 in 0.2, or larger with zeros past 1920");
+    CHECK(inspect_rows(f.out, 1, {}).poisoned == f.out.size());
+    CHECK(bytes_changed_outside(before, f.pool, {}) == 0);
+  }
+}
+
+TEST_CASE("a newer caller's struct: accepted while its unknown bytes are zero, else the first one is named", "[validation][abi]") {
+  SECTION("fkda_fwd_args") {
+    CpuPlan plan(1);
+    PrefillFixture f;
+    Oversized<fkda_fwd_args> given(f.by_slot());
+    given.get()->struct_size = sizeof(fkda_fwd_args) + 24;
+    FKDA_REQUIRE(plan.fwd(*given.get()));
+    given.bytes()[sizeof(fkda_fwd_args) + 24] = 1;  // past its size: never read
+    FKDA_REQUIRE(plan.fwd(*given.get()));
+    given.bytes()[sizeof(fkda_fwd_args) + 9] = 1;
+    given.bytes()[sizeof(fkda_fwd_args) + 17] = 1;
+    expect_invalid(plan.fwd(*given.get()),
+                   "args: struct_size is 1944, larger than this library's fkda_fwd_args (1920 bytes), and byte 1929 "
+                   "is not zero: the caller sets a field this library does not know");
+  }
+  SECTION("fkda_decode_args: its trailing padding is a field to a newer caller") {
+    CpuPlan plan(1);
+    DecodeFixture f;
+    const size_t fields_end = FIELD_END(fkda_decode_args, scale);
+    REQUIRE(fields_end < sizeof(fkda_decode_args));
+    Oversized<fkda_decode_args> given(f.packed());
+    given.bytes()[fields_end] = 0x5A;
+    FKDA_REQUIRE(plan.decode(*given.get()));  // this header's size: padding, not read
+    given.get()->struct_size = sizeof(fkda_decode_args) + 8;
+    expect_invalid(plan.decode(*given.get()), "args: struct_size is " + std::to_string(sizeof(fkda_decode_args) + 8) +
+                                                  ", larger than this library's fkda_decode_args (1360 bytes), and byte " +
+                                                  std::to_string(fields_end) + " is not zero");
+  }
+  SECTION("fkda_plan_desc: beyond a page past the struct is refused unread") {
     fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
     desc.num_heads = 1;
     desc.backend = FKDA_BACKEND_CPU;
-    desc.gate_mode = 7;
-    desc.beta_mode = 9;
-    for (size_t size : {kDesc02, kDesc02 + 4}) {
-      CAPTURE(size);
-      desc.struct_size = size;
+    Oversized<fkda_plan_desc> given(desc, 4096);
+    fkda_plan_t plan = nullptr;
+    given.get()->struct_size = sizeof(fkda_plan_desc) + 4096;
+    FKDA_REQUIRE(fkda_plan_create(given.get(), &plan));
+    fkda_plan_destroy(plan);
+    given.get()->struct_size = sizeof(fkda_plan_desc) + 4097;
+    expect_invalid(fkda_plan_create(given.get(), &plan), "desc: struct_size is " + std::to_string(sizeof(fkda_plan_desc) + 4097) + ", not a size fkda_plan_desc has had");
+  }
+}
+
+TEST_CASE("an earlier release's struct reads only that release's fields", "[validation][abi]") {
+  SECTION("fkda_plan_desc of 0.1, 0.2 and 0.3: later fields in their padding are garbage, not read") {
+    const size_t ends[] = {FIELD_END(fkda_plan_desc, lower_bound), FIELD_END(fkda_plan_desc, debug_checks),
+                           FIELD_END(fkda_plan_desc, beta_mode)};
+    for (size_t end : ends) {
+      CAPTURE(end);
+      REQUIRE(end < release_size<fkda_plan_desc>(end));  // a later field sits in the padding
+      fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+      desc.num_heads = 1;
+      desc.backend = FKDA_BACKEND_CPU;
+      std::memset(reinterpret_cast<unsigned char*>(&desc) + end, 0x7F, sizeof desc - end);
+      desc.struct_size = release_size<fkda_plan_desc>(end);
       fkda_plan_t plan = nullptr;
       FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
       float lower_bound = 0.f;
-      FKDA_REQUIRE(fkda_get_lower_bound(plan, &lower_bound));  // the bounded gate
-      CHECK(lower_bound == -5.f);
+      FKDA_REQUIRE(fkda_get_lower_bound(plan, &lower_bound));  // the bounded gate, gate_mode's _INIT value
       fkda_plan_destroy(plan);
+      // Read as this header's struct, the garbage reaches a checked field.
+      if (end <= offsetof(fkda_plan_desc, gate_mode)) {
+        desc.struct_size = sizeof(fkda_plan_desc);
+        expect_invalid(fkda_plan_create(&desc, &plan), "desc.");
+      }
     }
-    desc.struct_size = sizeof(fkda_plan_desc);
-    fkda_plan_t plan = nullptr;
-    expect_invalid(fkda_plan_create(&desc, &plan), "desc.gate_mode: expected");
   }
-
-  SECTION("fkda_fwd_args") {
+  SECTION("fkda_fwd_args of 0.1: the pool fields are not read") {
     CpuPlan plan(1);
     PrefillFixture f;
     fkda_fwd_args full = f.contiguous();
@@ -350,39 +496,66 @@ TEST_CASE("structs of the 0.1 sizes keep working; larger ones are rejected", "[v
     FKDA_REQUIRE(plan.fwd(full));
     const std::vector<uint16_t> full_out = f.out;
     const std::vector<float> full_state = f.final_state;
-
-    // Fields past a 0.1 struct hold garbage that would fail validation if read.
     fkda_fwd_args old = full;
     old.state_indices = tensor(nullptr, FKDA_DTYPE_F32, {99});
     old.checkpoints = tensor(f.p.q.data(), FKDA_DTYPE_I32, {1});
-    old.struct_size = offsetof(fkda_fwd_args, state_pool);  // sizeof(fkda_fwd_args) in 0.1
+    old.struct_size = release_size<fkda_fwd_args>(FIELD_END(fkda_fwd_args, scale));
     std::fill(f.out.begin(), f.out.end(), kPoisonBf16);
     std::fill(f.final_state.begin(), f.final_state.end(), 0.f);
     FKDA_REQUIRE(plan.fwd(old));
     CHECK(f.out == full_out);
     CHECK(f.final_state == full_state);
-    old.struct_size = kArgs01;
-    FKDA_REQUIRE(plan.fwd(old));
-
-    // A size between the two: fields up to it are read, the rest ignored.
-    fkda_fwd_args partial = f.by_slot();
-    partial.checkpoint_offsets = tensor(nullptr, FKDA_DTYPE_F32, {5});
-    partial.struct_size = offsetof(fkda_fwd_args, checkpoint_offsets);
-    FKDA_REQUIRE(plan.fwd(partial));
-
-    old.struct_size = sizeof(fkda_fwd_args) + 1;
-    expect_invalid(plan.fwd(old), "args: struct_size is " + std::to_string(sizeof(fkda_fwd_args) + 1) + ", expected " +
-                                     std::to_string(kArgs01) + " to " + std::to_string(sizeof(fkda_fwd_args)));
-    old.struct_size = kArgs01 - 8;
-    expect_invalid(plan.fwd(old), "args: struct_size is " + std::to_string(kArgs01 - 8));
   }
+}
 
-  SECTION("fkda_device_info") {
+TEST_CASE("output structs are written by the caller's size, never past its release's fields", "[validation][abi]") {
+  constexpr unsigned char kCanary = 0xCD;
+  // Fills the caller's memory with the canary, sets struct_size, calls, and
+  // returns the bytes from the caller's fields on: all must be the canary.
+  auto untouched_after = [&](auto* proto, size_t size, size_t fields_end, auto call) {
+    using S = std::remove_pointer_t<decltype(proto)>;
+    Oversized<S> given(*proto, 64);
+    std::memset(given.bytes(), kCanary, given.words.size() * 8);
+    given.get()->struct_size = size;
+    FKDA_REQUIRE(call(given.get()));
+    CHECK(given.get()->struct_size == size);
+    size_t changed = 0;
+    for (size_t i = fields_end; i < given.words.size() * 8; ++i) changed += given.bytes()[i] != kCanary;
+    return changed;
+  };
+  SECTION("fkda_launch_report of 0.2, 0.4 and newer") {
+    CpuPlan plan(1);
+    fkda_launch_report report = FKDA_LAUNCH_REPORT_INIT;
+    auto call = [&](fkda_launch_report* r) { return fkda_plan_get_launch_report(plan.get(), r); };
+    const size_t old_end = FIELD_END(fkda_launch_report, slots_per_window);
+    CHECK(untouched_after(&report, old_end, old_end, call) == 0);
+    CHECK(untouched_after(&report, sizeof report, sizeof report, call) == 0);
+    CHECK(untouched_after(&report, sizeof report + 16, sizeof report, call) == 0);
+    // The fields of the caller's release are written (a CPU plan reports zeros).
+    Oversized<fkda_launch_report> given(report);
+    std::memset(given.bytes(), kCanary, given.words.size() * 8);
+    given.get()->struct_size = old_end;
+    FKDA_REQUIRE(call(given.get()));
+    CHECK(given.get()->vsplit == 0);
+    CHECK(given.get()->slots_per_window == 0);
+    given.get()->struct_size = old_end + 8;
+    expect_invalid(call(given.get()), "report: struct_size is " + std::to_string(old_end + 8) + ", not a size fkda_launch_report has had (32 in 0.2, 48 in 0.4");
+  }
+  SECTION("fkda_build_info") {
+    fkda_build_info info = FKDA_BUILD_INFO_INIT;
+    CHECK(untouched_after(&info, sizeof info, sizeof info, [](fkda_build_info* i) { return fkda_get_build_info(i); }) == 0);
+    CHECK(untouched_after(&info, sizeof info + 40, sizeof info, [](fkda_build_info* i) { return fkda_get_build_info(i); }) == 0);
+    info.struct_size = sizeof info - 8;
+    expect_invalid(fkda_get_build_info(&info), "info: struct_size is 72, not a size fkda_build_info has had (80 in 0.2");
+  }
+  SECTION("fkda_device_info: not even its trailing padding") {
     fkda_device_info info = FKDA_DEVICE_INFO_INIT;
+    auto call = [](fkda_device_info* i) { return fkda_query_device(-1, i); };
+    const size_t fields_end = FIELD_END(fkda_device_info, name);
+    CHECK(untouched_after(&info, sizeof info, fields_end, call) == 0);
+    CHECK(untouched_after(&info, sizeof info + 8, fields_end, call) == 0);
     info.struct_size -= 8;
-    expect_invalid(fkda_query_device(-1, &info), "info: struct_size is 288, expected 296 (initialise with FKDA_DEVICE_INFO_INIT)");
-    info.struct_size += 16;
-    expect_invalid(fkda_query_device(-1, &info), "info: struct_size is 304, expected 296");
+    expect_invalid(fkda_query_device(-1, &info), "info: struct_size is 288, not a size fkda_device_info has had (296 in 0.1, or larger with zeros past 296");
   }
 }
 

@@ -2,7 +2,9 @@
 
 A thin ctypes layer over the C ABI of include/flashkda.h: fwd (prefill, with
 contiguous states or states in a pool) and decode (a few tokens per sequence on
-a pool), with the gate and beta forms of a plan as keywords (gate_mode:
+a pool), segment transitions for context parallelism (transitions,
+apply_transitions; flashkda.distributed runs a context-parallel prefill over a
+torch.distributed process group), with the gate and beta forms of a plan as keywords (gate_mode:
 "bounded", "softplus", "log_decay"; beta_mode: "logits", "probabilities";
 GateMode and BetaMode). Host arrays (numpy, torch CPU tensors) run on the CPU reference
 backend; CUDA tensors (torch, CuPy, __cuda_array_interface__, DLPack) run on
@@ -15,16 +17,27 @@ CUDA graphs).
 
 import importlib.util
 
-from ._abi import Backend, BetaMode, Dtype, GateMode, NullSlotRule, StateLayout, Status
+from ._abi import (
+    Backend,
+    BetaMode,
+    ChunkParallel,
+    Dtype,
+    GateMode,
+    NullSlotRule,
+    StateLayout,
+    Status,
+)
 from ._api import (
     BuildInfo,
     DeviceInfo,
     Plan,
+    apply_transitions,
     build_info,
     fwd,
     last_error,
     query_device,
     status_string,
+    transitions,
     version,
     version_number,
 )
@@ -37,12 +50,13 @@ from .bf16 import from_bf16, to_bf16
 if importlib.util.find_spec("torch") is not None:
     from . import _torch_op  # noqa: F401  (registers torch.ops.flashkda.fwd and .decode)
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "Backend",
     "BetaMode",
     "BuildInfo",
+    "ChunkParallel",
     "DeviceInfo",
     "Dtype",
     "FlashKDAError",
@@ -52,6 +66,7 @@ __all__ = [
     "Plan",
     "StateLayout",
     "Status",
+    "apply_transitions",
     "build_info",
     "decode",
     "from_bf16",
@@ -62,6 +77,7 @@ __all__ = [
     "query_device",
     "status_string",
     "to_bf16",
+    "transitions",
     "version",
     "version_number",
 ]

@@ -67,6 +67,13 @@ class BetaMode(enum.IntEnum):
     PROBABILITIES = 1  # beta as it is, clamped into [0, 1]
 
 
+class ChunkParallel(enum.IntEnum):
+    """Whether GPU prefill cuts long sequences into segments (fkda_chunk_parallel, 0.4)."""
+    AUTO = 0
+    OFF = 1
+    ON = 2
+
+
 class FkdaTensor(ctypes.Structure):
     _fields_ = [
         ("data", ctypes.c_void_p),
@@ -91,6 +98,10 @@ class FkdaPlanDesc(ctypes.Structure):
         ("debug_checks", ctypes.c_int32),
         ("gate_mode", ctypes.c_int32),
         ("beta_mode", ctypes.c_int32),
+        ("vsplit", ctypes.c_int32),
+        ("chunk_parallel", ctypes.c_int32),
+        ("window_slots", ctypes.c_int64),
+        ("segment_chunks", ctypes.c_int64),
     ]
 
     @classmethod
@@ -109,6 +120,10 @@ class FkdaPlanDesc(ctypes.Structure):
             debug_checks=0,
             gate_mode=GateMode.BOUNDED,
             beta_mode=BetaMode.LOGITS,
+            vsplit=0,
+            chunk_parallel=ChunkParallel.AUTO,
+            window_slots=0,
+            segment_chunks=0,
         )
 
 
@@ -127,6 +142,10 @@ DECODE_TENSOR_FIELDS = (
     "q", "k", "v", "g", "beta", "A_log", "dt_bias", "out",
     "state_pool", "state_indices", "num_accepted_tokens", "cu_seqlens",
 )
+TRANSITION_TENSOR_FIELDS = (
+    "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "transition_m", "transition_e",
+)
+APPLY_TENSOR_FIELDS = ("transition_m", "transition_e", "initial_state", "final_state")
 
 
 def _tensor_fields(names):
@@ -160,6 +179,24 @@ class FkdaDecodeArgs(ctypes.Structure):
         return cls(struct_size=ctypes.sizeof(cls), scale=DEFAULT_SCALE)
 
 
+class FkdaTransitionArgs(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t)] + _tensor_fields(TRANSITION_TENSOR_FIELDS)
+
+    @classmethod
+    def initialized(cls):
+        """The values of FKDA_TRANSITION_ARGS_INIT: every tensor absent."""
+        return cls(struct_size=ctypes.sizeof(cls))
+
+
+class FkdaApplyArgs(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t)] + _tensor_fields(APPLY_TENSOR_FIELDS)
+
+    @classmethod
+    def initialized(cls):
+        """The values of FKDA_APPLY_ARGS_INIT: every tensor absent."""
+        return cls(struct_size=ctypes.sizeof(cls))
+
+
 class FkdaDeviceInfo(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
@@ -185,6 +222,8 @@ class FkdaLaunchReport(ctypes.Structure):
         ("vsplit", ctypes.c_int64),
         ("windows", ctypes.c_int64),
         ("slots_per_window", ctypes.c_int64),
+        ("chunk_parallel", ctypes.c_int64),
+        ("segment_chunks", ctypes.c_int64),
     ]
 
     @classmethod
@@ -236,6 +275,20 @@ PROTOTYPES = {
     "fkda_decode": (
         c_enum,
         [plan_handle, ctypes.POINTER(FkdaDecodeArgs), ctypes.c_void_p, ctypes.c_size_t,
+         stream_handle],
+    ),
+    "fkda_plan_transitions_workspace_size": (
+        c_enum,
+        [plan_handle, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "fkda_transitions": (
+        c_enum,
+        [plan_handle, ctypes.POINTER(FkdaTransitionArgs), ctypes.c_void_p, ctypes.c_size_t,
+         stream_handle],
+    ),
+    "fkda_apply_transitions": (
+        c_enum,
+        [plan_handle, ctypes.POINTER(FkdaApplyArgs), ctypes.c_void_p, ctypes.c_size_t,
          stream_handle],
     ),
     "fkda_query_device": (c_enum, [ctypes.c_int32, ctypes.POINTER(FkdaDeviceInfo)]),

@@ -6,17 +6,22 @@ from dataclasses import dataclass
 
 from . import _arrays, _launch, _plans
 from ._abi import (
+    APPLY_TENSOR_FIELDS,
     DECODE_TENSOR_FIELDS,
+    TRANSITION_TENSOR_FIELDS,
     FWD_POOL_TENSOR_FIELDS,
     FWD_TENSOR_FIELDS,
     Backend,
     BetaMode,
+    ChunkParallel,
     Dtype,
+    FkdaApplyArgs,
     FkdaBuildInfo,
     FkdaDecodeArgs,
     FkdaDeviceInfo,
     FkdaFwdArgs,
     FkdaPlanDesc,
+    FkdaTransitionArgs,
     GateMode,
     NullSlotRule,
     StateLayout,
@@ -32,6 +37,7 @@ _NULL_SLOT_RULE_NAMES = {"negative": NullSlotRule.NEGATIVE, "nonpositive": NullS
 _GATE_MODE_NAMES = {"bounded": GateMode.BOUNDED, "softplus": GateMode.SOFTPLUS,
                     "log_decay": GateMode.LOG_DECAY, "log-decay": GateMode.LOG_DECAY}
 _BETA_MODE_NAMES = {"logits": BetaMode.LOGITS, "probabilities": BetaMode.PROBABILITIES}
+_CHUNK_PARALLEL_NAMES = {"auto": ChunkParallel.AUTO, "off": ChunkParallel.OFF, "on": ChunkParallel.ON}
 # FKDA_PLAN_DESC_INIT's lower_bound: the value a plan without a floor (any
 # gate but the bounded one) must keep, and what lower_bound=None stands for.
 _DEFAULT_LOWER_BOUND = -5.0
@@ -133,6 +139,54 @@ FWD = _launch.EntryPoint(
     plan_shape=_shaped_by(("initial_state", "final_state", "state_pool")),
 )
 
+def _transitions_workspace(plan, views):
+    """fkda_plan_transitions_workspace_size for the shapes of k and cu_seqlens
+    (0 when they are too malformed to size: the call names the argument)."""
+    k = views["k"]
+    if k is None or len(k.shape) != 4:
+        return 0
+    num_seqs = k.shape[0]
+    cu_seqlens = views["cu_seqlens"]
+    if cu_seqlens is not None:
+        if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
+            return 0
+        num_seqs = cu_seqlens.shape[0] - 1
+    try:
+        return plan.transitions_workspace_size(k.shape[0] * k.shape[1], num_seqs)
+    except FlashKDAError:
+        return 0
+
+
+def _transitions_shape(views):
+    k = views["k"]
+    return (k.shape[2] if k is not None and len(k.shape) == 4 else 1), Dtype.F32
+
+
+def _apply_shape(views):
+    m = views["transition_m"]
+    num_heads = m.shape[2] if m is not None and len(m.shape) == 5 else 1
+    given = [views[name] for name in ("initial_state", "final_state") if views[name] is not None]
+    return num_heads, Dtype.BF16 if given and given[0].dtype == Dtype.BF16 else Dtype.F32
+
+
+TRANSITIONS = _launch.EntryPoint(
+    function="fkda_transitions",
+    struct=FkdaTransitionArgs,
+    tensors=TRANSITION_TENSOR_FIELDS,
+    outputs=("transition_m", "transition_e"),
+    workspace=_transitions_workspace,
+    plan_shape=_transitions_shape,
+)
+
+APPLY = _launch.EntryPoint(
+    function="fkda_apply_transitions",
+    struct=FkdaApplyArgs,
+    tensors=APPLY_TENSOR_FIELDS,
+    outputs=("final_state",),
+    workspace=lambda plan, views: 0,  # none is needed
+    plan_shape=_apply_shape,
+)
+
 DECODE = _launch.EntryPoint(
     function="fkda_decode",
     struct=FkdaDecodeArgs,
@@ -165,12 +219,17 @@ class Plan:
     or f32, is the log-decay itself; no A_log, no dt_bias). beta_mode:
     "logits" (sigmoid(beta), the default) or "probabilities" (beta as it is).
     GateMode and BetaMode members are accepted too. lower_bound belongs to the
-    bounded gate: other gates leave it at -5 (None means -5).
+    bounded gate: other gates leave it at -5 (None means -5). chunk_parallel
+    ("auto", "off", "on" or ChunkParallel) and segment_chunks choose how long
+    sequences are cut into segments that run in parallel (0: automatic; CPU
+    plans only cut them when it is "on").
 
     Use as a context manager or call close(); a plan that is garbage collected
     while open is destroyed then. fwd and decode may run on one plan from
-    several threads at once (each thread has its own argument blocks);
-    set_lower_bound and close must not overlap them.
+    several threads at once (each thread has its own argument blocks), and
+    so may set_lower_bound. A plan is destroyed as soon as its last reference
+    goes (it is in no reference cycle), or by close(); calls already running
+    on it finish normally.
     """
 
     def __init__(
@@ -187,6 +246,8 @@ class Plan:
         debug_checks=False,
         gate_mode=GateMode.BOUNDED,
         beta_mode=BetaMode.LOGITS,
+        chunk_parallel=ChunkParallel.AUTO,
+        segment_chunks=0,
         library_path=None,
         library=None,
     ):
@@ -211,6 +272,8 @@ class Plan:
         desc.debug_checks = 1 if debug_checks else 0
         desc.gate_mode = _enum_value("gate_mode", gate_mode, _GATE_MODE_NAMES)
         desc.beta_mode = _enum_value("beta_mode", beta_mode, _BETA_MODE_NAMES)
+        desc.chunk_parallel = _enum_value("chunk_parallel", chunk_parallel, _CHUNK_PARALLEL_NAMES)
+        desc.segment_chunks = _int64("segment_chunks", segment_chunks)
         handle = ctypes.c_void_p()
         self._library.check(self._library.cdll.fkda_plan_create(ctypes.byref(desc), ctypes.byref(handle)))
         self._handle = handle
@@ -306,6 +369,11 @@ class Plan:
         return self._size_query(
             self._library.cdll.fkda_plan_decode_workspace_size, total_tokens, num_seqs)
 
+    def transitions_workspace_size(self, total_tokens, num_seqs):
+        """Bytes of workspace transitions needs for these sizes."""
+        return self._size_query(
+            self._library.cdll.fkda_plan_transitions_workspace_size, total_tokens, num_seqs)
+
     def _size_query(self, function, total_tokens, num_seqs):
         value = ctypes.c_size_t()
         self._library.check(
@@ -352,6 +420,22 @@ class Plan:
                            num_accepted_tokens, cu_seqlens),
                   scale, workspace, stream)
 
+    def transitions(self, k, v, g, beta, A_log, dt_bias, transition_m, transition_e,
+                    cu_seqlens=None, workspace=None, stream=None):
+        """Runs fkda_transitions: each sequence's segment transition, written
+        into transition_m [N, H, 128, 128] and transition_e [N, H, 128, 128]
+        (f32; KV plans hold the transposes). workspace and stream as for fwd."""
+        self._run(TRANSITIONS, (k, v, g, beta, A_log, dt_bias, cu_seqlens, transition_m,
+                                transition_e), 0.0, workspace, stream)
+
+    def apply_transitions(self, transition_m, transition_e, final_state, initial_state=None,
+                          stream=None):
+        """Runs fkda_apply_transitions: transitions [R, N, H, 128, 128] applied
+        in order (r = 0 first) to initial_state (None: zeros), into
+        final_state (which may be initial_state itself)."""
+        self._run(APPLY, (transition_m, transition_e, initial_state, final_state), 0.0, None,
+                  stream)
+
     def _run(self, entry, arrays, scale, workspace, stream):
         """Launches `entry` on `arrays` (in entry.tensors' order) through this
         thread's argument block for their layout."""
@@ -361,7 +445,9 @@ class Plan:
         def build():
             self._live_handle()
             views = _launch.views_by_name(entry, arrays)
-            return _launch.ArgumentBlock(entry, self, views, scale, _launch.placement_of(views))
+            # Cached in the plan: holding it back would be a cycle.
+            return _launch.ArgumentBlock(entry, self, views, scale, _launch.placement_of(views),
+                                         hold_plan=False)
 
         blocks = _launch.thread_blocks(self._blocks)
         block = _cached_block(blocks, (entry.function, device, scale, signature), build)
@@ -402,7 +488,8 @@ class Plan:
     def _prepare(self, entry, arrays, scale, workspace, stream):
         self._live_handle()
         views = _launch.views_by_name(entry, arrays)
-        block = _launch.ArgumentBlock(entry, self, views, scale, _launch.placement_of(views))
+        block = _launch.ArgumentBlock(entry, self, views, scale, _launch.placement_of(views),
+                                      hold_plan=True)
         pointers = [view.ptr for view in views.values() if view is not None]
         return _launch.Prepared(block, pointers, views, workspace, stream)
 
@@ -439,7 +526,7 @@ def run_derived(entry, arrays, scale, lower_bound, null_slot_rule, gate_mode, be
             beta_mode=_enum_value("beta_mode", beta_mode, _BETA_MODE_NAMES),
         )
         return _launch.ArgumentBlock(entry, _plans.cached_plan(descriptor), views, scale,
-                                     placement)
+                                     placement, hold_plan=True)
 
     key = (entry.function, library, device, scale, lower_bound, null_slot_rule, gate_mode, beta_mode,
            signature)
@@ -495,6 +582,33 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
                       cu_seqlens, state_pool, state_indices, has_initial_state,
                       checkpoint_offsets, checkpoints, checkpoint_slots),
                 scale, lower_bound, null_slot_rule, gate_mode, beta_mode)
+
+
+def transitions(k, v, g, beta, A_log, dt_bias, lower_bound, transition_m, transition_e,
+                cu_seqlens=None, *, gate_mode=GateMode.BOUNDED, beta_mode=BetaMode.LOGITS):
+    """The segment transition of each sequence (fkda_transitions), written in place.
+
+    A sequence's tokens map any state S ([H, 128, 128], V-first) entering them
+    to S @ M + E leaving them. k, v, g, beta, A_log, dt_bias, cu_seqlens,
+    lower_bound, gate_mode and beta_mode as for flashkda.fwd (no q, no out);
+    transition_m and transition_e: f32 [N, H, 128, 128]. Host arrays run on
+    the CPU backend, CUDA arrays on the GPU backend.
+    """
+    run_derived(TRANSITIONS, (k, v, g, beta, A_log, dt_bias, cu_seqlens, transition_m,
+                              transition_e),
+                0.0, lower_bound, NullSlotRule.NEGATIVE, gate_mode, beta_mode)
+
+
+def apply_transitions(transition_m, transition_e, final_state, initial_state=None):
+    """S <- S @ M_r + E_r for r = 0 .. R-1 (fkda_apply_transitions), per sequence and head.
+
+    transition_m, transition_e: f32 [R, N, H, 128, 128], V-first as
+    flashkda.transitions writes them; initial_state [N, H, 128, 128] f32 or
+    bf16 (None: zeros); final_state the same shape and dtype, written (may be
+    initial_state itself). The state is carried in f32 and rounded once.
+    """
+    run_derived(APPLY, (transition_m, transition_e, initial_state, final_state),
+                0.0, None, NullSlotRule.NEGATIVE, GateMode.BOUNDED, BetaMode.LOGITS)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ and goes straight to the C function, which validates everything again.
 import ctypes
 import functools
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Tuple
 
@@ -220,13 +221,20 @@ def _cupy_bytes(cupy, device, size):
 
 
 class ArgumentBlock:
-    """One entry point's ctypes arguments for one layout, all but the pointers."""
+    """One entry point's ctypes arguments for one layout, all but the pointers.
 
-    def __init__(self, entry, plan, views, scale, placement):
+    hold_plan: whether the block keeps its plan alive. A block the plan
+    itself caches must not (plan -> block -> plan is a cycle, which leaves the
+    plan to the garbage collector, on whatever thread it runs); blocks kept
+    elsewhere must, since they hold its raw handle.
+    """
+
+    def __init__(self, entry, plan, views, scale, placement, hold_plan):
         from ._api import _float
 
         self.entry = entry
-        self.plan = plan  # keeps the handle alive as long as the block
+        self._held_plan = plan if hold_plan else None
+        self._plan = weakref.ref(plan)
         self.handle = plan._live_handle()
         self.library = plan._library
         self.function = getattr(plan._library.cdll, entry.function)
@@ -266,7 +274,7 @@ class ArgumentBlock:
             owner, pointer = self.allocate(self.workspace_bytes)
             return owner, pointer, self.workspace_bytes
         view = _arrays.view("workspace", workspace)
-        backend_memory = self.plan._backend_memory()
+        backend_memory = self._plan()._backend_memory()
         # fkda_fwd checks the workspace's size and alignment, not where it lives.
         if self.fits_plan and view.memory != backend_memory:
             runs = "the CPU backend" if backend_memory == _arrays.HOST else "the GPU backend"
@@ -320,8 +328,8 @@ class Prepared:
         self._stream = (block.placement.stream if stream is None
                         else functools.partial(int, _stream_handle(stream)))
         self._check = block.library.check
-        # The arrays, the workspace and the block (with its plan) live as long
-        # as this object: the C call reads their memory at every launch.
+        # The arrays, the workspace and the block (holding its plan) live as
+        # long as this object: the C call reads their memory at every launch.
         self._keep = (block, keep, owner)
 
     @property

@@ -30,6 +30,8 @@ _STRUCTS = {
     "fkda_plan_desc": _abi.FkdaPlanDesc,
     "fkda_fwd_args": _abi.FkdaFwdArgs,
     "fkda_decode_args": _abi.FkdaDecodeArgs,
+    "fkda_transition_args": _abi.FkdaTransitionArgs,
+    "fkda_apply_args": _abi.FkdaApplyArgs,
     "fkda_device_info": _abi.FkdaDeviceInfo,
     "fkda_launch_report": _abi.FkdaLaunchReport,
     "fkda_build_info": _abi.FkdaBuildInfo,
@@ -93,6 +95,7 @@ def test_enums_match_the_header(header):
         "fkda_null_slot_rule": (_abi.NullSlotRule, "FKDA_NULL_SLOT_"),
         "fkda_gate_mode": (_abi.GateMode, "FKDA_GATE_"),
         "fkda_beta_mode": (_abi.BetaMode, "FKDA_BETA_"),
+        "fkda_chunk_parallel": (_abi.ChunkParallel, "FKDA_CHUNK_PARALLEL_"),
     }
     assert set(mirrors) == set(header["enums"])
     for enum_name, (mirror, prefix) in mirrors.items():

@@ -1,6 +1,7 @@
 """The hot path on the CPU backend: shared plans, cached argument blocks and
 prepared launches, against the fp64 recurrence."""
 
+import ctypes
 import dataclasses
 import gc
 import os
@@ -219,6 +220,44 @@ def test_closed_plan_drops_its_blocks(rng):
     with pytest.raises(FlashKDAError) as caught:
         plan.fwd(**problem.arguments())
     assert caught.value.message.startswith("plan:")
+
+
+def test_plan_dies_on_del_without_the_collector(rng):
+    # A plan in a reference cycle would wait for the collector, which runs
+    # on any thread; without one it goes the moment its last name does.
+    problem = make_problem(rng, batch=1, seq_len=20, heads=2)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        plan = flashkda.Plan(2, backend="cpu")
+        plan.fwd(**problem.arguments())  # caches an argument block in the plan
+        assert [r for r in gc.get_referrers(plan) if isinstance(r, _launch.ArgumentBlock)] == []
+        watched = weakref.ref(plan)
+        del plan
+        assert watched() is None
+
+        # A prepared launch holds its plan, and only that.
+        plan = flashkda.Plan(2, backend="cpu")
+        launch = plan.prepare(**problem.arguments())
+        watched = weakref.ref(plan)
+        del plan
+        assert watched() is not None
+        launch()
+        del launch
+        assert watched() is None
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def test_a_destroy_between_failure_and_message_keeps_the_message():
+    library = _library.library()
+    with flashkda.Plan(2, backend="cpu") as plan:
+        size = ctypes.c_size_t()
+        status = library.cdll.fkda_plan_workspace_size(plan._live_handle(), -1, 1, ctypes.byref(size))
+        assert status != 0
+        flashkda.Plan(3, backend="cpu").close()  # what a collector may do right here
+        assert library.cdll.fkda_last_error().decode().startswith("total_tokens:")
 
 
 def test_plan_fwd_caches_per_plan(rng, block_builds):

@@ -1,21 +1,21 @@
-#include "validate.h"
+// SPDX-License-Identifier: MIT
+// The generic checks of tensor descriptors (validate_checks.h).
+#include "validate_checks.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "abi_struct.h"
 #include "checked_arith.h"
 #include "gpu/cuda_driver.h"
 #include "dtype_name.h"
 #include "error.h"
-#include "validate_checks.h"
-#include "validate_serving.h"
 
 namespace fkda {
 namespace checks {
@@ -238,36 +238,16 @@ void check_residency(const Plan& plan, const std::vector<Located>& pointers) {
     return;
   }
   // A CPU plan dereferences every pointer on the host: device memory would
-  // fault, so catch it while the driver is at hand. Without a driver there
-  // can be no device memory.
-  const cuda::Driver* d = cuda::driver();
+  // fault, so catch it when the process runs CUDA. Otherwise there can be no
+  // device memory, and loading the driver here would start CUDA for a
+  // CPU-only caller.
+  const cuda::Driver* d = cuda::driver_if_started();
   if (d == nullptr) return;
   for (const Located& l : pointers) {
     if (l.data == nullptr) continue;
     if (pointer_info(*d, l.data).residency == Residency::kDevice) {
       invalid(std::string(l.name) + ": device memory passed to a CPU plan (expected host memory)");
     }
-  }
-}
-
-void check_cu_seqlens_contents(const fkda_tensor& cu, int64_t total_tokens) {
-  const int64_t count = cu.shape[0];
-  const SeqOffsets offsets{cu.data, cu.dtype, cu.strides[0]};
-  if (offsets.at(0) != 0) {
-    invalid("cu_seqlens: must start at 0, got cu_seqlens[0] = " + std::to_string(offsets.at(0)));
-  }
-  for (int64_t i = 1; i < count; ++i) {
-    int64_t previous = offsets.at(i - 1), current = offsets.at(i);
-    if (current < previous) {
-      invalid("cu_seqlens: must be non-decreasing, but cu_seqlens[" + std::to_string(i) + "] = " +
-              std::to_string(current) + " < cu_seqlens[" + std::to_string(i - 1) + "] = " +
-              std::to_string(previous));
-    }
-  }
-  int64_t last = offsets.at(count - 1);
-  if (last != total_tokens) {
-    invalid("cu_seqlens: must end at T = " + std::to_string(total_tokens) + " (the packed token "
-            "count of q), got cu_seqlens[" + std::to_string(count - 1) + "] = " + std::to_string(last));
   }
 }
 
@@ -339,78 +319,148 @@ int64_t check_cu_seqlens(const fkda_tensor& cu, int64_t batch) {
   return cu.shape[0] - 1;
 }
 
-}  // namespace checks
+namespace {
 
-using namespace checks;
+std::string str(int64_t x) { return std::to_string(x); }
 
-PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const void* workspace,
-                        size_t workspace_bytes) {
-  if (args == nullptr) invalid("args: NULL");
-  // 0.1 ended the struct after `scale`.
-  const fkda_fwd_args a = read_versioned(*args, fkda_fwd_args FKDA_FWD_ARGS_INIT,
-                                         offsetof(fkda_fwd_args, scale) + sizeof(float), "args",
-                                         "FKDA_FWD_ARGS_INIT");
-  const int64_t H = plan.num_heads, K = plan.head_dim_k, V = plan.head_dim_v;
-  const Activations activations{a.q, a.k, a.v, a.g, a.beta, a.A_log, a.dt_bias, a.out};
-  const auto [B, T] = check_activations(plan, activations);
-  const int64_t N = check_cu_seqlens(a.cu_seqlens, B);
+}  // namespace
 
-  const bool vk = plan.state_layout == FKDA_STATE_LAYOUT_VK;
-  auto check_state = [&](const fkda_tensor& t, const char* name) {
-    if (!present(t)) return;
-    if (t.dtype != plan.state_dtype) {
-      invalid(std::string(name) + ": expected dtype " + dtype_name(plan.state_dtype) +
-              " (the plan's state_dtype), got " + dtype_name(t.dtype));
-    }
-    if (vk) {
-      check_tensor(t, name, {plan.state_dtype}, {N, H, V, K}, Strides::kPacked);
-    } else {
-      check_tensor(t, name, {plan.state_dtype}, {N, H, K, V}, Strides::kPacked);
-    }
-  };
-  check_state(a.initial_state, "initial_state");
-  check_state(a.final_state, "final_state");
-
-  if (!std::isfinite(a.scale)) invalid("scale: must be finite, got " + std::to_string(a.scale));
-
-  const size_t required = plan.workspace_size(B * T, N);
-  std::vector<Located> located = {{a.q.data, "q"}, {a.k.data, "k"}, {a.v.data, "v"}, {a.g.data, "g"},
-                                  {a.beta.data, "beta"}, {a.A_log.data, "A_log"},
-                                  {a.dt_bias.data, "dt_bias"}, {a.out.data, "out"},
-                                  {a.initial_state.data, "initial_state"},
-                                  {a.final_state.data, "final_state"}, {a.cu_seqlens.data, "cu_seqlens"}};
-  if (required > 0) located.push_back({workspace, "workspace"});
-  check_residency(plan, located);
-
-  if (plan.backend == FKDA_BACKEND_GPU) {
-    // The kernels move rows of 8 bf16 (or 4 f32) in 16-byte accesses.
-    const std::pair<const fkda_tensor*, const char*> rows[] = {
-        {&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.g, "g"}, {&a.out, "out"}, {&a.dt_bias, "dt_bias"},
-        {&a.initial_state, "initial_state"}, {&a.final_state, "final_state"}};
-    for (const auto& [tensor, name] : rows) {
-      if (present(*tensor) && !is_empty(*tensor)) check_gpu_alignment(*tensor, name);
-    }
-  } else if (present(a.cu_seqlens)) {
-    check_cu_seqlens_contents(a.cu_seqlens, T);
+void check_packed_from(const fkda_tensor& t, const char* name, int32_t first_packed) {
+  if (is_empty(t)) return;
+  std::vector<int64_t> packed(size_t(t.rank), 0);
+  int64_t expected = 1;
+  bool ok = true;
+  for (int32_t i = t.rank - 1; i >= first_packed; --i) {
+    packed[size_t(i)] = expected;
+    if (t.shape[i] > 1 && t.strides[i] != expected) ok = false;
+    expected = saturating_mul(expected, t.shape[i]);
   }
-
-  if (workspace_bytes < required) {
-    fail(FKDA_ERROR_WORKSPACE_TOO_SMALL,
-         "workspace_bytes: " + std::to_string(workspace_bytes) + " bytes given, " +
-             std::to_string(required) + " needed for " + std::to_string(B * T) + " tokens in " +
-             std::to_string(N) + " sequences (fkda_plan_workspace_size)");
+  if (!ok) {
+    std::string want = "[";
+    for (int32_t i = 0; i < t.rank; ++i)
+      want += (i ? ", " : "") + (i < first_packed ? std::string("*") : str(packed[size_t(i)]));
+    invalid(std::string(name) + ": each state must be contiguous, expected strides " + want + "], got " +
+            join(t.strides, t.rank));
   }
-  if (required > 0 && workspace == nullptr) invalid("workspace: NULL, but " + std::to_string(required) + " bytes are needed");
-  if (required > 0 && reinterpret_cast<uintptr_t>(workspace) % 16 != 0) {
-    invalid("workspace: must be 16-byte aligned");
-  }
-
-  PrefillProblem p;
-  fill_shared_fields(plan, activations, a.cu_seqlens, B, T, N, a.scale, p);
-  p.initial_state = present(a.initial_state) ? a.initial_state.data : nullptr;
-  p.final_state = present(a.final_state) ? a.final_state.data : nullptr;
-  validate_fwd_serving(plan, a, p);
-  return p;
+  check_no_overlap(t, name);
 }
 
+std::vector<int64_t> state_shape(const Plan& plan, std::initializer_list<int64_t> leading) {
+  std::vector<int64_t> shape(leading);
+  shape.push_back(plan.num_heads);
+  if (plan.state_layout == FKDA_STATE_LAYOUT_VK) {
+    shape.push_back(plan.head_dim_v);
+    shape.push_back(plan.head_dim_k);
+  } else {
+    shape.push_back(plan.head_dim_k);
+    shape.push_back(plan.head_dim_v);
+  }
+  return shape;
+}
+
+void check_shape(const fkda_tensor& t, const char* name, const std::vector<int64_t>& shape) {
+  bool ok = t.rank == int32_t(shape.size());
+  for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] == kAny || t.shape[i] == shape[i];
+  if (ok) return;
+  std::string want = "[";
+  for (size_t i = 0; i < shape.size(); ++i) want += (i ? ", " : "") + (shape[i] == kAny ? "*" : str(shape[i]));
+  invalid(std::string(name) + ": expected shape " + want + "], got " + join(t.shape, t.rank));
+}
+
+PoolView check_pool(const Plan& plan, const fkda_tensor& t, const char* name) {
+  if (present(t) && t.dtype != plan.state_dtype) {
+    invalid(std::string(name) + ": expected dtype " + dtype_name(plan.state_dtype) +
+            " (the plan's state_dtype), got " + dtype_name(t.dtype));
+  }
+  check_tensor(t, name, {plan.state_dtype}, {kAny, kAny, kAny, kAny}, Strides::kRows);
+  check_shape(t, name, state_shape(plan, {kAny}));
+  check_packed_from(t, name, 1);
+  return PoolView{t.data, t.shape[0], used_stride(t, 0)};
+}
+
+IndexView index_view(const fkda_tensor& t) {
+  IndexView view;
+  if (!present(t)) return view;
+  view.data = t.data;
+  view.dtype = t.dtype;
+  view.rows = t.shape[0];
+  view.cols = t.rank == 2 ? t.shape[1] : 1;
+  view.stride_row = used_stride(t, 0);
+  view.stride_col = t.rank == 2 ? used_stride(t, 1) : 0;
+  return view;
+}
+
+IndexView check_indices(const fkda_tensor& t, const char* name, int64_t rows, int64_t cols, bool allow_bool) {
+  const std::initializer_list<int32_t> integers = {FKDA_DTYPE_I32, FKDA_DTYPE_I64};
+  const std::initializer_list<int32_t> flags = {FKDA_DTYPE_BOOL, FKDA_DTYPE_I32, FKDA_DTYPE_I64};
+  if (cols == 0) {
+    check_tensor(t, name, allow_bool ? flags : integers, {rows}, Strides::kFree);
+  } else {
+    check_tensor(t, name, allow_bool ? flags : integers, {rows, cols}, Strides::kFree);
+  }
+  return index_view(t);
+}
+
+void check_gpu_rows(const Plan& plan, const std::vector<Named>& tensors) {
+  if (plan.backend != FKDA_BACKEND_GPU) return;
+  for (const Named& t : tensors)
+    if (present(*t.tensor) && !is_empty(*t.tensor)) check_gpu_alignment(*t.tensor, t.name);
+}
+
+// check_tensor has bounded the span, so nothing here overflows.
+Operand Operand::tensor(const fkda_tensor& t, const char* name, bool written) {
+  Operand o{name, 0, 0, written};
+  if (!present(t) || is_empty(t)) return o;
+  int64_t last = 0;
+  for (int32_t i = 0; i < t.rank; ++i) last += (t.shape[i] - 1) * used_stride(t, i);
+  o.first = reinterpret_cast<uintptr_t>(t.data);
+  o.last = o.first + uintptr_t(last + 1) * uintptr_t(element_bytes(t.dtype));
+  return o;
+}
+
+Operand Operand::bytes(const void* data, size_t size, const char* name, bool written) {
+  Operand o{name, 0, 0, written};
+  if (data == nullptr || size == 0) return o;
+  o.first = reinterpret_cast<uintptr_t>(data);
+  o.last = size > std::numeric_limits<uintptr_t>::max() - o.first ? std::numeric_limits<uintptr_t>::max()
+                                                                   : o.first + size;
+  return o;
+}
+
+// Spans, not elements: two views that interleave without sharing an
+// element are refused too. No caller needs an output threaded through the
+// gaps of another argument, and the span test has no blind spot.
+void check_no_shared_memory(const std::vector<Operand>& operands,
+                            std::initializer_list<std::pair<const char*, const char*>> in_place) {
+  auto may_be_same = [&](const Operand& a, const Operand& b) {
+    for (const auto& [read, written] : in_place) {
+      if ((std::strcmp(a.name, read) == 0 && std::strcmp(b.name, written) == 0) ||
+          (std::strcmp(a.name, written) == 0 && std::strcmp(b.name, read) == 0)) {
+        return true;
+      }
+    }
+    return false;
+  };
+  for (size_t j = 0; j < operands.size(); ++j) {
+    const Operand& b = operands[j];
+    if (b.first == b.last) continue;
+    for (size_t i = 0; i < j; ++i) {
+      const Operand& a = operands[i];
+      if (a.first == a.last || !(a.written || b.written)) continue;
+      if (!(a.first < b.last && b.first < a.last)) continue;
+      const bool identical = a.first == b.first && a.last == b.last;
+      const Operand& named = b.written ? b : a;
+      const Operand& other = b.written ? a : b;
+      if (may_be_same(a, b)) {
+        if (identical) continue;
+        invalid(std::string(named.name) + ": partly overlaps " + other.name +
+                "; the two may be the very same memory (updated in place) or disjoint, nothing between");
+      }
+      invalid(std::string(named.name) + ": overlaps " + other.name + "; memory a call writes must not be " +
+              "shared with any other argument");
+    }
+  }
+}
+
+}  // namespace checks
 }  // namespace fkda

@@ -1,0 +1,70 @@
+// Chunk-parallel prefill (FKDA_CHUNK_PARALLEL, FKDA_SEGMENT_CHUNKS): sequences
+// cut into segments whose transitions are scanned, then run from their
+// incoming states. Segment boundaries inside and at the ends of chunks and
+// sequences, varlen batches that mix short and long sequences, states of
+// every dtype and layout, windows, the automatic choice, and the slow-decay
+// inputs that make a wrong incoming state show. Every case goes through
+// check_case: fp64 targets, the CPU backend, every output written, nothing
+// outside the views touched, the launch report.
+#include <catch2/catch.hpp>
+
+#include <string>
+#include <vector>
+
+#include "prefill_harness.h"
+
+using namespace fkda_test;
+
+TEST_CASE("chunk-parallel: segment boundaries inside and at the ends of chunks and sequences",
+          "[gpu][segments][sanitize]") {
+  // Lengths of 0 to 1000 tokens: sequences of one segment, sequences that end
+  // exactly at a segment boundary (48 = 3 chunks), one token past it, and
+  // partial last chunks.
+  const std::vector<int64_t> lengths = {0, 1, 15, 16, 17, 48, 49, 0, 300, 129, 64, 47, 1000};
+  for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+    for (fkda_state_layout layout : {FKDA_STATE_LAYOUT_VK, FKDA_STATE_LAYOUT_KV}) {
+      const Case base = slowly_decaying(with_state(varlen("varlen", lengths, 2, 301 + dtype + 7 * layout), dtype,
+                                                   layout, true, true));
+      for (int64_t chunks : {1, 3, 7}) check_case(in_segments(base, chunks));
+    }
+  }
+}
+
+TEST_CASE("chunk-parallel: every presence of initial and final state", "[gpu][segments]") {
+  for (int presence = 0; presence < 4; ++presence) {
+    Case c = with_state(batched("presence", 2, 333, 2, 401 + presence), FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK,
+                        presence & 1, presence & 2);
+    c.name += " initial=" + std::to_string(presence & 1) + " final=" + std::to_string((presence >> 1) & 1);
+    check_case(in_segments(slowly_decaying(c), 4));
+  }
+}
+
+TEST_CASE("chunk-parallel: long sequences, slow decays, against the serial path", "[gpu][segments]") {
+  // One sequence of 4096 tokens in segments of 1 to 256 chunks, and the
+  // automatic choice, each within the targets; the serial run beside them.
+  Case c = slowly_decaying(with_state(batched("long", 1, 4096, 2, 501), FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK,
+                                      true, true));
+  Case serial = c;
+  serial.chunk_parallel = FKDA_CHUNK_PARALLEL_OFF;
+  serial.name += " serial";
+  check_case(serial);
+  for (int64_t chunks : {1, 16, 61, 256}) check_case(in_segments(c, chunks));
+  Case automatic = c;
+  automatic.chunk_parallel = FKDA_CHUNK_PARALLEL_AUTO;
+  automatic.segment_chunks = 0;
+  automatic.name += " automatic";
+  const Checked checked = check_case(automatic);
+  CHECK(checked.launch.chunk_parallel == 1);  // one sequence of 256 chunks and 2 heads: worth cutting
+}
+
+TEST_CASE("chunk-parallel: windows cut through segments", "[gpu][segments][window]") {
+  const std::vector<int64_t> lengths = {700, 0, 33, 1200, 16};
+  for (int64_t window_slots : {7, 50}) {
+    Case c = slowly_decaying(
+        with_state(varlen("windows of " + std::to_string(window_slots), lengths, 3, 601), FKDA_DTYPE_F32,
+                   FKDA_STATE_LAYOUT_KV, true, true));
+    c.window_slots = window_slots;
+    const Checked checked = check_case(in_segments(c, 3));
+    CHECK(checked.launch.windows > 1);
+  }
+}

@@ -1,0 +1,318 @@
+// SPDX-License-Identifier: MIT
+/*
+ * Runs with the stub libcuda.so.1 on the library path (LD_LIBRARY_PATH) and
+ * checks what only a driver can show, one mode per process (the library
+ * loads the driver once):
+ *   stub_checks cpu_only       CPU plans never load or initialise the driver
+ *   stub_checks cpu_resident   ... nor initialise one the process loaded; once
+ *                              the process has run cuInit, CPU plans do check
+ *                              where their memory lives
+ *   stub_checks tuning         a plan's launch tuning is read once, at its
+ *                              creation, and is what the launch uses
+ *   stub_checks no_partial     a kernel that fails to resolve fails the call
+ *                              before any launch of it
+ * The stub reports every pointer as device memory and runs no kernel, so the
+ * GPU calls here only reach the launches, which the stub counts.
+ */
+#include <flashkda.h>
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int failures = 0;
+
+static void expect(int condition, const char* what) {
+  if (!condition) {
+    fprintf(stderr, "FAILED: %s (last error: \"%s\")\n", what, fkda_last_error());
+    ++failures;
+  }
+}
+
+static void expect_in(const char* text, const char* part) {
+  if (strstr(text, part) == NULL) {
+    fprintf(stderr, "FAILED: message lacks \"%s\":\n  %s\n", part, text);
+    ++failures;
+  }
+}
+
+static fkda_tensor packed(void* data, int32_t dtype, int rank, const int64_t* shape) {
+  fkda_tensor x = FKDA_TENSOR_NONE;
+  x.data = data;
+  x.dtype = dtype;
+  x.rank = rank;
+  int64_t stride = 1;
+  for (int i = rank - 1; i >= 0; --i) {
+    x.shape[i] = shape[i];
+    x.strides[i] = stride;
+    stride *= shape[i];
+  }
+  return x;
+}
+
+enum { H = 2, K = 128 };
+
+/* Zeroed host memory for a forward call of B rows of T tokens (16-byte
+ * aligned everywhere, so that GPU plans on the stub accept it too). */
+struct Call {
+  void* memory;
+  fkda_fwd_args args;
+};
+
+static struct Call forward_call(int64_t B, int64_t T) {
+  struct Call c;
+  const size_t act = (size_t)(B * T * H * K) * 2;
+  const size_t bytes = 5 * act + (size_t)(B * T * H) * 2 + 64 + (size_t)(H * K) * 4;
+  c.memory = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+  memset(c.memory, 0, bytes);
+  char* at = c.memory;
+  const int64_t act_shape[4] = {B, T, H, K};
+  const int64_t beta_shape[3] = {B, T, H};
+  const int64_t dt_shape[2] = {H, K};
+  fkda_fwd_args a = FKDA_FWD_ARGS_INIT;
+  a.q = packed(at, FKDA_DTYPE_BF16, 4, act_shape);
+  a.k = packed(at + act, FKDA_DTYPE_BF16, 4, act_shape);
+  a.v = packed(at + 2 * act, FKDA_DTYPE_BF16, 4, act_shape);
+  a.g = packed(at + 3 * act, FKDA_DTYPE_BF16, 4, act_shape);
+  a.out = packed(at + 4 * act, FKDA_DTYPE_BF16, 4, act_shape);
+  a.beta = packed(at + 5 * act, FKDA_DTYPE_BF16, 3, beta_shape);
+  a.dt_bias = packed(at + (5 * act + (size_t)(B * T * H) * 2 + 63) / 64 * 64, FKDA_DTYPE_F32, 2, dt_shape);
+  c.args = a;
+  return c;
+}
+
+static fkda_plan_t make_plan(fkda_backend backend, const fkda_plan_desc* base) {
+  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+  if (base != NULL) desc = *base;
+  desc.num_heads = H;
+  desc.backend = backend;
+  fkda_plan_t plan = NULL;
+  if (fkda_plan_create(&desc, &plan) != FKDA_SUCCESS) {
+    fprintf(stderr, "FAILED: fkda_plan_create: %s\n", fkda_last_error());
+    ++failures;
+  }
+  return plan;
+}
+
+static fkda_status run_forward(fkda_plan_t plan, int64_t B, int64_t T) {
+  struct Call c = forward_call(B, T);
+  size_t bytes = 0;
+  fkda_status status = fkda_plan_workspace_size(plan, B * T, B, &bytes);
+  if (status == FKDA_SUCCESS) {
+    void* workspace = aligned_alloc(64, bytes / 64 * 64 + 64);
+    status = fkda_fwd(plan, &c.args, workspace, bytes, NULL);
+    free(workspace);
+  }
+  free(c.memory);
+  return status;
+}
+
+/* fkda_decode of one token per sequence on a pool of two slots. */
+static fkda_status run_decode(fkda_plan_t plan) {
+  struct Call c = forward_call(1, 1);
+  const int64_t pool_shape[4] = {2, H, K, K};
+  const int64_t index_shape[1] = {1};
+  float* pool = calloc(2 * H * K * K, sizeof(float));
+  int32_t index = 1;
+  fkda_decode_args d = FKDA_DECODE_ARGS_INIT;
+  d.q = c.args.q;
+  d.k = c.args.k;
+  d.v = c.args.v;
+  d.g = c.args.g;
+  d.beta = c.args.beta;
+  d.dt_bias = c.args.dt_bias;
+  d.out = c.args.out;
+  d.state_pool = packed(pool, FKDA_DTYPE_F32, 4, pool_shape);
+  d.state_indices = packed(&index, FKDA_DTYPE_I32, 1, index_shape);
+  size_t bytes = 0;
+  fkda_status status = fkda_plan_decode_workspace_size(plan, 1, 1, &bytes);
+  if (status == FKDA_SUCCESS) status = fkda_decode(plan, &d, NULL, 0, NULL);
+  free(pool);
+  free(c.memory);
+  return status;
+}
+
+static int libcuda_resident(void) {
+  void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (handle == NULL) return 0;
+  dlclose(handle);
+  return 1;
+}
+
+static int stub_counter(void* stub, const char* name) {
+  int (*counter)(void) = (int (*)(void))dlsym(stub, name);
+  if (counter == NULL) {
+    fprintf(stderr, "FAILED: the stub driver lacks %s\n", name);
+    ++failures;
+    return -1;
+  }
+  return counter();
+}
+
+static void cpu_only(void) {
+  fkda_plan_t plan = make_plan(FKDA_BACKEND_CPU, NULL);
+  expect(run_forward(plan, 1, 32) == FKDA_SUCCESS, "fkda_fwd on a CPU plan");
+  expect(run_decode(plan) == FKDA_SUCCESS, "fkda_decode on a CPU plan");
+  fkda_plan_destroy(plan);
+  expect(!libcuda_resident(), "CPU plans leave libcuda.so.1 unloaded");
+}
+
+typedef int (*get_proc_t)(const char*, void**, int, unsigned long long, int*);
+
+static void cpu_resident(void) {
+  void* stub = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (stub == NULL) {
+    fprintf(stderr, "FAILED: no libcuda.so.1 on the library path: %s\n", dlerror());
+    ++failures;
+    return;
+  }
+  fkda_plan_t plan = make_plan(FKDA_BACKEND_CPU, NULL);
+  expect(run_forward(plan, 1, 32) == FKDA_SUCCESS, "fkda_fwd on a CPU plan, driver loaded, not initialised");
+  expect(run_decode(plan) == FKDA_SUCCESS, "fkda_decode on a CPU plan, driver loaded, not initialised");
+  expect(stub_counter(stub, "fkda_stub_inits") == 0, "CPU plans do not call cuInit");
+
+  /* The process starts CUDA itself: from now on device memory can exist,
+   * and the stub calls every pointer device memory. */
+  get_proc_t get_proc = (get_proc_t)dlsym(stub, "cuGetProcAddress_v2");
+  int (*init)(unsigned int) = NULL;
+  int found = 0;
+  expect(get_proc != NULL && get_proc("cuInit", (void**)&init, 12000, 0, &found) == 0 && init != NULL,
+         "cuInit from the stub");
+  if (init != NULL) init(0);
+  expect(run_forward(plan, 1, 32) == FKDA_ERROR_INVALID_ARGUMENT, "a CPU plan checks residency once CUDA runs");
+  expect_in(fkda_last_error(), "device memory passed to a CPU plan");
+  fkda_plan_destroy(plan);
+}
+
+static void tuning(void* stub) {
+  const int64_t B = 1, T = 160; /* 10 chunks, 12 chunk slots (fkda_num_chunk_slots) */
+  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+  fkda_plan_t plan = NULL;
+  unsetenv("FKDA_VSPLIT");
+  unsetenv("FKDA_WINDOW_SLOTS");
+
+  /* Read at creation, never again. */
+  setenv("FKDA_WINDOW_SLOTS", "1", 1);
+  fkda_plan_t one_slot = make_plan(FKDA_BACKEND_GPU, NULL);
+  unsetenv("FKDA_WINDOW_SLOTS");
+  fkda_plan_t automatic = make_plan(FKDA_BACKEND_GPU, NULL);
+  size_t one_slot_bytes = 0, automatic_bytes = 0;
+  expect(fkda_plan_workspace_size(one_slot, B * T, B, &one_slot_bytes) == FKDA_SUCCESS, "workspace size");
+  expect(fkda_plan_workspace_size(automatic, B * T, B, &automatic_bytes) == FKDA_SUCCESS, "workspace size");
+  /* 11 carries between 12 windows outweigh 11 slots of records. */
+  expect(one_slot_bytes > automatic_bytes, "FKDA_WINDOW_SLOTS=1 at creation: the workspace of 12 windows");
+  setenv("FKDA_WINDOW_SLOTS", "1", 1);
+  size_t later = 0;
+  expect(fkda_plan_workspace_size(automatic, B * T, B, &later) == FKDA_SUCCESS && later == automatic_bytes,
+         "FKDA_WINDOW_SLOTS set after creation changes nothing");
+  unsetenv("FKDA_WINDOW_SLOTS");
+  expect(fkda_plan_workspace_size(one_slot, B * T, B, &later) == FKDA_SUCCESS && later == one_slot_bytes,
+         "FKDA_WINDOW_SLOTS unset after creation changes nothing");
+
+  /* The launch follows the plan, whatever the environment says by then (the
+   * automatic V split of 2 heads on 132 multiprocessors is 8). */
+  setenv("FKDA_VSPLIT", "1", 1);
+  setenv("FKDA_WINDOW_SLOTS", "5", 1);
+  const int before = stub_counter(stub, "fkda_stub_launches");
+  expect(run_forward(one_slot, B, T) == FKDA_SUCCESS, "fkda_fwd on the stub device");
+  fkda_launch_report report = FKDA_LAUNCH_REPORT_INIT;
+  expect(fkda_plan_get_launch_report(one_slot, &report) == FKDA_SUCCESS, "launch report");
+  expect(report.slots_per_window == 1 && report.windows == 12, "one slot per window, 12 windows");
+  expect(report.vsplit == 8, "FKDA_VSPLIT set after creation is not used");
+  expect(report.chunk_parallel == 0 && report.segment_chunks == 0, "no chunk-parallel launch reported");
+  expect(stub_counter(stub, "fkda_stub_launches") - before == 24, "a preparation and a recurrence per window");
+  unsetenv("FKDA_VSPLIT");
+  unsetenv("FKDA_WINDOW_SLOTS");
+  fkda_plan_destroy(one_slot);
+  fkda_plan_destroy(automatic);
+
+  /* The desc's fields, ahead of the environment. */
+  setenv("FKDA_VSPLIT", "8", 1);
+  desc.vsplit = 2;
+  desc.window_slots = 4;
+  plan = make_plan(FKDA_BACKEND_GPU, &desc);
+  unsetenv("FKDA_VSPLIT");
+  expect(run_forward(plan, B, T) == FKDA_SUCCESS, "fkda_fwd with desc tuning");
+  expect(fkda_plan_get_launch_report(plan, &report) == FKDA_SUCCESS, "launch report");
+  expect(report.vsplit == 2 && report.slots_per_window == 4 && report.windows == 3, "desc.vsplit 2, window_slots 4");
+  fkda_plan_destroy(plan);
+
+  /* Bad values: rejected by fkda_plan_create, naming the field or variable. */
+  struct Bad {
+    const char* variable;
+    const char* value;
+  } bad_variables[] = {{"FKDA_VSPLIT", "3"},          {"FKDA_VSPLIT", "two"},
+                       {"FKDA_WINDOW_SLOTS", "0"},    {"FKDA_WINDOW_SLOTS", "7 slots"},
+                       {"FKDA_CHUNK_PARALLEL", "yes"}, {"FKDA_SEGMENT_CHUNKS", "-2"}};
+  for (size_t i = 0; i < sizeof bad_variables / sizeof bad_variables[0]; ++i) {
+    setenv(bad_variables[i].variable, bad_variables[i].value, 1);
+    fkda_plan_desc d = FKDA_PLAN_DESC_INIT;
+    d.num_heads = H;
+    d.backend = FKDA_BACKEND_CPU; /* read whatever the backend */
+    plan = NULL;
+    expect(fkda_plan_create(&d, &plan) == FKDA_ERROR_INVALID_ARGUMENT && plan == NULL, bad_variables[i].variable);
+    expect_in(fkda_last_error(), bad_variables[i].variable);
+    unsetenv(bad_variables[i].variable);
+  }
+  setenv("FKDA_CHUNK_PARALLEL", "off", 1);
+  plan = make_plan(FKDA_BACKEND_CPU, NULL);
+  fkda_plan_destroy(plan);
+  unsetenv("FKDA_CHUNK_PARALLEL");
+  for (int field = 0; field < 4; ++field) {
+    fkda_plan_desc d = FKDA_PLAN_DESC_INIT;
+    d.num_heads = H;
+    const char* names[] = {"desc.vsplit", "desc.chunk_parallel", "desc.window_slots", "desc.segment_chunks"};
+    if (field == 0) d.vsplit = 16;
+    if (field == 1) d.chunk_parallel = 3;
+    if (field == 2) d.window_slots = -1;
+    if (field == 3) d.segment_chunks = -1;
+    plan = NULL;
+    expect(fkda_plan_create(&d, &plan) == FKDA_ERROR_INVALID_ARGUMENT, names[field]);
+    expect_in(fkda_last_error(), names[field]);
+  }
+}
+
+static void no_partial(void* stub) {
+  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+  desc.window_slots = 1; /* many windows: many launch pairs */
+  fkda_plan_t plan = make_plan(FKDA_BACKEND_GPU, &desc);
+  const char* kernels[] = {"chunk_recurrence", "prepare_chunks"};
+  for (int i = 0; i < 2; ++i) {
+    setenv("FKDA_STUB_FAIL_KERNEL", kernels[i], 1);
+    const int before = stub_counter(stub, "fkda_stub_launches");
+    expect(run_forward(plan, 1, 64) == FKDA_ERROR_DRIVER, "a kernel that does not resolve: FKDA_ERROR_DRIVER");
+    expect_in(fkda_last_error(), kernels[i]);
+    expect(stub_counter(stub, "fkda_stub_launches") == before, "nothing launched before the failure");
+  }
+  unsetenv("FKDA_STUB_FAIL_KERNEL");
+  const int before = stub_counter(stub, "fkda_stub_launches");
+  expect(run_forward(plan, 1, 64) == FKDA_SUCCESS, "fkda_fwd once every kernel resolves");
+  expect(stub_counter(stub, "fkda_stub_launches") - before == 12, "6 windows, 2 launches each");
+  fkda_plan_destroy(plan);
+}
+
+int main(int argc, char** argv) {
+  const char* mode = argc > 1 ? argv[1] : "";
+  if (strcmp(mode, "cpu_only") == 0) {
+    cpu_only();
+  } else if (strcmp(mode, "cpu_resident") == 0) {
+    cpu_resident();
+  } else if (strcmp(mode, "tuning") == 0 || strcmp(mode, "no_partial") == 0) {
+    void* stub = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (stub == NULL) {
+      fprintf(stderr, "no libcuda.so.1 on the library path: %s\n", dlerror());
+      return 1;
+    }
+    if (strcmp(mode, "tuning") == 0) {
+      tuning(stub);
+    } else {
+      no_partial(stub);
+    }
+  } else {
+    fprintf(stderr, "usage: stub_checks cpu_only|cpu_resident|tuning|no_partial\n");
+    return 2;
+  }
+  if (failures == 0) printf("stub_checks %s: all checks passed\n", mode);
+  return failures == 0 ? 0 : 1;
+}
