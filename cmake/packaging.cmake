@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # Packages of this build:
 #   cmake --build <build> --target debs   libflashkda<ABI> and libflashkda-dev
 #                                         (scripts/make-debs.sh) in <build>/packages

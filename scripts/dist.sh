@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # Every release artefact, from the release build (scripts/release-build.sh:
 # kernels assembled by CUDA 12.9's ptxas, so any CUDA 12 driver loads them),
 # into one folder:

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # The GPU check, run on a machine with an NVIDIA GPU against a build made
 # elsewhere (or here): the [gpu] tests, reruns under forced V splits and
 # window sizes, compute-sanitizer (memcheck, racecheck, synccheck) on the

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # Installs what the build and the tests need beyond the CUDA toolkit: Debian
 # packages through apt, and every PyPI package into the project's own virtual
 # environment .tools/ (git-ignored), never into a system Python. The binding

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # Assembles libflashkda<ABI> and libflashkda-dev (.deb) from a configured and
 # built tree's deb_runtime and deb_dev install components:
 #

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # The plain install tree of a configured and built tree (its runtime and dev
 # components: CMAKE_INSTALL_LIBDIR, the .pc file that finds its prefix from
 # its own location) as one archive, for RPM distributions or a private prefix:

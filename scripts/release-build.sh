@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # The release build: kernels whose machine code CUDA 12.9's ptxas assembled,
 # so that every CUDA 12 driver (r525 and later) loads them, not only the CUDA
 # 13 drivers (r580 and later) that this machine's CUDA 13 toolkit promises.

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Builds a manylinux wheel of the `flashkda` package with libflashkda bundled inside.
 
     .tools/bin/python bindings/python/build_wheel.py --library build/libflashkda.so.0 --out dist/

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Prints what fkda_get_build_info of the library named on the command line
  * reports. The library is opened by path, so that no other copy on the
  * loader's search path can answer in its place. */

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # The release artefacts in DIST (scripts/dist.sh): the library inside the
 # runtime .deb, the .tar.gz and the wheel must each report CUDA_VERSION and
 # MIN_DRIVER_VERSION through fkda_get_build_info, with sm_80 and sm_90a

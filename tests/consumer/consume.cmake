@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # fkda_consume(PREFIX LIBDIR WORK_DIR [SYSROOT]): configures, builds and runs
 # tests/consumer against the flashkda found under PREFIX alone, once through
 # its CMake package and once through pkg-config's file in LIBDIR/pkgconfig.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # lintian on both .debs of scripts/make-debs.sh: the test fails on any error
 # or warning; what the project accepts is overridden, each override with its
 # reason, in cmake/debian/*.lintian-overrides (shipped in the packages).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # The packages of the build: the .debs of scripts/make-debs.sh (fields,
 # contents, control files, the stripped library and its debug file), installed
 # with dpkg into a scratch root where tests/consumer is built through

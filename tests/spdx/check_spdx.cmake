@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # Every tracked source file (C, C++, CUDA, CMake, Python, Rust, Julia, shell,
 # and anything starting with #!) carries "SPDX-License-Identifier: MIT" in its
 # first five lines, so a file added later without it fails here by name.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The wheel: it bundles libflashkda, installs offline into a fresh venv and
 runs a forward pass there with nothing but the bundled library, whose
 results follow the fp64 recurrence."""
