@@ -92,9 +92,7 @@ void check_gpu_rows(const Plan& plan, std::initializer_list<std::pair<const fkda
 TransitionProblem validate_transitions(const Plan& plan, const fkda_transition_args* args, const void* workspace,
                                        size_t workspace_bytes) {
   if (args == nullptr) invalid("args: NULL");
-  // Its first published size is its current one.
-  const fkda_transition_args a = read_versioned(*args, fkda_transition_args FKDA_TRANSITION_ARGS_INIT,
-                                                sizeof(fkda_transition_args), "args", "FKDA_TRANSITION_ARGS_INIT");
+  const fkda_transition_args a = read_versioned(args, "args");
   const int64_t H = plan.num_heads, K = plan.head_dim_k, V = plan.head_dim_v;
   // k fixes B and T, as q does in fkda_fwd.
   check_tensor(a.k, "k", {FKDA_DTYPE_BF16}, {kAny, kAny, kAny, kAny}, Strides::kRows);
@@ -166,9 +164,7 @@ TransitionProblem validate_transitions(const Plan& plan, const fkda_transition_a
 ApplyProblem validate_apply(const Plan& plan, const fkda_apply_args* args, const void* workspace,
                             size_t workspace_bytes) {
   if (args == nullptr) invalid("args: NULL");
-  // Its first published size is its current one.
-  const fkda_apply_args a = read_versioned(*args, fkda_apply_args FKDA_APPLY_ARGS_INIT, sizeof(fkda_apply_args),
-                                           "args", "FKDA_APPLY_ARGS_INIT");
+  const fkda_apply_args a = read_versioned(args, "args");
   const int64_t H = plan.num_heads, K = plan.head_dim_k, V = plan.head_dim_v;
   const bool vk = plan.state_layout == FKDA_STATE_LAYOUT_VK;
   // transition_m fixes R and N.

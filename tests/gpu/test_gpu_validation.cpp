@@ -134,7 +134,7 @@ TEST_CASE("launch tuning is read at plan creation; bad values are errors naming 
                          Bad{"FKDA_CHUNK_PARALLEL", "1"}, Bad{"FKDA_SEGMENT_CHUNKS", "0"}}) {
     CAPTURE(bad.variable, bad.value);
     const fkda_test::Tuning automatic(0, 0);
-    fkda_test::ScopedEnv chunk_parallel("FKDA_CHUNK_PARALLEL", 0), segment_chunks("FKDA_SEGMENT_CHUNKS", 0);
+    fkda_test::ScopedEnv chunk_parallel("FKDA_CHUNK_PARALLEL", int64_t{0}), segment_chunks("FKDA_SEGMENT_CHUNKS", int64_t{0});
     REQUIRE(setenv(bad.variable, bad.value, 1) == 0);
     const fkda_plan_desc desc = fkda_ref::plan_desc(kH, -5.0f, FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK);
     fkda_plan_t plan = nullptr;

@@ -32,7 +32,7 @@ fkda::PrefillProblem problem_of(int64_t tokens, int32_t heads) {
 TEST_CASE("a CPU workspace of exactly the size asked for gets every worker it was sized for", "[internal]") {
   // 4 chunks in each of 32 heads: 128 chunks of work.
   const fkda::PrefillProblem p = problem_of(64, 32);
-  const size_t bytes = fkda::cpu::workspace_size(64, 1, 32, 128, 128);
+  const size_t bytes = fkda::cpu::workspace_size(64, 1, 32, 128, 128, fkda::Tuning{});
   const int64_t workers = fkda::cpu::fwd_workers(p, bytes);
   CHECK(workers == fkda::cpu::prefill_workers(64, 1, 32));
   if (std::thread::hardware_concurrency() > 1) {
