@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "accuracy.h"
 
 #include <cstring>

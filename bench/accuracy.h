@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // Accuracy mode: the accuracy and long-memory cases against the fp64
 // token-by-token recurrence, for bf16 and f32 state.
 #pragma once

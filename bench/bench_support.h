@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // Error handling for fkda-bench: every cudart and fkda_* call goes through a
 // check that turns a failure into an exception carrying the call, the error
 // and fkda_last_error(), caught once in main(). The owners of plans, device

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // The benchmark cases: the prefill table of docs/BENCHMARKS.md with the
 // peers' figures, the accuracy cases and their targets, and cases read from
 // a JSON file.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // fkda-bench: times libflashkda's prefill, decode and pool cases (or custom
 // prefill shapes), prints the peers' figures beside ours, checks accuracy
 // against the fp64 recurrence, and writes the results as JSON.

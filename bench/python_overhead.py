@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """What the Python binding adds to the kernel, per case, on one GPU with torch.
 
 For each case: fkda-bench's median (the C call alone), then the module

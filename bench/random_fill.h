@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // Fast host-side random inputs for the timing cases. The largest case moves
 // about 1 GB of activations per input set, so the fill runs on every hardware
 // thread and uses a counter-based generator: the values depend only on the

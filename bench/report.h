@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // Human-readable tables for fkda-bench.
 #pragma once
 

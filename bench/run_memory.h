@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // The buffers of one run, in device memory or (for --cpu runs) in host
 // memory, behind the same calls, so that a case is set up and checked by one
 // piece of code on either backend.

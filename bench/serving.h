@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // The serving cases: decode and speculative verify (fkda_decode) and prefill
 // on a state pool (fkda_fwd with state_pool), timed on the GPU or, with
 // --cpu, run once on the CPU backend and checked.

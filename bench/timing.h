@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // Timing of one prefill case on the GPU.
 #pragma once
 

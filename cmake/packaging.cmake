@@ -1,32 +1,60 @@
-# `cpack` in the build folder: libflashkda0 and libflashkda-dev as .debs (one
-# per install component) and a .tar.gz of the whole install tree.
-set(CPACK_GENERATOR "DEB;TGZ")
-set(CPACK_PACKAGE_NAME flashkda)
-set(CPACK_PACKAGE_VERSION ${PROJECT_VERSION})
-set(CPACK_PACKAGE_VENDOR libflashkda)
-set(CPACK_PACKAGE_CONTACT "libflashkda maintainers <libflashkda@localhost>")
-set(CPACK_PACKAGE_DESCRIPTION_SUMMARY "Kimi Delta Attention forward passes on NVIDIA GPUs behind a stable C ABI")
-set(CPACK_PACKAGE_HOMEPAGE_URL "")
-set(CPACK_COMPONENTS_ALL runtime dev)
-set(CPACK_ARCHIVE_COMPONENT_INSTALL OFF)
+# SPDX-License-Identifier: MIT
+# Packages of this build:
+#   cmake --build <build> --target debs   libflashkda<ABI> and libflashkda-dev
+#                                         (scripts/make-debs.sh) in <build>/packages
+#   cmake --build <build> --target tgz    flashkda-<version>-Linux.tar.gz
+#                                         (scripts/make-tgz.sh) in <build>/packages
+# scripts/dist.sh makes them and the wheel from the release build, into dist/.
+#
+# No CPack: its DEB generator writes postinst/postrm scripts that call
+# ldconfig (Debian wants a trigger), counts the SONAME link's target twice in
+# Installed-Size and has no place for a symbols file of our making; and every
+# cpack run builds all targets first (its preinstall step), tests included.
 
-# DEB installs under /usr (its default prefix); the archive holds a bare tree.
-set(CPACK_DEB_COMPONENT_INSTALL ON)
-set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)
-set(CPACK_DEBIAN_RUNTIME_PACKAGE_NAME libflashkda${FKDA_ABI_VERSION})
-set(CPACK_DEBIAN_RUNTIME_PACKAGE_SECTION libs)
-# The glibc floor the library is held to; libgcc_s for the unwinder (its
-# package is libgcc1 before Debian 11 and Ubuntu 20.04). No CUDA package:
-# the driver is found at run time, and CPU plans need none.
-set(CPACK_DEBIAN_RUNTIME_PACKAGE_DEPENDS "libc6 (>= ${FKDA_GLIBC_FLOOR}), libgcc-s1 | libgcc1")
-set(CPACK_COMPONENT_RUNTIME_DESCRIPTION "libflashkda.so.${FKDA_ABI_VERSION}: kernels for sm_80 and sm_90 embedded in one shared
-library that finds the CUDA driver at run time, plus a CPU reference backend.")
-# A shlibs file for packages linking against it, and the ldconfig trigger.
-set(CPACK_DEBIAN_PACKAGE_GENERATE_SHLIBS ON)
-set(CPACK_DEBIAN_PACKAGE_GENERATE_SHLIBS_POLICY ">=")
-set(CPACK_DEBIAN_DEV_PACKAGE_NAME libflashkda-dev)
-set(CPACK_DEBIAN_DEV_PACKAGE_SECTION libdevel)
-set(CPACK_DEBIAN_DEV_PACKAGE_DEPENDS "libflashkda${FKDA_ABI_VERSION} (= ${PROJECT_VERSION})")
-set(CPACK_COMPONENT_DEV_DESCRIPTION "Development files: flashkda.h, the libflashkda.so link, the CMake
-package (find_package(flashkda)) and flashkda.pc for pkg-config.")
-include(CPack)
+# Debian's own tools read DEBFULLNAME and DEBEMAIL; the default is a
+# placeholder a distribution replaces with its maintainer.
+if(DEFINED ENV{DEBEMAIL} AND DEFINED ENV{DEBFULLNAME})
+  set(fkda_default_maintainer "$ENV{DEBFULLNAME} <$ENV{DEBEMAIL}>")
+else()
+  set(fkda_default_maintainer "libflashkda packagers <packagers@libflashkda.org>")
+endif()
+set(FKDA_DEB_MAINTAINER "${fkda_default_maintainer}" CACHE STRING
+    "Maintainer field of the .debs and their changelog (Name <address>)")
+set(FKDA_DEB_REVISION 1 CACHE STRING "Debian revision of the .debs (their version is <version>-<revision>)")
+# The multiarch triplet names the library directory (/usr/lib/<triplet>), so
+# that the packages of two architectures install side by side (Multi-Arch: same).
+if(CMAKE_LIBRARY_ARCHITECTURE)
+  set(fkda_default_multiarch ${CMAKE_LIBRARY_ARCHITECTURE})
+else()
+  set(fkda_default_multiarch ${CMAKE_SYSTEM_PROCESSOR}-linux-gnu)
+endif()
+set(FKDA_DEB_MULTIARCH ${fkda_default_multiarch} CACHE STRING
+    "multiarch triplet of the .debs' library directory, /usr/lib/<triplet>")
+set(FKDA_DEB_LIBDIR lib/${FKDA_DEB_MULTIARCH})
+fkda_install_tree(deb_runtime deb_dev ${FKDA_DEB_LIBDIR} /usr)
+
+set(FKDA_PACKAGE_SUMMARY "Kimi Delta Attention forward passes on NVIDIA GPUs behind a stable C ABI")
+# What scripts/make-debs.sh and scripts/make-tgz.sh need to know of this configuration.
+file(CONFIGURE OUTPUT ${CMAKE_CURRENT_BINARY_DIR}/packaging/config.sh CONTENT [[
+source_dir='@PROJECT_SOURCE_DIR@'
+version='@PROJECT_VERSION@'
+revision='@FKDA_DEB_REVISION@'
+abi='@FKDA_ABI_VERSION@'
+maintainer='@FKDA_DEB_MAINTAINER@'
+libdir='@FKDA_DEB_LIBDIR@'
+glibc_floor='@FKDA_GLIBC_FLOOR@'
+summary='@FKDA_PACKAGE_SUMMARY@'
+objcopy='@CMAKE_OBJCOPY@'
+readelf='@CMAKE_READELF@'
+]] @ONLY)
+add_custom_target(debs
+  COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/make-debs.sh ${CMAKE_CURRENT_BINARY_DIR} ${CMAKE_CURRENT_BINARY_DIR}/packages
+  DEPENDS flashkda
+  COMMENT "libflashkda${FKDA_ABI_VERSION} and libflashkda-dev .debs in ${CMAKE_CURRENT_BINARY_DIR}/packages"
+  VERBATIM)
+add_custom_target(tgz
+  COMMAND bash ${PROJECT_SOURCE_DIR}/scripts/make-tgz.sh ${CMAKE_CURRENT_BINARY_DIR} ${CMAKE_CURRENT_BINARY_DIR}/packages
+  DEPENDS flashkda
+  COMMENT "flashkda-${PROJECT_VERSION}-Linux.tar.gz in ${CMAKE_CURRENT_BINARY_DIR}/packages"
+  VERBATIM)
+install(FILES LICENSE DESTINATION ${CMAKE_INSTALL_DATADIR}/doc/flashkda COMPONENT runtime)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # The kernels' fatbin from three tools instead of one nvcc: NVCC's front end
 # writes PTX, PTXAS (of another CUDA release) assembles the machine code, and
 # FATBINARY packs it. This is how a build gets machine code of a CUDA 12

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // fkda-demo: one Kimi Delta Attention prefill through libflashkda's C ABI.
 //
 // Three packed sequences of 300, 77 and 700 tokens over 4 heads, with an

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """One KDA layer served the way an inference runtime drives it.
 
 Three requests share a state pool [slots, H, 128, 128] (f32, slot 0 reserved

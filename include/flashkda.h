@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * flashkda.h - the public C ABI of libflashkda.
  *

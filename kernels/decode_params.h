@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Parameters of the decode kernel (kernels/decode_recurrence.cuh), shared
  * with its launch code in src/gpu/gpu_decode.cpp. Plain C like
  * prefill_params.h, whose activation views and head size it reuses; passed by

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The decode kernel: the token-by-token recurrence for 1 to 16 tokens per
 // sequence, on states kept in a pool and updated in place.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Device primitives shared by the prefill and decode kernels: the
 // conversions whose rounding docs/NUMERICS.md fixes, warp-level matrix
 // products (mma.sync m16n8k16 and m16n8k8, the same instructions on sm_80 and

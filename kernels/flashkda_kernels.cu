@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The single nvcc translation unit of libflashkda: every kernel, compiled into
 // one fatbin (sm_80 and sm_90a machine code, compute_90 PTX) that the library
 // embeds and loads through the driver. Kernels are looked up by their

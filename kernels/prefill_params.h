@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Parameters of the prefill kernels, shared by the launch code in
  * src/gpu/gpu_backend.cpp and the device code in kernels/. Plain C with fixed-width
  * types and no CUDA types, so that host translation units include it as is.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Kernel 1 of the prefill: the token-parallel preparation of every chunk.
 //
 // What it computes, per (chunk slot, head), as the CPU backend would

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Kernel 2 of the prefill: the recurrence over the chunks of each sequence.
 //
 // What it computes, per (sequence n, head h), as the CPU backend would

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The scan of chunk-parallel prefill, and fkda_apply_transitions.
 //
 // A segment maps the state entering it affinely, S_out = S_in M + E

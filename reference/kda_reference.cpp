@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The accuracy reference. It shares no code with the library on purpose: it
 // runs the recurrence of docs/ARCHITECTURE.md (section 1) token by token in
 // fp64, with its own bf16/f16 conversions, so that a mistake in the backends cannot hide in a helper both use.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // Host-side support shared by the tests, fkda-demo and fkda-bench: random
 // KDA problems, bf16 conversions, the fp64 token-by-token recurrence (the
 // accuracy reference, docs/ARCHITECTURE.md section 1), and fkda_tensor builders.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // Owners of what the tests, fkda-bench and fkda-demo acquire: an fkda plan
 // and, for programs built with the CUDA runtime, device memory and a stream.
 // Each releases what it holds when it goes out of scope, so an early return

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # Builds the library and runs fkda-demo: the forward pass on an embedded
 # case, on the GPU when one is usable, else on the CPU backend.
 set -euo pipefail

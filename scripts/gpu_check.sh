@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # The GPU check, run on a machine with an NVIDIA GPU against a build made
 # elsewhere (or here): the [gpu] tests, reruns under forced V splits and
 # window sizes, compute-sanitizer (memcheck, racecheck, synccheck) on the
@@ -10,6 +11,9 @@
 #   info tests vsplit window memcheck racecheck synccheck sm80_ptx
 #   serving bench bench_f32 timing accuracy demo python sweep profile
 #   build_info (the build's CUDA version and driver floor against the driver)
+#   packaged (the release artefacts of scripts/dist.sh in $DIST, default dist:
+#   the [gpu] tests on the .deb's library, flashkda.fwd on CUDA tensors from
+#   the wheel; BUILD_DIR is the release build, for its fkda_gpu_tests)
 # sm80_ptx runs the [gpu] tests of a second build whose fatbin holds only
 # compute_80 PTX (the driver compiles it for this GPU, so the sm_80 code
 # runs); it lives in $SM80_PTX_BUILD (default build-sm80-ptx), made with
@@ -28,6 +32,10 @@ sm80_build=${SM80_PTX_BUILD:-build-sm80-ptx}
 out=${OUT:-$PWD/gpu-check-logs}
 mkdir -p "$out"
 export PATH="$PATH:/usr/local/cuda/bin"
+# The project's virtual environment (scripts/install-deps.sh) where there is
+# one, else the python3 on PATH (a GPU machine with its own torch).
+python=python3
+[ -x "$PWD/.tools/bin/python" ] && python="$PWD/.tools/bin/python"
 tests="$build/tests/fkda_gpu_tests"
 summary="$out/summary.txt"
 : >"$summary"
@@ -160,7 +168,7 @@ for s in $steps; do
       # driver must be at or above the build's floor and a GPU plan must work
       # (compare scripts/release-build.sh's build with the default one).
       step build_info 60 "$out/build_info.log" env PYTHONPATH="$PWD/bindings/python" \
-        FLASHKDA_LIBRARY="$PWD/$build/libflashkda.so.0" PYTHONDONTWRITEBYTECODE=1 python3 -c '
+        FLASHKDA_LIBRARY="$PWD/$build/libflashkda.so.0" PYTHONDONTWRITEBYTECODE=1 "$python" -c '
 import flashkda
 build, device = flashkda.build_info(), flashkda.query_device()
 print("build: ", build)
@@ -212,6 +220,49 @@ print("a GPU plan: ok")'
       step accuracy 120 "$out/accuracy.log" "$build/bench/fkda-bench" accuracy
       tail -n 8 "$out/accuracy.log" >>"$summary"
       ;;
+    packaged)
+      # The release artefacts of scripts/dist.sh ($DIST, default dist): the
+      # [gpu] tests against the library of the runtime .deb unpacked into a
+      # scratch root, then flashkda.fwd on torch CUDA tensors with the package
+      # and library of the wheel alone, held against the CPU backend.
+      dist=${DIST:-dist}
+      deb=$(ls "$dist"/libflashkda[0-9]*_*.deb 2>/dev/null | head -n 1)
+      wheel=$(ls "$dist"/flashkda-*.whl 2>/dev/null | head -n 1)
+      if [ -z "$deb" ] || [ -z "$wheel" ]; then
+        failure packaged "no runtime .deb or wheel in $dist (bash scripts/dist.sh)"
+        continue
+      fi
+      require packaged "$tests" || continue
+      root="$out/packaged-root"
+      rm -rf "$root"
+      dpkg-deb -x "$deb" "$root"
+      deb_lib=$(dirname "$(find "$root" -name libflashkda.so.0 | head -n 1)")
+      step_in "$deb_lib" packaged_deb 600 "$out/packaged_deb.log" "$tests" "[gpu]"
+      site="$out/packaged-wheel"
+      rm -rf "$site"
+      "$python" -m pip install --quiet --no-deps --no-index --target "$site" "$wheel"
+      step packaged_wheel 300 "$out/packaged_wheel.log" env -u FLASHKDA_LIBRARY \
+        PYTHONPATH="$site" PYTHONDONTWRITEBYTECODE=1 "$python" -c '
+import os, torch, flashkda
+site = os.environ["PYTHONPATH"]
+print("library:", flashkda.library_path(), "build:", flashkda.build_info())
+assert flashkda.library_path().startswith(site), (flashkda.library_path(), site)
+assert flashkda.build_info().min_driver_version == 12000, flashkda.build_info()
+torch.manual_seed(0)
+B, T, H, K = 1, 96, 2, 128
+q, k, v, g = (torch.randn(B, T, H, K).to(torch.bfloat16) for _ in range(4))
+beta = torch.randn(B, T, H).to(torch.bfloat16)
+A_log, dt_bias = torch.rand(H), torch.rand(H, K)
+cpu_out = torch.empty(B, T, H, K, dtype=torch.bfloat16)
+flashkda.fwd(q, k, v, g, beta, K ** -0.5, cpu_out, A_log, dt_bias, -5.0)
+cuda = [t.cuda() for t in (q, k, v, g, beta)]
+gpu_out = torch.empty(B, T, H, K, dtype=torch.bfloat16, device="cuda")
+flashkda.fwd(*cuda, K ** -0.5, gpu_out, A_log.cuda(), dt_bias.cuda(), -5.0)
+torch.cuda.synchronize()
+error = ((gpu_out.cpu().float() - cpu_out.float()).norm() / cpu_out.float().norm()).item()
+print("relative L2 difference, GPU against CPU:", error)
+assert error < 1e-2, error'
+      ;;
     demo)
       require demo "$build/examples/fkda-demo" || continue
       step demo 60 "$out/demo.log" "$build/examples/fkda-demo"
@@ -221,7 +272,7 @@ print("a GPU plan: ok")'
       # The Python binding with torch CUDA tensors (and every CPU test too).
       step python 300 "$out/python.log" env PYTHONPATH="$PWD/bindings/python" \
         FLASHKDA_LIBRARY="$PWD/$build/libflashkda.so.0" PYTHONDONTWRITEBYTECODE=1 \
-        python3 -m pytest -q -rs -p no:cacheprovider bindings/python/tests \
+        "$python" -m pytest -q -rs -p no:cacheprovider bindings/python/tests \
         --ignore=bindings/python/tests/test_wheel.py
       tail -n 15 "$out/python.log" >>"$summary"
       ;;

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # Loads the built library under an older Debian's glibc (bullseye: 2.31) and
 # runs a CPU forward pass there through the C ABI; its checksum must equal the
 # one under this machine's glibc. The CTest old_glibc runs it (it downloads

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # Builds everything and runs every test (C++, Python, Rust, Julia checker).
 # [gpu] tests run when a usable GPU is present and are reported as skipped otherwise.
 set -euo pipefail

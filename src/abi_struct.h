@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // Versioned ABI structs: the caller's struct_size says which header it was
 // built against. The rule is that of the Linux kernel's extensible structs
 // (copy_struct_from_user): a size some release of flashkda.h had is read as

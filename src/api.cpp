@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Every exported fkda_* function: each catches everything below it and maps
 // it to a status plus the thread-local message, so no C++ exception ever
 // crosses the C ABI.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // Size arithmetic that reports overflow instead of wrapping. Sizes come from
 // the caller: signed overflow would be undefined behaviour, and a size that
 // wrapped around would let an impossible descriptor pass as a small one.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // The validated description of one decode call (fkda_decode), as the
 // backends see it. validate_decode.cpp builds it from fkda_decode_args; backends
 // trust its shapes and strides completely, and the GPU backend treats the

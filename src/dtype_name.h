@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // How error messages spell an fkda_dtype, so that every message that names
 // a dtype names it the same way.
 #pragma once

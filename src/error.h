@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // Internal errors: thrown below api.cpp, caught there and turned into a
 // status plus the thread-local message. Nothing else crosses the ABI.
 #pragma once

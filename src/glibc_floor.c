@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * The glibc floor of libflashkda.so: nothing newer than GLIBC_2.28 may be
  * needed, so that one build loads on every distribution with glibc 2.28 or

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // The plan: a small host object holding the configuration fixed at creation
 // (heads, head dims, state dtype and layout, resolved backend) and the one
 // setting that may change later (lower_bound). It owns no device memory.

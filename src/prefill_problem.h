@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // The validated description of one forward call, as the backends see it.
 // validate_fwd.cpp builds it from fkda_fwd_args; backends trust it completely.
 #pragma once

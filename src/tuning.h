@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // How GPU prefill is launched, fixed when the plan is created: the 0.4
 // fields of fkda_plan_desc, or for those left at 0 the environment read once
 // by fkda_plan_create (flashkda.h, "Launch report and tuning"). Calls never

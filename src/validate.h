@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // Checks every argument of a call before any work starts and turns the
 // ABI's descriptors into the problem the backends trust. Each failure names
 // the argument and says what was expected and what came. One file per entry

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // The generic argument checks (validate_tensors.cpp) that the validation of
 // each entry point builds on: validate_fwd.cpp, validate_decode.cpp and any
 // later one. They look at descriptors only, never at the contents of

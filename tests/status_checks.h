@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // Checks of fkda_* results shared by the unit and [gpu] tests: a call that
 // must succeed fails the test with the status and fkda_last_error(); a call
 // that must fail is checked by its status and by how its message starts,

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Checks the Julia package's ccalls against include/flashkda.h.
 
 No Julia is needed: every `@ccall` and `ccall` in the package's .jl files is

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Builds a manylinux wheel of the `flashkda` package with libflashkda bundled inside.
 
-    python3 build_wheel.py --library build/libflashkda.so.0 --out dist/ [--auditwheel PATH]
+    .tools/bin/python bindings/python/build_wheel.py --library build/libflashkda.so.0 --out dist/
+        [--auditwheel PATH]
 
 The package sources are copied to a staging directory, the library is copied
 into the staged flashkda/ as libflashkda.so.0, and pip builds the wheel from
@@ -9,8 +11,9 @@ there without network access (--no-build-isolation --no-deps), so the source
 tree stays untouched. `auditwheel repair --plat manylinux_2_28_x86_64` then
 checks the library against the manylinux_2_28 policy (symbol versions, needed
 libraries) and tags the wheel; it fails if the library reaches past the
-policy. Needs pip, setuptools and wheel in this Python, and auditwheel (PyPI;
-scripts/install-deps.sh installs it into .tools/).
+policy. Needs pip, setuptools 77 or later (for the License-Expression field)
+and wheel in this Python, and auditwheel: scripts/install-deps.sh installs
+them into .tools/, whose python runs this script.
 """
 
 import argparse
@@ -21,7 +24,7 @@ import sys
 import tempfile
 
 PACKAGE_ROOT = os.path.dirname(os.path.abspath(__file__))
-STAGED_FILES = ("pyproject.toml", "setup.py", "README.md")
+STAGED_FILES = ("pyproject.toml", "setup.py", "README.md", "LICENSE")
 PLATFORM = "manylinux_2_28_x86_64"
 AUDITWHEEL_ENV = "FLASHKDA_AUDITWHEEL"
 TOOLS_AUDITWHEEL = os.path.join(PACKAGE_ROOT, "..", "..", ".tools", "bin", "auditwheel")

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Only the wheel's platform tag lives here; the metadata is in pyproject.toml."""
 
 import os

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Describes include/flashkda.h as JSON: the one source the bindings' ABI
 checkers (Python test_abi, Rust header_abi, Julia check_ccalls.py) compare
 their declarations with.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The CPU backend follows docs/NUMERICS.md step by step; each step of the
 // contract is a function below, marked with its step number. It exists so
 // that every machine can run the library, and so that the GPU kernels have a

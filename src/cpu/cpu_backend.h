@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // The CPU reference backend: the chunked form (docs/ARCHITECTURE.md, section
 // 2) on host memory, rounding where docs/NUMERICS.md says the GPU kernels round.
 #pragma once

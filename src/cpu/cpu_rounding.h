@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // The roundings of docs/NUMERICS.md on the host. Every bf16 and f16 value is
 // exactly representable in f32, so the CPU backend keeps rounded operands as
 // f32 values: products of two of them are exact in f32, as on the tensor cores.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "gpu/cuda_driver.h"
 
 #include <dlfcn.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // Lazy access to the CUDA driver: libcuda.so.1 is dlopen'ed on first use,
 // every entry point is resolved through cuGetProcAddress, and the outcome
 // (success, or why not) is cached for the life of the process. The library

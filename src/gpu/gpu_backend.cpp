@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The CUDA backend's prefill: windows of chunk slots, the V split, and the
 // two launches per window (kernels and launches through kernel_library.h).
 // The launch path allocates nothing, never synchronises and never changes

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // The CUDA backend: loads the embedded fatbin once per process, picks the
 // kernels for the current device and launches them on the caller's stream.
 // No allocation, no host synchronisation.

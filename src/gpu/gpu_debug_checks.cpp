@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "gpu/gpu_debug_checks.h"
 
 #include <cstdint>

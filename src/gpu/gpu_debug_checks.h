@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // The debug checks of GPU plans (fkda_plan_desc.debug_checks or
 // FKDA_DEBUG_CHECKS=1): the device-side cu_seqlens, slot indices, accepted
 // counts and checkpoint offsets are copied to the host and checked like a

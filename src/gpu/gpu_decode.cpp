@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Launch code of the decode kernel (kernels/decode_recurrence.cuh): one
 // launch, one block per (sequence, V slice) and head. Allocates nothing and
 // never synchronises, so a call can be captured in a CUDA graph.

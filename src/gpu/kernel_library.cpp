@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Loading of the embedded fatbin through the driver (no cudart), the device
 // facts the launch code needs, and the launch call itself.
 #include "gpu/kernel_library.h"

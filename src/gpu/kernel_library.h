@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // The embedded kernels as the launch code sees them: the fatbin loaded once
 // per process, each kernel fetched by name, what the launch code needs to
 // know about the current device, and one launch call that turns driver

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* Creates a CPU plan through the installed library and checks the run-time
  * version matches the header it was compiled against. */
 #include <flashkda.h>

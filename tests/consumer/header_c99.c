@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The public header must be clean C99 and its _INIT macros usable as-is. */
 #include <flashkda.h>
 

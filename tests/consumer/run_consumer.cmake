@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # Installs the built library into a temporary prefix, then configures, builds
 # and runs tests/consumer against that prefix only.
 include("${CMAKE_CURRENT_LIST_DIR}/consume.cmake")

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The fuzz build compiles the library's host sources without nvcc: these
 // stand in for the fatbin that cmake/embed_fatbin.S.in embeds. No plan of
 // the fuzz target is a GPU plan, so nothing ever loads them.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // libFuzzer target over the argument checks of the C ABI, on CPU plans.
 //
 // Each fkda_fwd or fkda_decode input builds a valid call (with states,

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Writes the seed corpus of the fuzz target (tests/fuzz/corpus/), one file
 per case, in the input layout described at the top of fuzz_validation.cpp.
 The finding_* seeds are calls that once got past validation or overflowed;

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # Builds the fuzz target (tests/fuzz) with clang in WORK_DIR, then runs it for
 # SECONDS seconds over the committed seed corpus. Fails when clang is missing,
 # the build fails, the fuzzer stops on a finding, or it ran too few inputs.

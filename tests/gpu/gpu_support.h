@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // What the [gpu] tests share: status checks that fail the test with the
 // reason, device-side problems and plans (the owners of device memory are
 // reference/resource_owners.h's).

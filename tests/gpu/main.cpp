@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Entry point of the [gpu] tests. Without a usable GPU that this build has
 // kernels for, it prints why and exits with 77, which CTest reports as
 // skipped; otherwise it makes device 0's primary context current (the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #include "prefill_harness.h"
 
 #include <catch2/catch.hpp>

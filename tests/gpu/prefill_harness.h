@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // The harness of the GPU prefill tests: a case (shape, state dtype and
 // layout, memory arrangement, offsets, launch tuning), its tensors placed in
 // poisoned arenas, one GPU run through the public API, and check_case, which

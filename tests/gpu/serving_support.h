@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // What the serving tests share (decode and prefill by pool slot): state pools
 // on the host and the device, scattered slot choices, the fp64 reference of
 // one sequence from a given state, integer tensors for indices and offsets,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Chunk-parallel prefill (FKDA_CHUNK_PARALLEL, FKDA_SEGMENT_CHUNKS): sequences
 // cut into segments whose transitions are scanned, then run from their
 // incoming states. Segment boundaries inside and at the ends of chunks and

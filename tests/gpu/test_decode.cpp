@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The GPU decode (fkda_decode) through the public API, on slow-decay inputs
 // with states in a pool at scattered slots: against the fp64 recurrence,
 // chained against the prefill, the speculative verify against single-token

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The unbounded-gate kernels (any-decay chunk products, docs/NUMERICS.md)
 // on decays the bounded kernels also take: a bounded problem's log-decays,
 // computed on the host and passed as f32 g to a LOG_DECAY plan, must meet

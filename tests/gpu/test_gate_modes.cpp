@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The gate and beta modes on the GPU (fkda_gate_mode, fkda_beta_mode): the
 // softplus gate on Kimi-Linear's parameter distribution with realistic and
 // extreme decays, precomputed log-decays in bf16 and f32, beta as

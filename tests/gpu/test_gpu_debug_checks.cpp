@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The debug checks of GPU plans: device-side indices, counts and offsets are
 // copied to the host and checked like a CPU plan's before anything is
 // launched; without them the host never reads those values.

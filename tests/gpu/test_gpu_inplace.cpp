@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Runtimes keep states in a pool and update them in place: final_state may
 // be the very buffer initial_state points to. Every block reads its rows of
 // a state before it writes them, so the result must be bitwise the one of

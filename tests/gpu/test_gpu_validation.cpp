@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Checks that need a GPU: where memory lives, alignment for the kernels'
 // 16-byte accesses, and the device workspace size.
 #include <catch2/catch.hpp>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The GPU prefill with states in a pool (state_pool, state_indices,
 // has_initial_state) and checkpoints, through fkda_fwd, on slow-decay inputs
 // with slots scattered over the pool:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The GPU prefill against the fp64 recurrence (docs/BENCHMARKS.md targets) and
 // the CPU backend (docs/NUMERICS.md agreement) on random inputs: the
 // benchmark cases, sequence lengths around the chunk size, memory

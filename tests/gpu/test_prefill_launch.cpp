@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // How a GPU prefill is cut into launches must change no bit of its result:
 // every V split (FKDA_VSPLIT), windows of any size (FKDA_WINDOW_SLOTS, and
 // the automatic windows of a large call), a replayed CUDA graph. What ran is

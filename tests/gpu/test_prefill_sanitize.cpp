@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The set compute-sanitizer runs (gpu_check.sh: memcheck, racecheck,
 // synccheck), small enough to finish in minutes under a sanitizer yet
 // reaching every kernel variant and path: the recurrence kernel of each V

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // States through the GPU prefill: every presence of initial and final state,
 // empty sequences, a sequence continued from its own final state, and the
 // checks that show the comparison against the fp64 recurrence can see a

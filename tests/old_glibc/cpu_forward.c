@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * A forward pass on the CPU backend through nothing but the C ABI, for
  * scripts/old-glibc-check.sh: it runs under an older distribution's glibc

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* The program's one need past glibc 2.28: crt1.o's call into
  * __libc_start_main, which glibc 2.34 versioned anew. Linked with
  * -Wl,--wrap=__libc_start_main, the call lands here and goes to the

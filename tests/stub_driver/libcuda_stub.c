@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * A stand-in libcuda.so.1 for machines without a GPU: enough of the driver
  * API for libflashkda's loader, one device of compute capability 9.0 with a

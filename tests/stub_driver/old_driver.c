@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * Runs against the stub libcuda.so.1 (found through LD_LIBRARY_PATH) and
  * checks that a driver the kernels cannot use is reported in words, naming

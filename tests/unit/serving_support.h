@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // What the serving tests share: CPU plans with a null-slot rule, state pools
 // with poisoned gaps between slots, and exact checks that a call wrote only
 // what it should.

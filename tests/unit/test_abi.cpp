@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The binary contract: what the shared object exports, what it needs, and
 // the layout of every struct that crosses the ABI.
 #include <catch2/catch.hpp>

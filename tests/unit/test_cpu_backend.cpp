@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The CPU backend through the public API only, against the fp64 token-by-token
 // recurrence on random inputs. Every run poisons its outputs first and checks
 // that every element was written and nothing outside the views was touched.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The serving paths of the CPU backend through the public API: decode on a
 // state pool, speculative slot tables, prefill by slot, checkpoints and
 // padding. Every test runs on slow-decay inputs (a lost or misplaced state

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The fp64 reference and the conversions checked against cases that can be
 // worked out by hand, so that the accuracy tests rest on something known.
 #include <catch2/catch.hpp>

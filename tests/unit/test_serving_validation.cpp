@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The serving arguments are checked before any work: every bad pool, index,
 // offset, table or struct size gets a status and a message naming the
 // argument (and the sequence, for contents), and nothing is written. Structs

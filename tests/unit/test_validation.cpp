@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Every bad call gets a status and a message naming the argument, before any
 // work starts; nothing is written.
 #include <catch2/catch.hpp>

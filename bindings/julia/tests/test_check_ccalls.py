@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """check_ccalls.py on the real package (must pass) and on broken copies of it
 (each must fail, naming what is wrong)."""
 

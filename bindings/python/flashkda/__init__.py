@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Python bindings of libflashkda: Kimi Delta Attention forward passes.
 
 A thin ctypes layer over the C ABI of include/flashkda.h: fwd (prefill, with

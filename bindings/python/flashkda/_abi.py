@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """ctypes mirrors of include/flashkda.h: constants, structs and prototypes.
 
 Everything here follows the header field for field; tests/test_abi.py compares

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Plans, the forward pass, the decode step and device queries on top of the C ABI."""
 
 import ctypes

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Translating arrays of several libraries into fkda_tensor descriptors.
 
 Supported producers: numpy arrays (host), torch tensors (host or CUDA),

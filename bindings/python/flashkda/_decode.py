@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The decode step as serving runtimes call it: a few tokens per sequence,
 states in a pool updated in place."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 from ._abi import Status
 
 

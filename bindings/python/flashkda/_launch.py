@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The launch path shared by every entry point of the C ABI.
 
 A call is split into what changes every time (data pointers, the stream, a

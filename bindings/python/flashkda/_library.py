@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Finding and loading libflashkda.
 
 Search order: an explicit path given to load_library(), then the

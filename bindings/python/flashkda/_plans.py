@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Plans shared by the calls that derive them from their arguments.
 
 flashkda.fwd() and flashkda.decode() need a plan for every call; creating one costs a C call and

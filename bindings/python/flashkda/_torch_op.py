@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """torch.ops.flashkda.fwd and torch.ops.flashkda.decode: flashkda.fwd and
 flashkda.decode as operators of torch's dispatcher.
 

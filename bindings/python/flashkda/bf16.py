@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """bf16 conversions for numpy, which has no bf16 dtype.
 
 bf16 arrays are uint16 arrays holding the bit patterns (the upper half of an

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Test helpers: random KDA inputs and an independent fp64 recurrence."""
 
 from dataclasses import dataclass

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The ctypes mirrors against include/flashkda.h, as bindings/tools/fkda_header.py
 describes it: prototypes, struct fields and the compiler's layouts."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """to_bf16 / from_bf16: exact round trips, round to nearest even, NaN kept."""
 
 import numpy as np

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """CuPy arrays (__cuda_array_interface__) on the GPU backend. Skipped without
 CuPy or a CUDA device. CuPy has no bf16: uint16 arrays carry the bit patterns.
 """

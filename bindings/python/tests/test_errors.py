@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Every error path reachable without a GPU: each raises FlashKDAError naming
 the argument, carrying the library's status and message."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The CPU backend through the Python binding, against the fp64 recurrence."""
 
 import numpy as np

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The gate and beta forms of a plan (gate_mode, beta_mode; ABI 0.3) through
 flashkda.fwd, flashkda.decode and Plan: every form against the fp64
 recurrence, equivalent forms against each other, and the plan cache keeping

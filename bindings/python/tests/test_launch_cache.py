@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The hot path on the CPU backend: shared plans, cached argument blocks and
 prepared launches, against the fp64 recurrence."""
 

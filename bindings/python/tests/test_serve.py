@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """States in a pool: decode, speculative verify, prefill by slot, padding and
 checkpoints, against the fp64 recurrence. Each test taking `backend` runs on
 the CPU backend with numpy arrays and, where torch sees a CUDA device, on the

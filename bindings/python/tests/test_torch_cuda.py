@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """torch CUDA tensors on the GPU backend. Skipped without torch or a CUDA device.
 
 On a GPU machine:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """torch.ops.flashkda.fwd: schema, opcheck, torch.compile and CUDA graphs.
 
 The CPU tests run wherever torch is installed (scripts/install-deps.sh

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The wheel: it bundles libflashkda, installs offline into a fresh venv and
 runs a forward pass there with nothing but the bundled library, whose
 results follow the fp64 recurrence."""
@@ -69,6 +70,14 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
         assert "flashkda/__init__.py" in members
         with open(os.path.realpath(library), "rb") as built:
             assert archive.read("flashkda/libflashkda.so.0") == built.read()
+        # The licence travels with the wheel: its SPDX expression in the
+        # metadata and the file itself in the .dist-info.
+        dist_info = "flashkda-" + flashkda.__version__ + ".dist-info/"
+        metadata = archive.read(dist_info + "METADATA").decode()
+        assert "\nLicense-Expression: MIT\n" in metadata, metadata
+        assert "\nLicense-File: LICENSE\n" in metadata, metadata
+        with open(os.path.join(PYTHON_BINDINGS, "..", "..", "LICENSE"), "rb") as licence:
+            assert archive.read(dist_info + "licenses/LICENSE") == licence.read()
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)

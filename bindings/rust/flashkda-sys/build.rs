@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 //! Links libflashkda.so.0.
 //!
 //! FLASHKDA_LIB_DIR names the directory holding libflashkda.so.0 (a build

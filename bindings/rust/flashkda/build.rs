@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 //! Puts the directory flashkda-sys linked against (DEP_FLASHKDA_LIB_DIR) on
 //! the rpath of this crate's tests, so they run without
 //! LD_LIBRARY_PATH. Programs depending on this crate choose their own rpath.

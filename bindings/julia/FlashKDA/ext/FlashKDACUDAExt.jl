@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # CuArrays and CuPtrs for FlashKDA: loaded with CUDA.jl.
 #
 # CuArrays describe device memory for the GPU backend. Calls run with the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # CuArrays on the GPU backend (the FlashKDACUDAExt extension). Included by
 # runtests.jl when CUDA.jl is installed; skipped without a working GPU.
 

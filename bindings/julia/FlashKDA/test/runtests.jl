@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # FlashKDA.jl on the CPU backend (and on CuArrays where CUDA.jl works):
 # accuracy against an fp64 token-by-token recurrence on random inputs,
 # plan reuse, bf16 conversions and the error paths.

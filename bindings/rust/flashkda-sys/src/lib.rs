@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 //! Raw declarations of libflashkda's C ABI, one to one with
 //! `include/flashkda.h`: the same names, the same field order, the same
 //! values. C enums are `c_int` type aliases with constants, as the library

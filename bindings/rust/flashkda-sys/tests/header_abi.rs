@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 //! flashkda-sys against include/flashkda.h.
 //!
 //! The header's side is the JSON description of bindings/tools/fkda_header.py

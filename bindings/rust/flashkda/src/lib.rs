@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 //! Safe Rust bindings of libflashkda: Kimi Delta Attention (KDA) forward
 //! passes behind the C ABI of `include/flashkda.h`.
 //!

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 //! The safe crate on the CPU backend: accuracy against an fp64 token-by-token
 //! recurrence on random inputs, plan reuse, and the error paths.
 

@@ -1,0 +1,52 @@
+# SPDX-License-Identifier: MIT
+# Every tracked source file (C, C++, CUDA, CMake, Python, Rust, Julia, shell,
+# and anything starting with #!) carries "SPDX-License-Identifier: MIT" in its
+# first five lines, so a file added later without it fails here by name.
+cmake_policy(VERSION 3.24)
+execute_process(COMMAND "${GIT}" -C "${SOURCE_DIR}" ls-files
+                OUTPUT_VARIABLE listing RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "git ls-files failed in ${SOURCE_DIR}")
+endif()
+# One name a line; a name with ';' would split, and no source file has one.
+string(REPLACE "\n" ";" files "${listing}")
+set(source_pattern "(^|/)CMakeLists\\.txt$|\\.(c|h|cc|cpp|hpp|cu|cuh|S|cmake|py|rs|jl|sh|map)(\\.in)?$")
+set(checked 0)
+set(lacking "")
+foreach(file IN LISTS files)
+  set(path "${SOURCE_DIR}/${file}")
+  if(file STREQUAL "" OR IS_DIRECTORY "${path}" OR NOT EXISTS "${path}")
+    continue()
+  endif()
+  file(STRINGS "${path}" head LIMIT_COUNT 5)
+  set(first_line "")
+  if(head)
+    list(GET head 0 first_line)
+  endif()
+  if(NOT file MATCHES "${source_pattern}" AND NOT first_line MATCHES "^#!")
+    continue()
+  endif()
+  math(EXPR checked "${checked} + 1")
+  string(FIND "${head}" "SPDX-License-Identifier: MIT" at)
+  if(at EQUAL -1)
+    list(APPEND lacking "${file}")
+  endif()
+endforeach()
+if(checked LESS 50)
+  message(FATAL_ERROR "only ${checked} source files found in ${SOURCE_DIR}: is it the project's checkout?")
+endif()
+if(lacking)
+  list(JOIN lacking "\n  " lacking_text)
+  message(FATAL_ERROR "source files without 'SPDX-License-Identifier: MIT' in their first five lines:\n  ${lacking_text}")
+endif()
+message("${checked} source files carry SPDX-License-Identifier: MIT")
+
+# The Julia package carries its own copy of the licence (Pkg installs the
+# package's folder alone); it must stay the root's.
+file(READ "${SOURCE_DIR}/LICENSE" root_licence)
+foreach(copy IN ITEMS bindings/julia/FlashKDA/LICENSE bindings/python/LICENSE)
+  file(READ "${SOURCE_DIR}/${copy}" copied_licence)
+  if(NOT copied_licence STREQUAL root_licence)
+    message(FATAL_ERROR "${copy} differs from LICENSE")
+  endif()
+endforeach()
