@@ -90,6 +90,11 @@ const fkda_beta_mode = Cint
 const FKDA_BETA_LOGITS = fkda_beta_mode(0)
 const FKDA_BETA_PROBABILITIES = fkda_beta_mode(1)
 
+const fkda_chunk_parallel = Cint
+const FKDA_CHUNK_PARALLEL_AUTO = fkda_chunk_parallel(0)
+const FKDA_CHUNK_PARALLEL_OFF = fkda_chunk_parallel(1)
+const FKDA_CHUNK_PARALLEL_ON = fkda_chunk_parallel(2)
+
 # Opaque types behind the handle typedefs.
 struct fkda_plan_s end
 struct CUstream_st end
@@ -109,6 +114,10 @@ struct fkda_plan_desc
     debug_checks::Int32
     gate_mode::Int32
     beta_mode::Int32
+    vsplit::Int32
+    chunk_parallel::Int32
+    window_slots::Int64
+    segment_chunks::Int64
 end
 
 struct fkda_fwd_args
@@ -167,6 +176,8 @@ struct fkda_launch_report
     vsplit::Int64
     windows::Int64
     slots_per_window::Int64
+    chunk_parallel::Int64
+    segment_chunks::Int64
 end
 
 struct fkda_build_info
@@ -520,6 +531,10 @@ mutable struct Plan
                                             log_decay=FKDA_GATE_LOG_DECAY)),
             choose("beta_mode", beta_mode,
                    (logits=FKDA_BETA_LOGITS, probabilities=FKDA_BETA_PROBABILITIES)),
+            Int32(0),  # launch tuning: automatic, or the environment at creation
+            FKDA_CHUNK_PARALLEL_AUTO,
+            Int64(0),
+            Int64(0),
         )
         handle = Ref{fkda_plan_t}(C_NULL)
         check(fkda_plan_create(Ref(desc), handle))
