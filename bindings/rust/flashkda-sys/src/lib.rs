@@ -92,6 +92,11 @@ pub type fkda_beta_mode = c_int;
 pub const FKDA_BETA_LOGITS: fkda_beta_mode = 0;
 pub const FKDA_BETA_PROBABILITIES: fkda_beta_mode = 1;
 
+pub type fkda_chunk_parallel = c_int;
+pub const FKDA_CHUNK_PARALLEL_AUTO: fkda_chunk_parallel = 0;
+pub const FKDA_CHUNK_PARALLEL_OFF: fkda_chunk_parallel = 1;
+pub const FKDA_CHUNK_PARALLEL_ON: fkda_chunk_parallel = 2;
+
 /// The opaque plan object behind `fkda_plan_t`.
 #[repr(C)]
 pub struct fkda_plan_s {
@@ -123,6 +128,10 @@ pub struct fkda_plan_desc {
     pub debug_checks: i32,
     pub gate_mode: i32,
     pub beta_mode: i32,
+    pub vsplit: i32,
+    pub chunk_parallel: i32,
+    pub window_slots: i64,
+    pub segment_chunks: i64,
 }
 
 /// FKDA_PLAN_DESC_INIT.
@@ -139,6 +148,10 @@ pub const FKDA_PLAN_DESC_INIT: fkda_plan_desc = fkda_plan_desc {
     debug_checks: 0,
     gate_mode: FKDA_GATE_BOUNDED,
     beta_mode: FKDA_BETA_LOGITS,
+    vsplit: 0,
+    chunk_parallel: FKDA_CHUNK_PARALLEL_AUTO,
+    window_slots: 0,
+    segment_chunks: 0,
 };
 
 // ----------------------------------------------------------------- forward
@@ -267,6 +280,8 @@ pub struct fkda_launch_report {
     pub vsplit: i64,
     pub windows: i64,
     pub slots_per_window: i64,
+    pub chunk_parallel: i64,
+    pub segment_chunks: i64,
 }
 
 /// FKDA_LAUNCH_REPORT_INIT.
@@ -275,6 +290,8 @@ pub const FKDA_LAUNCH_REPORT_INIT: fkda_launch_report = fkda_launch_report {
     vsplit: 0,
     windows: 0,
     slots_per_window: 0,
+    chunk_parallel: 0,
+    segment_chunks: 0,
 };
 
 // ------------------------------------------------------------------- build
