@@ -339,8 +339,8 @@ FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
  * (debug_checks reports it).
  * state_indices excludes initial_state and final_state; a padding sequence
  * writes no checkpoint either. What the call writes (out, final_state,
- * checkpoints, the pool and the workspace bytes fkda_plan_workspace_size
- * asks for) must not share memory with any other argument, measured from
+ * checkpoints, the pool, and the workspace: workspace_bytes from
+ * workspace) must not share memory with any other argument, measured from
  * each tensor's first to its last byte. The exception: initial_state and
  * final_state may be the very same memory (updated in place), or disjoint;
  * a partial overlap is an error naming final_state. */

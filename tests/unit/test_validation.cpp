@@ -289,6 +289,34 @@ TEST_CASE("bad plan handles and arguments", "[validation]") {
   }
 }
 
+TEST_CASE("the workspace a call uses shares no memory with an argument", "[validation]") {
+  Fixture f;
+  const fkda_fwd_args args = f.batched();
+  size_t needed = 0;
+  REQUIRE(fkda_plan_workspace_size(f.plan, kB * kT, kB, &needed) == FKDA_SUCCESS);
+  // A workspace that starts inside q's buffer (read) and one inside the
+  // initial state (read): the CPU backend's scratch would overwrite inputs.
+  std::vector<uint8_t> arena(needed + f.q.size() * 2 + 64);
+  for (void* inside : {static_cast<void*>(f.q.data()), static_cast<void*>(f.initial_state.data())}) {
+    std::fill(f.out.begin(), f.out.end(), uint16_t(0xFFFF));
+    check_failure(fkda_fwd(f.plan, &args, inside, needed, nullptr), FKDA_ERROR_INVALID_ARGUMENT, "workspace: overlaps ");
+    CHECK(std::all_of(f.out.begin(), f.out.end(), [](uint16_t o) { return o == 0xFFFF; }));
+  }
+  // All workspace_bytes are lent to the call (the CPU backend takes more
+  // workers when given more): an arena holding the workspace and then q is
+  // refused when lent whole, accepted when lent up to q.
+  fkda_fwd_args in_arena = args;
+  const size_t q_offset = (needed + 15) / 16 * 16;
+  REQUIRE(q_offset + f.q.size() * 2 <= arena.size());
+  std::memcpy(arena.data() + q_offset, f.q.data(), f.q.size() * 2);
+  in_arena.q.data = arena.data() + q_offset;
+  void* workspace = arena.data();
+  REQUIRE(reinterpret_cast<uintptr_t>(workspace) % 16 == 0);
+  check_failure(fkda_fwd(f.plan, &in_arena, workspace, arena.size(), nullptr), FKDA_ERROR_INVALID_ARGUMENT,
+                "workspace: overlaps q");
+  CHECK(fkda_fwd(f.plan, &in_arena, workspace, q_offset, nullptr) == FKDA_SUCCESS);
+}
+
 TEST_CASE("launch reports: CPU plans report no launch; bad calls are rejected", "[validation]") {
   Fixture f;
   fkda_fwd_args args = f.batched();
