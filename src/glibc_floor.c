@@ -21,6 +21,7 @@
 FKDA_GLIBC_2_2_5(dlopen);
 FKDA_GLIBC_2_2_5(dlsym);
 FKDA_GLIBC_2_2_5(dlerror);
+FKDA_GLIBC_2_2_5(dlclose);
 FKDA_GLIBC_2_2_5(pthread_create);
 FKDA_GLIBC_2_2_5(pthread_join);
 FKDA_GLIBC_2_2_5(pthread_detach);
@@ -30,6 +31,7 @@ FKDA_GLIBC_2_2_5(__pthread_key_create);
 void* fkda_glibc_dlopen(const char* file, int mode);
 void* fkda_glibc_dlsym(void* handle, const char* name);
 char* fkda_glibc_dlerror(void);
+int fkda_glibc_dlclose(void* handle);
 int fkda_glibc_pthread_create(pthread_t* thread, const pthread_attr_t* attr, void* (*start)(void*), void* arg);
 int fkda_glibc_pthread_join(pthread_t thread, void** result);
 int fkda_glibc_pthread_detach(pthread_t thread);
@@ -40,6 +42,7 @@ int __pthread_key_create(pthread_key_t* key, void (*destructor)(void*));
 void* dlopen(const char* file, int mode) { return fkda_glibc_dlopen(file, mode); }
 void* dlsym(void* handle, const char* name) { return fkda_glibc_dlsym(handle, name); }
 char* dlerror(void) { return fkda_glibc_dlerror(); }
+int dlclose(void* handle) { return fkda_glibc_dlclose(handle); }
 int pthread_create(pthread_t* thread, const pthread_attr_t* attr, void* (*start)(void*), void* arg) {
   return fkda_glibc_pthread_create(thread, attr, start, arg);
 }
