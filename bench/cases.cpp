@@ -133,6 +133,27 @@ const std::vector<BenchCase>& prefill_cases() {
   return cases;
 }
 
+const std::vector<BenchCase>& long_context_cases() {
+  // FLA: chunk_kda serial, one H200 at be852e4 (issue 17's table).
+  static const std::vector<BenchCase> cases = {
+      make_case("L1", 1, 0, 4, {65536}, kUnknown, 2.167, 0.30, "serial at be852e4: 2.076 ms"),
+      make_case("L2", 1, 0, 4, {131072}, kUnknown, 4.240, 0.55, "serial at be852e4: 4.159 ms"),
+      make_case("L3", 1, 0, 4, {1048576}, kUnknown, kUnknown, 4.5, "serial at be852e4: about 33 ms"),
+      make_case("L4", 1, 0, 4, {8192}, kUnknown, 0.979, 0.08, "serial at be852e4: 0.276 ms"),
+      make_case("L5", 1, 0, 4, std::vector<int64_t>(4, 16384), kUnknown, 1.142, 0.15,
+                "serial at be852e4: 0.629 ms"),
+      make_case("L6", 1, 0, 12, {65536}, kUnknown, 4.590, 0.55, "serial at be852e4: 2.333 ms"),
+  };
+  return cases;
+}
+
+const BenchCase* find_long_context_case(const std::string& id) {
+  const std::string wanted = to_upper(id);
+  for (const auto& c : long_context_cases())
+    if (c.id == wanted) return &c;
+  return nullptr;
+}
+
 const std::vector<BenchCase>& softplus_cases() {
   const double none = std::numeric_limits<double>::quiet_NaN();
   static const std::vector<BenchCase> cases = {
@@ -409,6 +430,23 @@ AccuracyCase softplus_case(std::string id, bool extreme, AccuracyTarget fla) {
   return c;
 }
 
+// L1's shape (one sequence of 65536 tokens, H = 4, varlen) with an initial
+// state ~ N(0, 1): slow decays at lower_bound -5, or SP1's softplus gate.
+AccuracyCase long_context_case(std::string id, bool softplus) {
+  AccuracyCase c;
+  if (softplus) {
+    c = softplus_case(std::move(id), false, {kUnknown, kUnknown});
+  } else {
+    c = long_memory_case(std::move(id), 0, 4, -5.f, -6.f, 1.f, {kUnknown, kUnknown}, {kUnknown, kUnknown});
+  }
+  c.T = 0;
+  c.H = 4;
+  c.lengths = {65536};
+  c.initial_state_std = 1.f;
+  c.long_context = true;
+  return c;
+}
+
 const std::vector<AccuracyCase>& accuracy_cases() {
   static const std::vector<AccuracyCase> cases = [] {
     AccuracyCase single;
@@ -429,6 +467,8 @@ const std::vector<AccuracyCase>& accuracy_cases() {
         long_memory_case("LM3", 8192, 2, -1.f, 0.f, 1.f, {6.0e-3, 4.6e-3}, {4.1e-3, 3.6e-3}),
         softplus_case("SP1", false, {4.4e-3, 3.8e-3}),
         softplus_case("SP2", true, {4.1e-3, 3.1e-3}),
+        long_context_case("LM4", false),
+        long_context_case("LM4S", true),
     };
   }();
   return cases;

@@ -46,6 +46,14 @@ const std::vector<BenchCase>& prefill_cases();
 // Case-insensitive lookup of a prefill id; nullptr when unknown.
 const BenchCase* find_prefill_case(const std::string& id);
 
+// The long-context cases L1 ... L6 (docs/BENCHMARKS.md): few heads per GPU,
+// long sequences, all varlen (cu_seqlens) with bf16 inputs like P cases.
+// flashkda_ms holds no figure (FlashKDA was not measured there); fla_ms is
+// FLA's serial chunk_kda; the note gives this library's serial time before
+// the chunk-parallel path.
+const std::vector<BenchCase>& long_context_cases();
+const BenchCase* find_long_context_case(const std::string& id);
+
 // The softplus-gate cases (P1, P3 and P11 = T 8192, H 12) with FLA's
 // chunk_kda softplus figures and our targets; FlashKDA has no softplus gate.
 const std::vector<BenchCase>& softplus_cases();
@@ -124,12 +132,16 @@ struct AccuracyCase {
   // in reference/kda_reference.h), with g ~ N(0, 1) or, extreme, N(0, 4).
   bool softplus = false;
   bool extreme = false;
+  // LM4 and LM4S: L1's shape, run with "long" and by name only (their fp64
+  // reference takes seconds), not with "accuracy" or "long-memory".
+  bool long_context = false;
   // The peers' figures on this case (FLA with f32 state).
   AccuracyTarget flashkda_figures{};
   AccuracyTarget fla_figures{};
   std::string shape() const;
 };
-// A1, A2, LM1, LM2, LM3, and SP1, SP2 (softplus gate: realistic, extreme).
+// A1, A2, LM1, LM2, LM3, SP1, SP2 (softplus gate: realistic, extreme), and
+// LM4, LM4S (L1's shape on slow decays; LM4S with SP1's softplus gate).
 const std::vector<AccuracyCase>& accuracy_cases();
 // Case-insensitive lookup; nullptr when unknown.
 const AccuracyCase* find_accuracy_case(const std::string& id);

@@ -63,7 +63,13 @@ Cases (ids are case-insensitive):
                       lb -5, g ~ N(-2,2^2)), LM3 (T=8192 H=2, lb -1, g ~ N(0,1)):
                       slow decays, initial state ~ N(0,1); targets out <= 3e-3,
                       state <= 1e-3 (f32) or 2e-3 (bf16)
-  A1, A2, LM1 ... LM3 one accuracy case
+  L1 ... L6           long context at few heads, varlen: L1 T=65536 H=4, L2
+                      T=131072 H=4, L3 T=1048576 H=4, L4 T=8192 H=4, L5 4x16384
+                      H=4, L6 T=65536 H=12
+  long                L1 ... L6, and the accuracy cases LM4 (L1's shape, lb -5,
+                      g ~ N(-6,1), initial state ~ N(0,1)) and LM4S (the same
+                      with SP1's softplus gate)
+  A1, A2, LM1 ... LM4, LM4S  one accuracy case
   --B N --T N --H N   a custom batched shape (B defaults to 1)
   --lengths L1,L2,... --H N
                       a custom varlen shape (packed, B = 1)
@@ -250,7 +256,7 @@ Options parse_options(int argc, char** argv) {
   };
   const auto add_accuracy = [&](bool long_memory) {
     for (const auto& c : accuracy_cases())
-      if (c.long_memory == long_memory) options.accuracy.push_back(c);
+      if (c.long_memory == long_memory && !c.long_context) options.accuracy.push_back(c);
   };
   for (const std::string& name : named) {
     if (name == "accuracy" || name == "long-memory") {
@@ -270,6 +276,12 @@ Options parse_options(int argc, char** argv) {
       add_serving([](ServingKind kind) { return kind == ServingKind::kSpecVerify; });
     } else if (name == "pool") {
       add_serving([](ServingKind kind) { return kind == ServingKind::kPoolPrefill; });
+    } else if (name == "long") {
+      for (const auto& c : long_context_cases()) options.cases.push_back(c);
+      for (const auto& c : accuracy_cases())
+        if (c.long_context) options.accuracy.push_back(c);
+    } else if (const BenchCase* long_case = find_long_context_case(name)) {
+      options.cases.push_back(*long_case);
     } else if (name == "softplus") {
       options.timing.gate_mode = FKDA_GATE_SOFTPLUS;
       for (const auto& c : softplus_cases()) options.cases.push_back(c);
@@ -284,8 +296,8 @@ Options parse_options(int argc, char** argv) {
     } else {
       throw usage_error("unknown case \"" + name +
                         "\"; known: P1 ... P11, D1 ... D8, S1 ... S3, R1, R2, A1, A2, "
-                        "LM1 ... LM3, prefill, softplus, decode, spec, pool, serving, accuracy, "
-                        "long-memory, all");
+                        "LM1 ... LM4, LM4S, L1 ... L6, prefill, softplus, decode, spec, pool, "
+                        "serving, accuracy, long-memory, long, all");
     }
   }
 

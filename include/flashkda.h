@@ -227,7 +227,9 @@ typedef struct fkda_plan_desc {
 
 /* Whether GPU prefill cuts long sequences into segments that run in
  * parallel (appended in 0.4; docs/ARCHITECTURE.md, "Chunk-parallel
- * prefill"). AUTO decides from the call's T, N and H alone. */
+ * prefill"). AUTO decides from the call's T, N and H alone. CPU plans take
+ * their chunk-parallel path only with ON (segments of segment_chunks chunks,
+ * 64 when 0; the workspace size grows with it); AUTO keeps them serial. */
 typedef enum fkda_chunk_parallel {
   FKDA_CHUNK_PARALLEL_AUTO = 0,
   FKDA_CHUNK_PARALLEL_OFF = 1, /* one chain of chunks per sequence */
@@ -418,10 +420,12 @@ FKDA_API fkda_status fkda_fwd(fkda_plan_t plan, const fkda_fwd_args* args,
  * read or written. On CPU plans every index, count and offset the call
  * reads is checked, and a bad one is an error naming the element and the
  * sequence. The call does not read, so never checks: the state_indices
- * row and num_accepted_tokens entry of a zero-length sequence, the slot
- * table columns at and past a sequence's length, and the other columns of
- * a padding sequence (one whose starting column is null). On GPU plans
- * they are not read by the host and a bad one makes its sequence padding.
+ * row and num_accepted_tokens entry of a zero-length sequence, a slot
+ * table's columns at and past a sequence's length (but its starting
+ * column, num_accepted_tokens[n] - 1), and the columns of a padding
+ * sequence (one whose starting column is null) other than that one. On
+ * GPU plans they are not read by the host and a bad one makes its sequence
+ * padding.
  * Two sequences writing the same slot in one call is undefined. */
 typedef struct fkda_decode_args {
   size_t struct_size; /* sizeof(fkda_decode_args) */
@@ -481,16 +485,23 @@ FKDA_API fkda_status fkda_decode(fkda_plan_t plan, const fkda_decode_args* args,
  *             E [.., H, V, K]
  *   KV plans  M and E stored transposed: M [.., H, K, K] holding M^T and
  *             E [.., H, K, V] holding E^T, so S_out^T = M^T S_in^T + E^T
- * Both are f32, packed. An empty segment has M = I and E = 0.
+ * Both are f32, packed. An empty segment has M = I and E = 0. M and E are
+ * formed with the chunked arithmetic of fkda_fwd (E: its run from a zero
+ * state; M: its run from the identity with v = 0), so applying them and
+ * running fkda_fwd on the following tokens matches one fkda_fwd over all
+ * of them to the f32 state's accuracy, not bit for bit.
  *
  * fkda_transitions: the transitions of each sequence's tokens, as if each
  * started from an unknown state.
  *   k, v, g, beta, A_log, dt_bias, cu_seqlens   as in fkda_fwd (q and out are
  *                      not needed; the plan's gate and beta modes apply)
  *   transition_m       f32 [N, H, K, K], written
- *   transition_e       f32 [N, H, V, K] (KV plans [N, H, K, V]), written
+ *   transition_e       f32 [N, H, V, K] (KV plans [N, H, K, V]), written;
+ *                      must not overlap transition_m
  * GPU plans enqueue on `stream`, allocate nothing and never synchronise;
- * the workspace is sized by fkda_plan_transitions_workspace_size. */
+ * the workspace is sized by fkda_plan_transitions_workspace_size (any sizes
+ * >= 0 are answered, as by fkda_plan_workspace_size). CPU plans check the
+ * contents of cu_seqlens as fkda_fwd does. */
 typedef struct fkda_transition_args {
   size_t struct_size; /* sizeof(fkda_transition_args) */
   fkda_tensor k;
@@ -525,7 +536,8 @@ FKDA_API fkda_status fkda_transitions(fkda_plan_t plan,
  *   initial_state      optional, plan's state dtype and layout, [N, H, V, K]:
  *                      absent means zeros
  *   final_state        plan's state dtype and layout, [N, H, V, K], written;
- *                      may be the same buffer as initial_state
+ *                      may be the same buffer as initial_state, and must not
+ *                      overlap it otherwise, nor the transitions
  * The state is carried in f32 between transitions and rounded once. No
  * workspace is needed today (NULL and 0 are accepted). */
 typedef struct fkda_apply_args {
@@ -590,9 +602,9 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info);
  * environment do not affect existing plans, and no other call reads it.
  * fkda_plan_workspace_size sizes the workspace for the plan's tuning and
  * fkda_fwd checks the launch it computes against workspace_bytes
- * (FKDA_ERROR_WORKSPACE_TOO_SMALL naming workspace_bytes). A value not listed is rejected
- * by fkda_plan_create with FKDA_ERROR_INVALID_ARGUMENT naming the field or
- * the variable:
+ * (FKDA_ERROR_WORKSPACE_TOO_SMALL naming workspace_bytes). A value not
+ * listed is rejected by fkda_plan_create with FKDA_ERROR_INVALID_ARGUMENT
+ * naming the field or the variable:
  *   FKDA_VSPLIT           vsplit: 1, 2, 4 or 8 (raised to the smallest split
  *                         whose shared memory the device allows)
  *   FKDA_WINDOW_SLOTS     window_slots: a positive integer (the workspace size

@@ -6,13 +6,16 @@
 #include "kda_reference.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <type_traits>
 
 namespace fkda_ref {
@@ -245,50 +248,71 @@ Reference reference_recurrence(const Problem& p, const std::vector<int64_t>& sta
   ref.final_state.assign(static_cast<size_t>(N * H * V * K), 0.0);
   ref.states_after.assign(state_tokens.size(), ref.final_state);
 
-  std::vector<double> state(static_cast<size_t>(V * K));  // S[e][c], V-first
-  std::vector<double> q_unit(K), k_unit(K), decay(K);
-  for (int64_t n = 0; n < N; ++n) {
+  // Each (sequence, head) pair writes its own rows and states, so the pairs
+  // run on threads: at long context (LM4, T = 65536) one thread takes minutes.
+  auto run_pair = [&](int64_t n, int64_t h) {
+    std::vector<double> state(static_cast<size_t>(V * K));  // S[e][c], V-first
+    std::vector<double> q_unit(K), k_unit(K), decay(K);
     const int64_t row = varlen ? 0 : n;
     const int64_t begin = varlen ? p.cu_seqlens[n] : 0;
     const int64_t end = varlen ? p.cu_seqlens[n + 1] : p.T;
-    for (int64_t h = 0; h < H; ++h) {
-      const size_t state_base = static_cast<size_t>((n * H + h) * V * K);
-      for (size_t i = 0; i < state.size(); ++i)
-        state[i] = p.initial_state.empty() ? 0.0 : static_cast<double>(p.initial_state[state_base + i]);
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t token = (row * p.T + t) * H + h;
-        unit_vector(&p.q[token * K], K, q_unit);
-        unit_vector(&p.k[token * K], K, k_unit);
-        // exp(-inf) = 0: total forgetting zeroes the state, never NaN.
-        for (int64_t c = 0; c < K; ++c) decay[c] = std::exp(log_decay_at(p, token, h, c));
-        const double b = step_size_at(p, token);
-        const uint16_t* v = &p.v[token * V];
+    const size_t state_base = static_cast<size_t>((n * H + h) * V * K);
+    for (size_t i = 0; i < state.size(); ++i)
+      state[i] = p.initial_state.empty() ? 0.0 : static_cast<double>(p.initial_state[state_base + i]);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t token = (row * p.T + t) * H + h;
+      unit_vector(&p.q[token * K], K, q_unit);
+      unit_vector(&p.k[token * K], K, k_unit);
+      // exp(-inf) = 0: total forgetting zeroes the state, never NaN.
+      for (int64_t c = 0; c < K; ++c) decay[c] = std::exp(log_decay_at(p, token, h, c));
+      const double b = step_size_at(p, token);
+      const uint16_t* v = &p.v[token * V];
 
-        for (int64_t e = 0; e < V; ++e) {
-          double* s_row = &state[e * K];
-          double predicted = 0.0;
-          for (int64_t c = 0; c < K; ++c) {
-            s_row[c] *= decay[c];
-            predicted += s_row[c] * k_unit[c];
-          }
-          const double correction = b * (from_bf16(v[e]) - predicted);
-          double output = 0.0;
-          for (int64_t c = 0; c < K; ++c) {
-            s_row[c] += correction * k_unit[c];
-            output += s_row[c] * q_unit[c];
-          }
-          ref.out[token * V + e] = static_cast<double>(p.scale) * output;
+      for (int64_t e = 0; e < V; ++e) {
+        double* s_row = &state[e * K];
+        double predicted = 0.0;
+        for (int64_t c = 0; c < K; ++c) {
+          s_row[c] *= decay[c];
+          predicted += s_row[c] * k_unit[c];
         }
-        for (size_t c = 0; c < state_tokens.size(); ++c) {
-          if (state_tokens[c] != t - begin + 1) continue;
-          std::copy(state.begin(), state.end(),
-                    ref.states_after[c].begin() + static_cast<std::ptrdiff_t>(state_base));
+        const double correction = b * (from_bf16(v[e]) - predicted);
+        double output = 0.0;
+        for (int64_t c = 0; c < K; ++c) {
+          s_row[c] += correction * k_unit[c];
+          output += s_row[c] * q_unit[c];
         }
+        ref.out[token * V + e] = static_cast<double>(p.scale) * output;
       }
-      std::copy(state.begin(), state.end(),
-                ref.final_state.begin() + static_cast<std::ptrdiff_t>(state_base));
+      for (size_t c = 0; c < state_tokens.size(); ++c) {
+        if (state_tokens[c] != t - begin + 1) continue;
+        std::copy(state.begin(), state.end(), ref.states_after[c].begin() + static_cast<std::ptrdiff_t>(state_base));
+      }
     }
-  }
+    std::copy(state.begin(), state.end(), ref.final_state.begin() + static_cast<std::ptrdiff_t>(state_base));
+  };
+
+  const int64_t pairs = N * H;
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
+  std::string failure;
+  std::mutex failure_mutex;
+  auto work = [&] {
+    for (int64_t pair = next++; pair < pairs && !failed; pair = next++) {
+      try {
+        run_pair(pair / H, pair % H);
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(failure_mutex);
+        failure = e.what();
+        failed = true;
+      }
+    }
+  };
+  const int64_t threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, std::max<int64_t>(pairs, 1));
+  std::vector<std::thread> pool;
+  for (int64_t i = 1; i < threads; ++i) pool.emplace_back(work);
+  work();
+  for (std::thread& thread : pool) thread.join();
+  if (failed) throw std::invalid_argument(failure);
   return ref;
 }
 

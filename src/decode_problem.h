@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 // The validated description of one decode call (fkda_decode), as the
-// backends see it. validate.cpp builds it from fkda_decode_args; backends
+// backends see it. validate_decode.cpp builds it from fkda_decode_args; backends
 // trust its shapes and strides completely, and the GPU backend treats the
 // device-side indices and offsets as untrusted (null when out of range).
 #pragma once

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 // The validated description of one forward call, as the backends see it.
-// validate.cpp builds it from fkda_fwd_args; backends trust it completely.
+// validate_fwd.cpp builds it from fkda_fwd_args; backends trust it completely.
 #pragma once
 
 #include <cstdint>

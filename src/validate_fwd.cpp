@@ -2,6 +2,7 @@
 // fkda_fwd's arguments: activations, states (plain or in a pool by slot),
 // checkpoints and the workspace, on the generic checks of validate_checks.h.
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -97,17 +98,6 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   check_serving(plan, a, p);
 
   const size_t required = plan.workspace_size(B * T, N);
-  if (workspace_bytes < required) {
-    fail(FKDA_ERROR_WORKSPACE_TOO_SMALL,
-         "workspace_bytes: " + std::to_string(workspace_bytes) + " bytes given, " + std::to_string(required) +
-             " needed for " + std::to_string(B * T) + " tokens in " + std::to_string(N) +
-             " sequences (fkda_plan_workspace_size)");
-  }
-  if (required > 0 && workspace == nullptr) {
-    invalid("workspace: NULL, but " + std::to_string(required) + " bytes are needed");
-  }
-  if (required > 0 && reinterpret_cast<uintptr_t>(workspace) % 16 != 0) invalid("workspace: must be 16-byte aligned");
-
   // Written: out, final_state, checkpoints, the pool (read too) and the
   // workspace; final_state may be initial_state itself, nothing between.
   check_no_shared_memory(
@@ -121,7 +111,7 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
        Operand::tensor(a.checkpoint_slots, "checkpoint_slots", false),
        Operand::tensor(a.state_pool, "state_pool", true), Operand::tensor(a.out, "out", true),
        Operand::tensor(a.final_state, "final_state", true), Operand::tensor(a.checkpoints, "checkpoints", true),
-       Operand::bytes(workspace, required, "workspace", true)},
+       Operand::bytes(workspace, std::min(required, workspace_bytes), "workspace", true)},
       {{"initial_state", "final_state"}});
 
   std::vector<Located> located = {{a.q.data, "q"},
@@ -141,8 +131,21 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
                                   {a.checkpoint_offsets.data, "checkpoint_offsets"},
                                   {a.checkpoints.data, "checkpoints"},
                                   {a.checkpoint_slots.data, "checkpoint_slots"}};
-  if (required > 0) located.push_back({workspace, "workspace"});
+  if (required > 0 && workspace != nullptr) located.push_back({workspace, "workspace"});
+  // Where the tensors live before whether the workspace suffices: a tensor
+  // in the wrong memory is the first thing a caller has to fix.
   check_residency(plan, located);
+  if (workspace_bytes < required) {
+    fail(FKDA_ERROR_WORKSPACE_TOO_SMALL,
+         "workspace_bytes: " + std::to_string(workspace_bytes) + " bytes given, " + std::to_string(required) +
+             " needed for " + std::to_string(B * T) + " tokens in " + std::to_string(N) +
+             " sequences (fkda_plan_workspace_size)");
+  }
+  if (required > 0 && workspace == nullptr) {
+    invalid("workspace: NULL, but " + std::to_string(required) + " bytes are needed");
+  }
+  if (required > 0 && reinterpret_cast<uintptr_t>(workspace) % 16 != 0) invalid("workspace: must be 16-byte aligned");
+
 
   // The kernels move rows of 8 bf16 (or 4 f32) in 16-byte accesses.
   check_gpu_rows(plan, {{&a.q, "q"},

@@ -2,16 +2,24 @@
 // libFuzzer target over the argument checks of the C ABI, on CPU plans.
 //
 // Each fkda_fwd or fkda_decode input builds a valid call (with states,
-// pools, slot tables, checkpoints as its flags say), then applies faults to it: an
-// extent, a stride, a dtype, a data pointer moved or replaced, a workspace,
-// a scale. Whatever the faults:
+// pools, slot tables, checkpoints, padding sequences as its flags say), then
+// applies faults to it: an extent, a stride, a dtype, a data pointer moved,
+// replaced or pointed into another argument's buffer, an element of an index
+// tensor, a workspace, a scale, a struct_size (every size from 0 to the
+// current one plus 64, with or without a non-zero byte where a newer
+// header's fields would be). Whatever the faults:
 //  - the library touches no memory outside the buffers the call describes
 //    (ASan) and computes no size that overflows (UBSan);
 //  - a call the header forbids (a span that cannot exist, a misaligned or
-//    NULL pointer, a negative stride, a wrong rank or dtype) is rejected;
-//  - a call without faults succeeds;
+//    NULL pointer, a negative stride, a wrong rank or dtype, a struct_size
+//    no release had, memory written by the call shared with another
+//    argument) is rejected;
+//  - a call without faults succeeds, and so does one whose only faults are
+//    to index elements the header says the call never reads;
 //  - a rejected call's message starts with the name of an argument, and no
 //    output, in-place state or workspace byte has changed.
+// An earlier release's struct_size is modelled: the fields past it are
+// absent to the oracle.
 // Calls whose descriptors are possible but reach past the buffers the
 // harness allocated are not made: no library can tell those from valid ones.
 // The other inputs drive fkda_plan_workspace_size (and the GPU sizing
@@ -30,9 +38,15 @@
 //     pick kMaxTokens + 1 (T); varlen: pick kMaxSeqs (N - 1) and N lengths
 //     (pick kMaxTokens + 1 each)
 //   a fault: pick (the call's tensor arguments + 1): a tensor argument, in
-//     the order the call adds them, then pick kTensorFields and a value; or
-//     the scalars, then pick kScalarFields and a value (a cu_seqlens entry:
-//     pick its index first)
+//     the order the call adds them, then pick kTensorFields and a value (17:
+//     into another buffer, pick the buffer, a byte: odd at its start, else
+//     2 bytes of offset); or the scalars, then pick kScalarFields: 0
+//     workspace moved, 1 workspace_bytes, 2 scale, 3 struct_size a value,
+//     4 a cu_seqlens entry (pick its index, a value), 5 an index element
+//     (pick the tensor, 2 bytes of element, a byte: odd one of
+//     kContentValues, else a value), 6 struct_size (2 bytes modulo sizeof +
+//     65, a byte: odd a non-zero byte past the fields, pick 72 its offset, a
+//     byte its value)
 //   workspace sizes: pick kMaxSizingHeads (heads - 1), value (total_tokens),
 //     value (num_seqs), 4 bytes (raw num_heads of the GPU sizing)
 //   fkda_plan_create: value for each field of fkda_plan_desc in order
@@ -50,7 +64,9 @@
 #include <deque>
 #include <limits>
 #include <memory>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "error.h"
@@ -140,7 +156,15 @@ enum class Reach {
   kOutside,    // possible, but past the buffer: the call is not made
 };
 
-Reach reach(const Slot& s) {
+// [first, last) bytes a present, non-empty descriptor covers.
+struct Span {
+  uintptr_t first = 0, last = 0;
+};
+
+// `buffers`: where a tensor may lie, its own buffer or another argument's
+// (an alias); never the workspace, whose used part the oracle cannot size.
+Reach reach(const Slot& s, const std::vector<const Buffer*>& buffers, Span* span) {
+  *span = Span{};
   const fkda_tensor& t = *s.tensor;
   if (!present(t)) return s.required ? Reach::kForbidden : Reach::kInside;
   if (t.rank != s.rank && t.rank != s.other_rank) return Reach::kForbidden;
@@ -161,15 +185,23 @@ Reach reach(const Slot& s) {
     last += step;
   }
   const int64_t size = element_bytes(t.dtype);
-  const __int128 span = (last + 1) * size;
+  const __int128 bytes = (last + 1) * size;
   const uintptr_t data = reinterpret_cast<uintptr_t>(t.data);
-  if (span > kMax || __int128(data) + span > (__int128(1) << 64)) return Reach::kForbidden;
+  if (bytes > kMax || __int128(data) + bytes > (__int128(1) << 64)) return Reach::kForbidden;
   if (data % uintptr_t(size) != 0) return Reach::kForbidden;
-  if (s.buffer == nullptr || data < s.buffer->begin() ||
-      __int128(data) + span > __int128(s.buffer->begin()) + __int128(s.buffer->size)) {
-    return Reach::kOutside;
+  for (const Buffer* b : buffers) {
+    if (data >= b->begin() && __int128(data) + bytes <= __int128(b->begin()) + __int128(b->size)) {
+      *span = Span{data, uintptr_t(__int128(data) + bytes)};
+      return Reach::kInside;
+    }
   }
-  return Reach::kInside;
+  return Reach::kOutside;
+}
+
+// What the header says each call writes: such memory is shared with no
+// other argument, but initial_state and final_state may be the same.
+bool written_argument(const std::string& name) {
+  return name == "out" || name == "final_state" || name == "checkpoints" || name == "state_pool";
 }
 
 // "q: ...", or an element of one: "state_indices[2]: ...".
@@ -192,9 +224,13 @@ constexpr uint8_t kFlagVarlen = 1, kFlagBf16State = 2, kFlagKvLayout = 4, kFlagI
                   kFlagFinalState = 16, kFlagInPlace = 32, kFlagI32Offsets = 64, kFlagPadded = 128;
 // fkda_fwd's states in a pool, has_initial_state, checkpoints (to a tensor,
 // or to pool slots).
-constexpr uint8_t kServingPool = 1, kServingHasInitial = 2, kServingCheckpoints = 4, kServingCheckpointSlots = 8;
-// fkda_decode: indices as an [N, W] slot table, with num_accepted_tokens.
-constexpr uint8_t kDecodeTable = 8, kDecodeAccepted = 16;
+// kServingPadding: sequence 0 padding, and unread entries holding garbage;
+// kServingSharedStates: initial_state and final_state side by side in one buffer.
+constexpr uint8_t kServingPool = 1, kServingHasInitial = 2, kServingCheckpoints = 4, kServingCheckpointSlots = 8,
+                  kServingPadding = 16, kServingSharedStates = 32;
+// fkda_decode: indices as an [N, W] slot table, with num_accepted_tokens;
+// padding (the last sequence) and unread entries holding garbage.
+constexpr uint8_t kDecodeTable = 8, kDecodeAccepted = 16, kDecodePadding = 32;
 // Descriptors the header allows although they look odd: junk strides on
 // empty tensors, and on axes of extent 1.
 constexpr uint8_t kLenientEmptyStrides = 1, kLenientUnitAxisStrides = 2;
@@ -206,8 +242,8 @@ constexpr size_t kMaxHeads = 2, kMaxBatch = 2, kMaxSeqs = 3, kMaxTokens = 17, kM
 // Sizing runs nothing: more heads, so that sequences times heads can overflow.
 constexpr size_t kMaxSizingHeads = 4;
 
-constexpr int kTensorFields = 17;
-constexpr int kScalarFields = 5;
+constexpr int kTensorFields = 18;
+constexpr int kScalarFields = 7;
 constexpr unsigned char kCanary = 0xA5;
 constexpr int64_t kD = 128;
 
@@ -232,8 +268,37 @@ std::vector<int64_t> packed_strides(const std::vector<int64_t>& shape) {
 
 // The buffers and tensor arguments of one call, and what the header
 // demands of each argument.
+// A packed i32 or i64 index tensor of the valid call, [rows, cols] (cols 1
+// for [rows]), whose elements content faults change.
+struct Indices {
+  const char* name;
+  Buffer* buffer;
+  bool i32;
+  int64_t rows, cols;
+
+  int64_t at(int64_t e) const {
+    if (i32) {
+      int32_t v = 0;
+      std::memcpy(&v, buffer->bytes.get() + size_t(e) * 4, 4);
+      return v;
+    }
+    int64_t v = 0;
+    std::memcpy(&v, buffer->bytes.get() + size_t(e) * 8, 8);
+    return v;
+  }
+  void store(int64_t e, int64_t v) const {
+    if (i32) {
+      const int32_t narrow = int32_t(v);
+      std::memcpy(buffer->bytes.get() + size_t(e) * 4, &narrow, 4);
+    } else {
+      std::memcpy(buffer->bytes.get() + size_t(e) * 8, &v, 8);
+    }
+  }
+};
+
 struct Call {
   std::deque<Buffer> buffers;
+  std::vector<Indices> indices;
   std::vector<Slot> slots;
   std::vector<const Buffer*> written;  // must be unchanged after a rejection
   const Buffer* offsets = nullptr;     // cu_seqlens' buffer, when varlen
@@ -371,6 +436,7 @@ void add_integers(Call& call, Slot slot, bool i32, const std::vector<int64_t>& s
   Buffer& b = call.add(slot, i32 ? FKDA_DTYPE_I32 : FKDA_DTYPE_I64, shape, packed_strides(shape), false);
   if (i32) store_integers<int32_t>(b, values, 1);
   else store_integers<int64_t>(b, values, 1);
+  call.indices.push_back({slot.name, &b, i32, shape[0], shape.size() == 2 ? shape[1] : 1});
 }
 
 // Strides the header says are never looked at: all of an empty tensor's,
@@ -384,9 +450,18 @@ void junk_strides(fkda_tensor& t, uint8_t lenient) {
   }
 }
 
-void apply_tensor_fault(Input& in, fkda_tensor& t) {
+void apply_tensor_fault(Input& in, fkda_tensor& t, const std::vector<const Buffer*>& buffers) {
   const size_t field = in.pick(kTensorFields);
   switch (field) {
+    case 17: {
+      // Into another argument's buffer (or its own): at its start, so that
+      // spans can coincide, or at an element-aligned offset.
+      const Buffer& b = *buffers[in.pick(buffers.size())];
+      const uint64_t size = uint64_t(element_bytes(t.dtype));
+      const uint64_t offset = in.byte() % 2 || b.size == 0 ? 0 : in.bytes(2) % b.size / size * size;
+      t.data = reinterpret_cast<void*>(b.begin() + offset);
+      break;
+    }
     case 0: t.data = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(t.data) + uint64_t(value(in, 0))); break;
     case 1: t.data = reinterpret_cast<void*>(uintptr_t(value(in, 0))); break;
     case 2: t.dtype = int32_t(value(in, t.dtype)); break;
@@ -398,36 +473,59 @@ void apply_tensor_fault(Input& in, fkda_tensor& t) {
   }
 }
 
-// The scalars of a call that faults may change.
+// The scalars of a call that faults may change, and what the oracle knows
+// of the call's struct.
 struct Scalars {
   size_t* struct_size;
-  size_t expected_struct_size;
-  // Sizes in [oldest_struct_size, expected_struct_size) are earlier
-  // releases of the struct, read with fewer fields; the oracle does not model
-  // them (tests/unit does), so faults never produce them.
-  size_t oldest_struct_size;
+  const void* args;  // the struct the slots point into
+  size_t args_size;  // its sizeof
+  // The releases' sizes of the struct and where their fields end, from
+  // flashkda.h (apart from the library's table); the last is this header's.
+  std::vector<std::pair<size_t, size_t>> releases;
   float* scale;
-  void** workspace;       // nullptr: the entry point takes no workspace
+  void** workspace;  // nullptr: the entry point takes no workspace
   size_t* workspace_bytes;
   const Buffer* workspace_buffer;
 };
 
+// How far past sizeof a newer caller's struct may reach (flashkda.h).
+constexpr size_t kMaxStructGrowth = 4096;
+
+// A content fault: the element of an index tensor it changed.
+struct ContentFault {
+  std::string name;
+  int64_t row, col;
+};
+
+constexpr int64_t kContentValues[] = {-1, 0, 1, 2, 7, 16, 17, 32, 999, -999};
+
 // Applies the input's faults to a valid call, makes the call when it is
-// safe to, and checks the outcome against the header's rules.
-template <typename Invoke>
-void check_call(Input& in, Call& call, const Scalars& scalars, uint8_t lenient, Invoke invoke) {
+// safe to, and checks the outcome against the header's rules. `unread`
+// says whether flashkda.h lists an index element as one the call never
+// reads (given the contents after the faults); `invoke` takes the struct
+// as the library sees it.
+template <typename Unread, typename Invoke>
+void check_call(Input& in, Call& call, const Scalars& scalars, uint8_t lenient, Unread unread, Invoke invoke) {
   for (const Slot& s : call.slots)
     if (present(*s.tensor)) junk_strides(*s.tensor, lenient);
+  std::vector<const Buffer*> tensor_buffers;
+  for (const Buffer& b : call.buffers)
+    if (&b != scalars.workspace_buffer) tensor_buffers.push_back(&b);
 
-  bool faulted = false;
+  bool faulted = false, other_faults = false;
+  std::vector<ContentFault> contents;
+  std::vector<std::pair<size_t, unsigned char>> tail;  // bytes past the struct
   for (int count = 0; count < 12 && !in.done(); ++count) {
     faulted = true;
     const size_t target = in.pick(call.slots.size() + 1);
     if (target < call.slots.size()) {
-      apply_tensor_fault(in, *call.slots[target].tensor);
+      other_faults = true;
+      apply_tensor_fault(in, *call.slots[target].tensor, tensor_buffers);
       continue;
     }
-    switch (in.pick(kScalarFields)) {
+    const size_t scalar = in.pick(kScalarFields);
+    other_faults = other_faults || scalar != 5;
+    switch (scalar) {
       case 0:
         if (scalars.workspace != nullptr) {
           *scalars.workspace =
@@ -442,21 +540,59 @@ void check_call(Input& in, Call& call, const Scalars& scalars, uint8_t lenient, 
         std::memcpy(scalars.scale, &bits, 4);
         break;
       }
-      case 3: {
-        const size_t size = size_t(value(in, int64_t(*scalars.struct_size)));
-        const bool older = size >= scalars.oldest_struct_size && size < scalars.expected_struct_size;
-        *scalars.struct_size = older ? scalars.expected_struct_size : size;
+      case 3:
+        *scalars.struct_size = size_t(value(in, int64_t(*scalars.struct_size)));
         break;
-      }
-      default:
+      case 4:
         if (call.offsets != nullptr) {
           const size_t i = in.pick(size_t(call.offset_count));
           store_offset(call, i, value(in, 0));
         }
+        break;
+      case 5: {
+        // An element of an index tensor, by the valid call's layout.
+        if (call.indices.empty()) break;
+        const Indices& ix = call.indices[in.pick(call.indices.size())];
+        const int64_t count = ix.rows * ix.cols;
+        if (count == 0) break;
+        const int64_t e = int64_t(in.bytes(2) % uint64_t(count));
+        const int64_t v = in.byte() % 2 ? kContentValues[in.pick(sizeof kContentValues / sizeof kContentValues[0])]
+                                        : value(in, 0);
+        ix.store(e, v);
+        contents.push_back({ix.name, e / ix.cols, e % ix.cols});
+        break;
+      }
+      default: {
+        // Every size from 0 to this header's plus 64, with a non-zero byte
+        // where a newer header's fields would be, or not.
+        *scalars.struct_size = size_t(in.bytes(2) % (scalars.args_size + 65));
+        if (in.byte() % 2) tail.push_back({scalars.releases.back().second + in.pick(72), uint8_t(in.byte() | 1)});
+      }
     }
   }
 
-  bool forbidden = *scalars.struct_size != scalars.expected_struct_size || !std::isfinite(*scalars.scale);
+  // The struct as the library reads it: a newer caller's is longer, zero
+  // but for the tail faults.
+  const size_t size = *scalars.struct_size;
+  const bool newer = size > scalars.args_size && size - scalars.args_size <= kMaxStructGrowth;
+  std::vector<uint64_t> image(((newer ? size : scalars.args_size) + 7) / 8, 0);
+  auto* image_bytes = reinterpret_cast<unsigned char*>(image.data());
+  std::memcpy(image_bytes, scalars.args, scalars.args_size);
+  for (const auto& [at, byte] : tail)
+    if (at >= scalars.args_size && at < image.size() * 8) image_bytes[at] = byte;
+  // The fields the library reads: a release's, or this header's for a
+  // newer struct whose bytes past them are all zero.
+  bool size_ok = false;
+  size_t known_end = 0;
+  for (const auto& [release_size, fields_end] : scalars.releases) {
+    if (size == release_size) size_ok = true, known_end = fields_end;
+  }
+  if (newer) {
+    known_end = scalars.releases.back().second;
+    size_ok = std::all_of(image_bytes + known_end, image_bytes + size, [](unsigned char c) { return c == 0; });
+  }
+
+  bool forbidden = !size_ok || !std::isfinite(*scalars.scale);
   bool outside = false;
   if (scalars.workspace != nullptr) {
     const uintptr_t w = reinterpret_cast<uintptr_t>(*scalars.workspace);
@@ -465,17 +601,43 @@ void check_call(Input& in, Call& call, const Scalars& scalars, uint8_t lenient, 
               __int128(w) + *scalars.workspace_bytes >
                   __int128(scalars.workspace_buffer->begin()) + scalars.workspace_buffer->size;
   }
+  struct Seen {
+    const Slot* slot;
+    Span span;
+  };
+  std::vector<Seen> seen;
   for (const Slot& s : call.slots) {
-    const Reach r = reach(s);
-    forbidden = forbidden || r == Reach::kForbidden;
+    // A field past an earlier release's struct is not read: absent.
+    const size_t offset = size_t(reinterpret_cast<const char*>(s.tensor) - static_cast<const char*>(scalars.args));
+    Span span;
+    const Reach r = reach(s, tensor_buffers, &span);
     outside = outside || r == Reach::kOutside;
+    if (size_ok && offset >= known_end) continue;
+    forbidden = forbidden || r == Reach::kForbidden;
+    if (r == Reach::kInside && span.first != span.last) seen.push_back({&s, span});
+  }
+  // Any two arguments one of which the call writes share no byte, unless
+  // they are initial_state and final_state over the very same bytes.
+  for (size_t j = 0; j < seen.size(); ++j) {
+    for (size_t i = 0; i < j; ++i) {
+      const Seen &a = seen[i], &b = seen[j];
+      if (!written_argument(a.slot->name) && !written_argument(b.slot->name)) continue;
+      if (!(a.span.first < b.span.last && b.span.first < a.span.last)) continue;
+      const std::set<std::string> pair = {a.slot->name, b.slot->name};
+      const bool in_place = pair == std::set<std::string>{"initial_state", "final_state"} &&
+                            a.span.first == b.span.first && a.span.last == b.span.last;
+      forbidden = forbidden || !in_place;
+    }
   }
   // The library may read a possible descriptor's contents (cu_seqlens,
   // indices) before it reaches a forbidden one, so a call with anything
   // past its buffer is never made.
   if (outside) return;
+  const bool only_unread = faulted && !other_faults && std::all_of(contents.begin(), contents.end(), [&](const ContentFault& c) {
+    return unread(c.name, c.row, c.col);
+  });
 
-  const fkda_status status = invoke();
+  const fkda_status status = invoke(static_cast<const void*>(image.data()));
   const std::string message = fkda_last_error();
   if (status == FKDA_SUCCESS) {
     if (forbidden) finding("a call the header forbids was accepted");
@@ -483,12 +645,20 @@ void check_call(Input& in, Call& call, const Scalars& scalars, uint8_t lenient, 
     return;
   }
   if (!faulted) finding("a valid call was rejected: " + message);
+  if (only_unread) finding("an index flashkda.h says is never read was checked: " + message);
   std::vector<std::string> names = {"args", "plan", "scale", "workspace", "workspace_bytes"};
   for (const Slot& s : call.slots) names.push_back(s.name);
   if (!names_an_argument(message, names)) finding("a rejection names no argument: '" + message + "'");
   for (const Buffer* written : call.written) {
     if (!untouched(*written, kCanary)) finding("a rejected call wrote to an output (" + message + ")");
   }
+}
+
+// Where a struct's fields end, and its sizeof as a release ended it there.
+#define FIELD_END(S, f) (offsetof(S, f) + sizeof(static_cast<S*>(nullptr)->f))
+template <typename S>
+std::pair<size_t, size_t> release_ending(size_t fields_end) {
+  return {(fields_end + alignof(S) - 1) / alignof(S) * alignof(S), fields_end};
 }
 
 void fuzz_fwd(Input& in) {
@@ -508,6 +678,9 @@ void fuzz_fwd(Input& in) {
   const bool pooled = serving & kServingPool;
   const bool slot_checkpoints = pooled && (serving & kServingCheckpointSlots);
   const bool checkpoints = serving & kServingCheckpoints;
+  // Sequence 0 padding, and the entries flashkda.h says are never read
+  // holding values that would fail if they were.
+  const bool padding = pooled && (serving & kServingPadding) && N > 0;
   if (pooled) {
     // Slots [0, N) for the states, [N, 2N) for checkpoints.
     const int64_t pad = flags & kFlagPadded ? 64 : 0;
@@ -515,6 +688,7 @@ void fuzz_fwd(Input& in) {
     call.add(pool, state_dtype, shape, {H * kD * kD + pad, kD * kD, kD, 1}, true);
     std::vector<int64_t> slots(static_cast<size_t>(N));
     for (int64_t n = 0; n < N; ++n) slots[size_t(n)] = n;
+    if (padding) slots[0] = -1;
     add_integers(call, indices, i32, {N}, slots);
     call.absent(initial);
     call.absent(final);
@@ -522,13 +696,24 @@ void fuzz_fwd(Input& in) {
     call.absent(pool);
     call.absent(indices);
     const bool in_place = flags & kFlagInPlace;
-    if (flags & kFlagInitialState) {
+    const bool both = (flags & kFlagInitialState) && (flags & kFlagFinalState);
+    if (both && !in_place && (serving & kServingSharedStates)) {
+      // initial_state then final_state in one buffer: a pointer fault can
+      // make them overlap partly (forbidden) or coincide (in place).
+      const int64_t state_elements = N * H * kD * kD;
+      Buffer& b = call.add(initial, state_dtype, {2 * N, H, kD, kD}, packed_strides({2 * N, H, kD, kD}), true);
+      a.initial_state.shape[0] = N;
+      call.over(final, b, state_dtype, states, packed_strides(states));
+      a.final_state.data = b.bytes.get() + size_t(state_elements * element_bytes(state_dtype));
+    } else if (flags & kFlagInitialState) {
       call.add(initial, state_dtype, states, packed_strides(states), in_place);
       if (flags & kFlagFinalState && in_place) call.over(final, *call.written.back(), state_dtype, states, packed_strides(states));
     } else {
       call.absent(initial);
     }
-    if (flags & kFlagFinalState && !(in_place && flags & kFlagInitialState)) {
+    if (both && !in_place && (serving & kServingSharedStates)) {
+      // both added above
+    } else if (flags & kFlagFinalState && !(in_place && flags & kFlagInitialState)) {
       call.add(final, state_dtype, states, packed_strides(states), true);
     } else if (!(flags & kFlagFinalState)) {
       call.absent(final);
@@ -549,7 +734,12 @@ void fuzz_fwd(Input& in) {
     std::vector<int64_t> at, slots;
     for (int64_t n = 0; n < N; ++n) {
       at.insert(at.end(), {s.lengths[size_t(n)] >= 16 ? 16 : -1, -1});
-      slots.insert(slots.end(), {N + n, -1});
+      // The slot behind offset -1 is not read.
+      slots.insert(slots.end(), {N + n, padding ? 999 : -1});
+    }
+    if (padding) {
+      at[0] = 7;
+      slots[0] = 999;
     }
     add_integers(call, offsets, i32, {N, 2}, at);
     if (slot_checkpoints) {
@@ -575,12 +765,36 @@ void fuzz_fwd(Input& in) {
   Buffer& workspace = call.buffers.emplace_back(workspace_bytes, kCanary);
   call.written.push_back(&workspace);
   void* workspace_data = workspace.bytes.get();
-  // 0.1 ended the struct after `scale`.
-  const size_t oldest = offsetof(fkda_fwd_args, scale) + sizeof(float);
-  const Scalars scalars = {&a.struct_size, sizeof(fkda_fwd_args), oldest, &a.scale, &workspace_data,
-                           &workspace_bytes, &workspace};
-  check_call(in, call, scalars, lenient,
-             [&] { return fkda_fwd(plan, &a, workspace_data, workspace_bytes, nullptr); });
+  const Scalars scalars = {&a.struct_size,
+                           &a,
+                           sizeof a,
+                           {release_ending<fkda_fwd_args>(FIELD_END(fkda_fwd_args, scale)),
+                            release_ending<fkda_fwd_args>(FIELD_END(fkda_fwd_args, checkpoint_slots))},
+                           &a.scale,
+                           &workspace_data,
+                           &workspace_bytes,
+                           &workspace};
+  // What the call never reads (flashkda.h): a padding sequence's
+  // checkpoints, and the slot of a negative checkpoint offset.
+  auto element = [&](const char* name, int64_t row, int64_t col, int64_t* v) {
+    for (const Indices& ix : call.indices) {
+      if (std::strcmp(ix.name, name) == 0 && row < ix.rows && col < ix.cols) {
+        *v = ix.at(row * ix.cols + col);
+        return true;
+      }
+    }
+    return false;
+  };
+  auto unread = [&](const std::string& name, int64_t row, int64_t col) {
+    int64_t slot = 0, offset = 0;
+    const bool padded = element("state_indices", row, 0, &slot) && slot < 0;
+    if (name == "checkpoint_offsets") return padded;
+    if (name == "checkpoint_slots") return padded || (element("checkpoint_offsets", row, col, &offset) && offset < 0);
+    return false;
+  };
+  check_call(in, call, scalars, lenient, unread, [&](const void* args) {
+    return fkda_fwd(plan, static_cast<const fkda_fwd_args*>(args), workspace_data, workspace_bytes, nullptr);
+  });
   fkda_plan_destroy(plan);
 }
 
@@ -603,20 +817,60 @@ void fuzz_decode(Input& in) {
   call.add(pool, state_dtype, pool_shape, packed_strides(pool_shape), true);
   std::vector<int64_t> slots(size_t(N * W));
   for (int64_t i = 0; i < N * W; ++i) slots[size_t(i)] = i;
+  std::vector<int64_t> accepted_counts(size_t(N), 1);
+  if (flags & kDecodePadding) {
+    // What the call never reads holds what would fail if it were: the
+    // indices and count of a zero-length sequence, table columns past a
+    // sequence's length, a padding sequence's other columns (the last
+    // sequence is padding).
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t length = s.lengths[size_t(n)];
+      for (int64_t t = std::max<int64_t>(length, 1); t < W; ++t) slots[size_t(n * W + t)] = 999;
+      if (length == 0) {
+        slots[size_t(n * W)] = 999;
+        accepted_counts[size_t(n)] = 99;
+      }
+    }
+    if (N > 0 && s.lengths[size_t(N - 1)] > 0) {
+      for (int64_t t = 1; t < W; ++t) slots[size_t((N - 1) * W + t)] = 999;
+      slots[size_t((N - 1) * W)] = -1;
+    }
+  }
   // [N] and [N, W] are both valid whatever the valid call used.
   const Slot indices = {"state_indices", &a.state_indices, nullptr, true, table ? 2 : 1, kIntegers, table ? 1 : 2};
   if (table) add_integers(call, indices, i32, {N, W}, slots);
   else add_integers(call, indices, i32, {N}, slots);
   const Slot accepted = {"num_accepted_tokens", &a.num_accepted_tokens, nullptr, false, 1, kIntegers};
-  if (table && (flags & kDecodeAccepted)) add_integers(call, accepted, i32, {N}, std::vector<int64_t>(size_t(N), 1));
+  const bool with_accepted = table && (flags & kDecodeAccepted);
+  if (with_accepted) add_integers(call, accepted, i32, {N}, accepted_counts);
   else call.absent(accepted);
   a.scale = 0.088f;
 
   const fkda_plan_t plan = cpu_plan(H, flags);
   // fkda_decode needs no workspace and takes any.
-  const Scalars scalars = {&a.struct_size, sizeof(fkda_decode_args), sizeof(fkda_decode_args), &a.scale, nullptr,
-                           nullptr, nullptr};
-  check_call(in, call, scalars, lenient, [&] { return fkda_decode(plan, &a, nullptr, 0, nullptr); });
+  const Scalars scalars = {&a.struct_size, &a, sizeof a,
+                           {release_ending<fkda_decode_args>(FIELD_END(fkda_decode_args, scale))},
+                           &a.scale, nullptr, nullptr, nullptr};
+  // What the call never reads (flashkda.h): a zero-length sequence's row and
+  // count, columns at and past a sequence's length but its start, and a
+  // padding sequence's columns but its start.
+  auto unread = [&](const std::string& name, int64_t row, int64_t col) {
+    const int64_t length = s.lengths[size_t(row)];
+    if (length == 0) return true;
+    if (name != "state_indices" || !table) return false;
+    int64_t start_col = 0;
+    if (with_accepted) {
+      for (const Indices& ix : call.indices)
+        if (std::strcmp(ix.name, "num_accepted_tokens") == 0) start_col = ix.at(row) - 1;
+    }
+    if (start_col < 0 || start_col >= W || col == start_col) return false;
+    const Indices& ix = call.indices.front();
+    const bool padded = ix.at(row * W + start_col) < 0;
+    return col >= length || padded;
+  };
+  check_call(in, call, scalars, lenient, unread, [&](const void* args) {
+    return fkda_decode(plan, static_cast<const fkda_decode_args*>(args), nullptr, 0, nullptr);
+  });
   fkda_plan_destroy(plan);
 }
 
@@ -645,7 +899,7 @@ void fuzz_workspace_sizes(Input& in) {
   // GPU; it is called directly. It may refuse (UNSUPPORTED), never overflow.
   const int32_t gpu_heads = int32_t(uint32_t(in.bytes(4)));
   try {
-    fkda::gpu::workspace_size(total_tokens, num_seqs, gpu_heads);
+    fkda::gpu::workspace_size(total_tokens, num_seqs, gpu_heads, fkda::Tuning{});
   } catch (const fkda::Error& e) {
     if (e.status != FKDA_ERROR_UNSUPPORTED) finding("GPU workspace sizing failed with " + e.message);
   }
@@ -669,14 +923,21 @@ void fuzz_plan_create(Input& in) {
   desc.debug_checks = int32_t(value(in, desc.debug_checks));
   desc.gate_mode = int32_t(value(in, desc.gate_mode));
   desc.beta_mode = int32_t(value(in, desc.beta_mode));
+  // A size a newer header could have: the library reads that many bytes,
+  // zeros past this header's struct.
+  const bool newer = desc.struct_size > sizeof desc && desc.struct_size - sizeof desc <= kMaxStructGrowth;
+  std::vector<uint64_t> image(((newer ? desc.struct_size : sizeof desc) + 7) / 8, 0);
+  std::memcpy(image.data(), &desc, sizeof desc);
   fkda_plan_t plan = nullptr;
-  const fkda_status status = fkda_plan_create(&desc, &plan);
+  const fkda_status status = fkda_plan_create(reinterpret_cast<const fkda_plan_desc*>(image.data()), &plan);
   if (status != FKDA_SUCCESS) {
     if (plan != nullptr) finding("a refused plan was returned");
     if (!names_an_argument(fkda_last_error(), {"desc", "desc.num_heads", "desc.head_dim_k", "desc.head_dim_v",
                                                "desc.state_dtype", "desc.state_layout", "desc.backend",
                                                "desc.lower_bound", "desc.null_slot_rule", "desc.debug_checks",
-                                               "desc.gate_mode", "desc.beta_mode"})) {
+                                               "desc.gate_mode", "desc.beta_mode", "desc.vsplit",
+                                               "desc.chunk_parallel", "desc.window_slots",
+                                               "desc.segment_chunks"})) {
       finding(std::string("a refused plan names no field: ") + fkda_last_error());
     }
     return;

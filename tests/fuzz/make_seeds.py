@@ -9,16 +9,18 @@ import struct
 
 FWD, WORKSPACE_SIZES, PLAN_CREATE, DECODE = 0, 1, 2, 3
 VARLEN, BF16_STATE, KV_LAYOUT, INITIAL, FINAL, IN_PLACE, I32_OFFSETS, PADDED = (1 << i for i in range(8))
-POOL, HAS_INITIAL, CHECKPOINTS, CHECKPOINT_SLOTS = 1, 2, 4, 8
-TABLE, ACCEPTED = 8, 16
+POOL, HAS_INITIAL, CHECKPOINTS, CHECKPOINT_SLOTS, PADDING, SHARED_STATES = 1, 2, 4, 8, 16, 32
+TABLE, ACCEPTED, DECODE_PADDING = 8, 16, 32
 LENIENT_EMPTY, LENIENT_UNIT_AXES = 1, 2
 # The tensor arguments in the order each call adds them; the scalars follow.
 SHARED = ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "out", "cu_seqlens"]
 FWD_SLOTS = SHARED + ["state_pool", "state_indices", "initial_state", "final_state", "has_initial_state",
                       "checkpoint_offsets", "checkpoints", "checkpoint_slots"]
 DECODE_SLOTS = SHARED + ["state_pool", "state_indices", "num_accepted_tokens"]
-DATA_PLUS, DATA_AT, DTYPE, RANK, SHAPE0, STRIDE0, ABSENT = 0, 1, 2, 3, 4, 10, 16
-WORKSPACE_PLUS, WORKSPACE_BYTES, SCALE, STRUCT_SIZE, OFFSET_VALUE = range(5)
+DATA_PLUS, DATA_AT, DTYPE, RANK, SHAPE0, STRIDE0, ABSENT, ALIAS = 0, 1, 2, 3, 4, 10, 16, 17
+WORKSPACE_PLUS, WORKSPACE_BYTES, SCALE, STRUCT_SIZE, OFFSET_VALUE, INDEX_VALUE, STRUCT_BYTES = range(7)
+# fuzz_validation.cpp's kContentValues.
+CONTENT_VALUES = [-1, 0, 1, 2, 7, 16, 17, 32, 999, -999]
 # The ranges of fuzz_validation.cpp's valid calls (kMax*).
 MAX_HEADS, MAX_BATCH, MAX_SEQS, MAX_TOKENS, MAX_DECODE_TOKENS, MAX_SIZING_HEADS = 2, 2, 3, 17, 16, 4
 
@@ -71,6 +73,23 @@ def fwd_fault(name, field, value):
     return fault(FWD_SLOTS, name, field, value)
 
 
+def struct_bytes(slots, size, tail_offset=None, tail_value=0):
+    """struct_size `size`; a non-zero byte `tail_offset` bytes past the fields."""
+    tail = bytes([0]) if tail_offset is None else bytes([1, tail_offset, tail_value])
+    return bytes([len(slots), STRUCT_BYTES]) + struct.pack("<H", size) + tail
+
+
+def index_value(slots, tensor, element, value):
+    """Element `element` of the call's `tensor`-th index tensor set to one of CONTENT_VALUES."""
+    return bytes([len(slots), INDEX_VALUE, tensor]) + struct.pack("<H", element) + bytes([1, CONTENT_VALUES.index(value)])
+
+
+def alias(slots, name, buffer, offset=None):
+    """`name` pointed into the call's `buffer`-th buffer: at its start, or `offset` bytes in."""
+    where = bytes([1]) if offset is None else bytes([0]) + struct.pack("<H", offset)
+    return bytes([slots.index(name), ALIAS, buffer]) + where
+
+
 SEEDS = {
     "valid_batched_states": fwd(2, INITIAL | FINAL, batch=2, tokens=17),
     "valid_varlen_everything": fwd(2, 0xFF & ~VARLEN, lenient=LENIENT_UNIT_AXES, lengths=[0, 17, 7]),
@@ -107,6 +126,28 @@ SEEDS = {
     "finding_empty_varlen_any_strides": fwd(2, INITIAL | FINAL | IN_PLACE, lenient=LENIENT_EMPTY | LENIENT_UNIT_AXES,
                                             lengths=[0, 0, 0]),
     "finding_empty_pool_any_strides": fwd(1, serving=POOL | CHECKPOINTS, lenient=LENIENT_EMPTY, batch=0, tokens=0),
+    # Entries flashkda.h says are never read hold values that fail if read:
+    # a padding sequence's checkpoints, the slot of a negative offset, a
+    # zero-length sequence's slots and count, table columns past a length.
+    "valid_fwd_padding_unread_entries": fwd(2, I32_OFFSETS, POOL | CHECKPOINTS | CHECKPOINT_SLOTS | PADDING,
+                                            lengths=[16, 17, 0]),
+    "valid_decode_padding_unread_entries": decode(2, TABLE | ACCEPTED | DECODE_PADDING, lengths=[0, 3, 5]),
+    "valid_decode_padding_rows": decode(1, DECODE_PADDING, lengths=[0, 2, 1]),
+    "unread_padding_checkpoint_offset": fwd(1, 0, POOL | CHECKPOINTS | CHECKPOINT_SLOTS | PADDING, lengths=[16, 16])
+    + index_value(FWD_SLOTS, 1, 0, 999),
+    # final_state one element into initial_state's buffer was accepted and
+    # overwrote states before they were read; at its start it is in place.
+    "finding_final_state_partly_over_initial": fwd(1, INITIAL | FINAL, SHARED_STATES, batch=1, tokens=16)
+    + alias(FWD_SLOTS, "final_state", 8, offset=4),
+    "valid_final_state_in_place_by_alias": fwd(1, INITIAL | FINAL, SHARED_STATES, batch=1, tokens=16)
+    + alias(FWD_SLOTS, "final_state", 8),
+    # A struct_size inside state_indices' descriptor was accepted and cut
+    # its stride off; 0.1's size reads no pool field; a newer caller's
+    # non-zero byte in fkda_decode_args' padding is a field unknown here.
+    "finding_struct_size_1424": fwd(1, 0, POOL, lengths=[3, 5]) + struct_bytes(FWD_SLOTS, 1424),
+    "struct_size_0_1_with_pool": fwd(1, 0, POOL | CHECKPOINTS | CHECKPOINT_SLOTS, lengths=[16, 3])
+    + struct_bytes(FWD_SLOTS, 1248),
+    "struct_size_newer_decode_padding_byte": decode(1, batch=1, tokens=1) + struct_bytes(DECODE_SLOTS, 1368, 0, 0x5A),
     # struct_size, num_heads 2, head dims, state dtype and layout, backend,
     # lower_bound -5, null slot rule, debug checks, gate and beta modes.
     "valid_plan_desc": plan_create(0, 0),

@@ -16,8 +16,7 @@
 
 using namespace fkda_test;
 
-TEST_CASE("chunk-parallel: segment boundaries inside and at the ends of chunks and sequences",
-          "[gpu][segments][sanitize]") {
+TEST_CASE("chunk-parallel: segment boundaries inside and at the ends of chunks and sequences", "[gpu][segments]") {
   // Lengths of 0 to 1000 tokens: sequences of one segment, sequences that end
   // exactly at a segment boundary (48 = 3 chunks), one token past it, and
   // partial last chunks.
@@ -68,4 +67,16 @@ TEST_CASE("chunk-parallel: windows cut through segments", "[gpu][segments][windo
     const Checked checked = check_case(in_segments(c, 3));
     CHECK(checked.launch.windows > 1);
   }
+}
+
+TEST_CASE("chunk-parallel: small cases for compute-sanitizer", "[gpu][segments][sanitize]") {
+  // Every kernel of the path: one-segment, exact-boundary and partial-chunk
+  // sequences, a zero-length one, windows cutting segments, KV states in place
+  // of VK, a pool-free call without states.
+  Case c = slowly_decaying(with_state(varlen("sanitize", {0, 17, 48, 49, 130}, 2, 801), FKDA_DTYPE_BF16,
+                                      FKDA_STATE_LAYOUT_KV, true, true));
+  check_case(in_segments(c, 1));
+  c.window_slots = 4;
+  check_case(in_segments(c, 3));
+  check_case(in_segments(varlen("sanitize, no states", {33, 70}, 2, 802), 2));
 }

@@ -117,6 +117,9 @@ TEST_CASE("prefill: the automatic windows of a large call give the bits of one w
   for (fkda_dtype dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
     CAPTURE(dtype);
     Case c = with_state(Case{}, dtype, FKDA_STATE_LAYOUT_VK, true, true);
+    // Serial both times: one sequence of 8 heads alone would be cut into
+    // segments, whose bits differ from the chain's (test_chunk_parallel.cpp).
+    c.chunk_parallel = FKDA_CHUNK_PARALLEL_OFF;
     const Outputs whole = run_gpu(p, c);
     CHECK(whole.launch.windows >= 2);
     size_t nan_count = 0;

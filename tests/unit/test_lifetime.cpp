@@ -40,12 +40,12 @@ TEST_CASE("a destroyed plan's handle never reaches a plan created later", "[life
 
 TEST_CASE("fkda_plan_destroy keeps the message of the failing call before it", "[lifetime]") {
   fkda_plan_t plan = cpu_plan(2);
+  fkda_plan_t collected = cpu_plan(4);
   size_t bytes = 0;
   REQUIRE(fkda_plan_workspace_size(plan, -1, 1, &bytes) == FKDA_ERROR_INVALID_ARGUMENT);
   const std::string message = fkda_last_error();
   CHECK(message.rfind("total_tokens: ", 0) == 0);
   // What a garbage collector may run between the failure and the read.
-  fkda_plan_t collected = cpu_plan(4);
   REQUIRE(fkda_plan_destroy(collected) == FKDA_SUCCESS);
   CHECK(fkda_plan_destroy(nullptr) == FKDA_SUCCESS);
   CHECK(std::string(fkda_last_error()) == message);

@@ -101,7 +101,7 @@ def test_the_real_package_wraps_every_header_function():
                      ["FKDA_BETA_PROBABILITIES", "the header has 1"], id="wrong_beta_constant"),
         pytest.param("            choose(\"beta_mode\", beta_mode,\n"
                      "                   (logits=FKDA_BETA_LOGITS, probabilities=FKDA_BETA_PROBABILITIES)),\n",
-                     "", ["fkda_plan_desc(...) passes 11 arguments, the struct has 12 fields"],
+                     "", ["fkda_plan_desc(...) passes 15 arguments, the struct has 16 fields"],
                      id="constructor_call_without_the_appended_field"),
         pytest.param("const FKDA_MAX_RANK = 6", "const FKDA_MAX_RANK = 5",
                      ["FKDA_MAX_RANK", "the header has 6"], id="wrong_define"),

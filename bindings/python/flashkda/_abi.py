@@ -69,7 +69,9 @@ class BetaMode(enum.IntEnum):
 
 
 class ChunkParallel(enum.IntEnum):
-    """Whether GPU prefill cuts long sequences into segments (fkda_chunk_parallel, 0.4)."""
+    """Whether GPU prefill cuts long sequences into parallel segments
+    (fkda_chunk_parallel, 0.4; fkda_plan_desc.chunk_parallel)."""
+
     AUTO = 0
     OFF = 1
     ON = 2

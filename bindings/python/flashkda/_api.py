@@ -500,15 +500,24 @@ class Plan:
 _derived_blocks = threading.local()
 
 
-def run_derived(entry, arrays, scale, lower_bound, null_slot_rule, gate_mode, beta_mode):
+def run_derived(entry, arrays, scale, lower_bound, null_slot_rule, gate_mode, beta_mode,
+                check=None):
     """Launches `entry` on a shared plan derived from the arguments: the backend
     follows where the arrays live, heads and state dtype entry.plan_shape; the
-    rest of the plan's description is given."""
+    rest of the plan's description is given.
+
+    check: None, or a function of (arrays, scale, lower_bound) that raises for
+    arguments its caller refuses. It runs when an argument block is built, so
+    it may only look at what the block's key holds (the arrays' layouts and
+    dtypes, the lead array's device, scale and lower_bound), and it is part
+    of the key."""
     library = _current_library()
     device, signature, pointers, keep = _launch.describe(
         _launch.producer_of(arrays[0]), entry.tensors, arrays)
 
     def build():
+        if check is not None:
+            check(arrays, scale, lower_bound)
         views = _launch.views_by_name(entry, arrays)
         placement = _launch.placement_of(views)
         num_heads, state_dtype = entry.plan_shape(views)
@@ -530,7 +539,7 @@ def run_derived(entry, arrays, scale, lower_bound, null_slot_rule, gate_mode, be
                                      placement, hold_plan=True)
 
     key = (entry.function, library, device, scale, lower_bound, null_slot_rule, gate_mode, beta_mode,
-           signature)
+           signature, check)
     block = _cached_block(_launch.thread_blocks(_derived_blocks), key, build)
     block.launch(pointers)
     del keep

@@ -262,6 +262,11 @@ class ArgumentBlock:
                 f"pass a device buffer of at least {self.workspace_bytes} bytes"
             )
 
+    @property
+    def plan(self):
+        """The block's plan (None once it is gone, for a block it does not hold)."""
+        return self._plan()
+
     def set_pointers(self, pointers):
         words = self.words
         for slot, pointer in zip(self.slots, pointers):
@@ -275,7 +280,7 @@ class ArgumentBlock:
             owner, pointer = self.allocate(self.workspace_bytes)
             return owner, pointer, self.workspace_bytes
         view = _arrays.view("workspace", workspace)
-        backend_memory = self._plan()._backend_memory()
+        backend_memory = self.plan._backend_memory()
         # fkda_fwd checks the workspace's size and alignment, not where it lives.
         if self.fits_plan and view.memory != backend_memory:
             runs = "the CPU backend" if backend_memory == _arrays.HOST else "the GPU backend"

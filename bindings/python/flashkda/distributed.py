@@ -20,9 +20,9 @@ CUDA tensors (GPU backend); the library itself never communicates.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List
 
-from ._abi import BetaMode, GateMode
+from ._abi import BetaMode, GateMode, NullSlotRule
 from ._api import apply_transitions, fwd, transitions
 from ._errors import invalid_argument
 
@@ -121,8 +121,9 @@ def make_layout(local_tokens, world_size, rank, cu_seqlens=None, rank_offsets=No
 
 def context_parallel_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,
                          initial_state=None, final_state=None, cu_seqlens=None, *,
-                         group=None, rank_offsets=None, gate_mode=GateMode.BOUNDED,
-                         beta_mode=BetaMode.LOGITS):
+                         group=None, rank_offsets=None, state_pool=None, state_indices=None,
+                         has_initial_state=None, null_slot_rule=NullSlotRule.NEGATIVE,
+                         gate_mode=GateMode.BOUNDED, beta_mode=BetaMode.LOGITS):
     """flashkda.fwd over tokens spread across the ranks of `group`.
 
     Every rank calls it with its own slice of the packed tokens:
@@ -142,6 +143,16 @@ def context_parallel_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bou
                        sequence of no tokens, on the rank owning its offset);
                        the other rows are left as they were, so a gather or
                        sum over ranks of zero-filled buffers assembles them
+      state_pool, state_indices, has_initial_state, null_slot_rule
+                       states in a pool instead: state_pool [slots, H, 128,
+                       128] (f32 or bf16, each rank's own copy), state_indices
+                       [N] and has_initial_state [N] on the host (lists or CPU
+                       tensors), the same on every rank. Sequence n starts
+                       from slot state_indices[n] (zeros where
+                       has_initial_state[n] is false); the rank holding its
+                       last token writes its final state there; a null index
+                       makes it padding (zero output rows, no slot touched).
+                       has_initial_state also applies to initial_state.
       group            the process group (None: the default group)
     Tensors are torch tensors: CPU tensors with a gloo group run on the CPU
     backend, CUDA tensors with NCCL on the GPU backend. One collective: an
@@ -162,6 +173,18 @@ def context_parallel_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bou
         if state is not None and (state.dim() != 4 or state.shape[0] != num_seqs):
             raise invalid_argument(f"{name}: expected [{num_seqs}, H, 128, 128] (one row per "
                                    f"sequence of cu_seqlens), got {list(state.shape)}")
+    if state_pool is not None and (initial_state is not None or final_state is not None):
+        raise invalid_argument("state_indices: the states come from state_pool, so initial_state "
+                               "and final_state must be None")
+    if (state_pool is None) != (state_indices is None):
+        raise invalid_argument("state_indices: state_pool and state_indices go together")
+    slots = _host_ints("state_indices", state_indices, num_seqs)
+    starts = _host_ints("has_initial_state", has_initial_state, num_seqs)
+    nonpositive = int(null_slot_rule) == int(NullSlotRule.NONPOSITIVE) or null_slot_rule == "nonpositive"
+
+    def padding(n):
+        return slots is not None and (slots[n] <= 0 if nonpositive else slots[n] < 0)
+
     device = q.device
     # The rank's states stay in f32 whatever the caller's dtype (a bf16
     # initial state is exact in f32): the state entering a rank is rounded
@@ -195,9 +218,13 @@ def context_parallel_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bou
     if pieces:
         local_initial = torch.zeros(len(pieces), heads, HEAD_DIM, HEAD_DIM, dtype=state_dtype,
                                     device=device)
-        if initial_state is not None:
-            rows = torch.tensor([p.seq for p in pieces], device=initial_state.device)
-            local_initial.copy_(initial_state.index_select(0, rows).to(device=device, dtype=state_dtype))
+        for i, p in enumerate(pieces):
+            if padding(p.seq) or (starts is not None and not starts[p.seq]):
+                continue
+            if state_pool is not None:
+                local_initial[i].copy_(state_pool[slots[p.seq]])
+            elif initial_state is not None:
+                local_initial[i].copy_(initial_state[p.seq])
         first = pieces[0]
         before = layout.ranks_before(rank, first)
         if before:
@@ -211,17 +238,32 @@ def context_parallel_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bou
     # 4. The rank's own tokens from those states.
     local_cu = torch.tensor([0] + [p.end for p in pieces], dtype=torch.int64, device=device)
     local_final = None
-    if final_state is not None and pieces:
+    if (final_state is not None or state_pool is not None) and pieces:
         local_final = torch.empty(len(pieces), heads, HEAD_DIM, HEAD_DIM, dtype=state_dtype,
                                   device=device)
     if pieces:
         fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,
             initial_state=local_initial, final_state=local_final, cu_seqlens=local_cu, **modes)
-    if local_final is not None:
-        for i, p in enumerate(pieces):
-            if _owns_end(layout, rank, p):
+    for i, p in enumerate(pieces):
+        if padding(p.seq):
+            out[:, p.begin:p.end].zero_()
+        elif local_final is not None and _owns_end(layout, rank, p):
+            if state_pool is not None:
+                state_pool[slots[p.seq]].copy_(local_final[i])
+            else:
                 final_state[p.seq].copy_(local_final[i])
     return out
+
+
+def _host_ints(name, values, count):
+    if values is None:
+        return None
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    values = [int(x) for x in values]
+    if len(values) != count:
+        raise invalid_argument(f"{name}: expected {count} entries (one per sequence), got {len(values)}")
+    return values
 
 
 def _owns_end(layout, rank, piece):

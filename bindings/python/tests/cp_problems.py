@@ -41,4 +41,11 @@ def build_problem(case):
     initial = rng.normal(0, 1, (num_seqs, heads, 128, 128)).astype(np.float32)
     problem["initial_state"] = (torch.from_numpy(initial).to(state_dtype)
                                 if case.get("initial_state", True) else None)
+    problem["state_pool"] = None
+    if "state_indices" in case:
+        slots = max(case["state_indices"]) + 2
+        pool = rng.normal(0, 1, (slots, heads, 128, 128)).astype(np.float32)
+        problem["state_pool"] = torch.from_numpy(pool).to(state_dtype)
+        problem["state_indices"] = case["state_indices"]
+        problem["has_initial_state"] = case["has_initial_state"]
     return problem

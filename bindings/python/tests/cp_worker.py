@@ -34,16 +34,21 @@ def main():
             final_state = torch.full_like(p["initial_state"] if p["initial_state"] is not None
                                           else torch.empty(p["N"], p["H"], 128, 128,
                                                            dtype=p["state_dtype"]), float("nan"))
+        pool = p["state_pool"]
+        states = (dict(state_pool=pool, state_indices=p["state_indices"],
+                       has_initial_state=p["has_initial_state"]) if pool is not None
+                  else dict(initial_state=p["initial_state"], final_state=final_state))
         context_parallel_fwd(
             p["q"][:, part], p["k"][:, part], p["v"][:, part], p["g"][:, part], p["beta"][:, part],
-            p["scale"], out, p["A_log"], p["dt_bias"], p["lower_bound"],
-            initial_state=p["initial_state"], final_state=final_state,
+            p["scale"], out, p["A_log"], p["dt_bias"], p["lower_bound"], **states,
             cu_seqlens=case.get("cu_seqlens"),
             rank_offsets=None if case.get("equal_split") else case["rank_offsets"],
             gate_mode=p["gate_mode"])
         np.save(f"{out_dir}/out{rank}.npy", out.float().numpy())
         if final_state is not None:
             np.save(f"{out_dir}/final{rank}.npy", final_state.float().numpy())
+        if pool is not None:
+            np.save(f"{out_dir}/pool{rank}.npy", pool.float().numpy())
     finally:
         dist.destroy_process_group()
     assert flashkda.version()

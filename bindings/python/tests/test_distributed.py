@@ -168,3 +168,37 @@ def test_layout_pieces():
         make_layout(10, 2, 0, cu_seqlens=[0, 5, 30])
     with pytest.raises(flashkda.FlashKDAError, match="q: rank 1"):
         make_layout(10, 2, 1, rank_offsets=[0, 12, 20])
+
+
+def test_context_parallel_pool(tmp_path):
+    """States in a pool: each rank's copy gets the final states of the
+    sequences whose last token it holds, and no other slot changes; padding
+    sequences have zero output and touch no slot."""
+    case = dict(seed=5, H=2, total=180, rank_offsets=[0, 45, 90, 135, 180],
+                cu_seqlens=[0, 60, 100, 170, 180], equal_split=True,
+                state_indices=[3, -1, 0, 5], has_initial_state=[1, 1, 0, 1])
+    out, _ = run_ranks(case, tmp_path)
+    p = build_problem(case)
+    pools = [np.load(tmp_path / f"pool{rank}.npy") for rank in range(4)]
+    original = p["state_pool"].float().numpy()
+    expected_pool = p["state_pool"].clone()
+    expected_out = torch.full((1, case["total"], p["H"], 128), float("nan"), dtype=torch.bfloat16)
+    flashkda.fwd(p["q"], p["k"], p["v"], p["g"], p["beta"], p["scale"], expected_out, p["A_log"],
+                 p["dt_bias"], p["lower_bound"], cu_seqlens=torch.tensor(case["cu_seqlens"]),
+                 state_pool=expected_pool, state_indices=torch.tensor(case["state_indices"]),
+                 has_initial_state=torch.tensor(case["has_initial_state"], dtype=torch.bool))
+    assert np.isfinite(out).all()
+    assert rel_l2(out, expected_out.float().numpy()) < 2e-3
+    assert (out[:, 60:100] == 0).all()  # sequence 1 is padding
+    cu, ranks = case["cu_seqlens"], case["rank_offsets"]
+    for n, slot in enumerate(case["state_indices"]):
+        if slot < 0:
+            continue
+        owner = next(r for r in range(4) if ranks[r] < cu[n + 1] <= ranks[r + 1])
+        assert rel_l2(pools[owner][slot], expected_pool[slot].float().numpy()) < 1e-3, n
+        for rank in range(4):
+            if rank != owner:
+                assert np.array_equal(pools[rank][slot], original[slot])
+    untouched = [s for s in range(original.shape[0]) if s not in case["state_indices"]]
+    for rank in range(4):
+        assert np.array_equal(pools[rank][untouched], original[untouched])

@@ -22,7 +22,8 @@ module FlashKDA
 
 using Libdl
 
-export FlashKDAError, Plan, fwd!, fwd_raw!, decode!, tensor, workspace_size, decode_workspace_size,
+export FlashKDAError, Plan, fwd!, fwd_raw!, decode!, transitions!, apply_transitions!, tensor, workspace_size,
+       decode_workspace_size, transitions_workspace_size,
        backend, lower_bound, set_lower_bound!, query_device, build_info, version, version_string, to_bf16,
        from_bf16, load_library, library_path
 
@@ -31,7 +32,7 @@ export FlashKDAError, Plan, fwd!, fwd_raw!, decode!, tensor, workspace_size, dec
 # ------------------------------------------------------------------------
 
 const FKDA_VERSION_MAJOR = 0
-const FKDA_VERSION_MINOR = 3
+const FKDA_VERSION_MINOR = 4
 const FKDA_VERSION_PATCH = 0
 const FKDA_VERSION_NUMBER = FKDA_VERSION_MAJOR * 10000 + FKDA_VERSION_MINOR * 100 + FKDA_VERSION_PATCH
 
@@ -91,6 +92,11 @@ const fkda_beta_mode = Cint
 const FKDA_BETA_LOGITS = fkda_beta_mode(0)
 const FKDA_BETA_PROBABILITIES = fkda_beta_mode(1)
 
+const fkda_chunk_parallel = Cint
+const FKDA_CHUNK_PARALLEL_AUTO = fkda_chunk_parallel(0)
+const FKDA_CHUNK_PARALLEL_OFF = fkda_chunk_parallel(1)
+const FKDA_CHUNK_PARALLEL_ON = fkda_chunk_parallel(2)
+
 # Opaque types behind the handle typedefs.
 struct fkda_plan_s end
 struct CUstream_st end
@@ -110,6 +116,10 @@ struct fkda_plan_desc
     debug_checks::Int32
     gate_mode::Int32
     beta_mode::Int32
+    vsplit::Int32
+    chunk_parallel::Int32
+    window_slots::Int64
+    segment_chunks::Int64
 end
 
 struct fkda_fwd_args
@@ -151,6 +161,27 @@ struct fkda_decode_args
     scale::Cfloat
 end
 
+struct fkda_transition_args
+    struct_size::Csize_t
+    k::fkda_tensor
+    v::fkda_tensor
+    g::fkda_tensor
+    beta::fkda_tensor
+    A_log::fkda_tensor
+    dt_bias::fkda_tensor
+    cu_seqlens::fkda_tensor
+    transition_m::fkda_tensor
+    transition_e::fkda_tensor
+end
+
+struct fkda_apply_args
+    struct_size::Csize_t
+    transition_m::fkda_tensor
+    transition_e::fkda_tensor
+    initial_state::fkda_tensor
+    final_state::fkda_tensor
+end
+
 struct fkda_device_info
     struct_size::Csize_t
     driver_loaded::Int32
@@ -168,6 +199,8 @@ struct fkda_launch_report
     vsplit::Int64
     windows::Int64
     slots_per_window::Int64
+    chunk_parallel::Int64
+    segment_chunks::Int64
 end
 
 struct fkda_build_info
@@ -216,7 +249,8 @@ const FUNCTION_NAMES = (
     :fkda_status_string, :fkda_last_error, :fkda_version, :fkda_version_string,
     :fkda_plan_create, :fkda_plan_destroy, :fkda_plan_get_backend, :fkda_set_lower_bound,
     :fkda_get_lower_bound, :fkda_plan_workspace_size, :fkda_fwd, :fkda_plan_decode_workspace_size,
-    :fkda_decode, :fkda_query_device, :fkda_plan_get_launch_report, :fkda_get_build_info,
+    :fkda_decode, :fkda_plan_transitions_workspace_size, :fkda_transitions,
+    :fkda_apply_transitions, :fkda_query_device, :fkda_plan_get_launch_report, :fkda_get_build_info,
 )
 
 struct LoadedLibrary
@@ -334,6 +368,17 @@ fkda_decode(plan, args, workspace, workspace_bytes, stream) =
     @ccall $(c_function(:fkda_decode))(plan::fkda_plan_t, args::Ref{fkda_decode_args}, workspace::Ptr{Cvoid},
                                        workspace_bytes::Csize_t, stream::fkda_stream_t)::fkda_status
 
+fkda_plan_transitions_workspace_size(plan, total_tokens, num_seqs, bytes) =
+    @ccall $(c_function(:fkda_plan_transitions_workspace_size))(plan::fkda_plan_t, total_tokens::Int64,
+                                                                num_seqs::Int64, bytes::Ref{Csize_t})::fkda_status
+fkda_transitions(plan, args, workspace, workspace_bytes, stream) =
+    @ccall $(c_function(:fkda_transitions))(plan::fkda_plan_t, args::Ref{fkda_transition_args},
+                                            workspace::Ptr{Cvoid}, workspace_bytes::Csize_t,
+                                            stream::fkda_stream_t)::fkda_status
+fkda_apply_transitions(plan, args, workspace, workspace_bytes, stream) =
+    @ccall $(c_function(:fkda_apply_transitions))(plan::fkda_plan_t, args::Ref{fkda_apply_args},
+                                                  workspace::Ptr{Cvoid}, workspace_bytes::Csize_t,
+                                                  stream::fkda_stream_t)::fkda_status
 fkda_query_device(device, info) =
     @ccall $(c_function(:fkda_query_device))(device::Int32, info::Ref{fkda_device_info})::fkda_status
 
@@ -504,7 +549,7 @@ mutable struct Plan
     function Plan(num_heads; head_dim_k=128, head_dim_v=128, state_dtype=Float32,
                   state_layout=:VK, backend=:auto, lower_bound=-5.0f0,
                   null_slot_rule=:negative, debug_checks=false, gate_mode=:bounded,
-                  beta_mode=:logits)
+                  beta_mode=:logits, chunk_parallel=:auto, segment_chunks=0)
         desc = fkda_plan_desc(
             Csize_t(sizeof(fkda_plan_desc)),
             to_int32("num_heads", num_heads),
@@ -521,6 +566,11 @@ mutable struct Plan
                                             log_decay=FKDA_GATE_LOG_DECAY)),
             choose("beta_mode", beta_mode,
                    (logits=FKDA_BETA_LOGITS, probabilities=FKDA_BETA_PROBABILITIES)),
+            Int32(0),
+            choose("chunk_parallel", chunk_parallel, (auto=FKDA_CHUNK_PARALLEL_AUTO, off=FKDA_CHUNK_PARALLEL_OFF,
+                                                      on=FKDA_CHUNK_PARALLEL_ON)),
+            Int64(0),
+            Int64(segment_chunks),
         )
         handle = Ref{fkda_plan_t}(C_NULL)
         check(fkda_plan_create(Ref(desc), handle))
@@ -594,6 +644,10 @@ workspace_size(plan::Plan, total_tokens::Integer, num_seqs::Integer) =
 """Bytes of workspace `decode!` needs (0 today; later versions may need some)."""
 decode_workspace_size(plan::Plan, total_tokens::Integer, num_seqs::Integer) =
     size_query(fkda_plan_decode_workspace_size, plan, total_tokens, num_seqs)
+
+"""Bytes of workspace `transitions!` needs for these sizes."""
+transitions_workspace_size(plan::Plan, total_tokens::Integer, num_seqs::Integer) =
+    size_query(fkda_plan_transitions_workspace_size, plan, total_tokens, num_seqs)
 
 function size_query(c_function, plan::Plan, total_tokens::Integer, num_seqs::Integer)
     bytes = Ref{Csize_t}(0)
@@ -684,7 +738,7 @@ function enqueue!(c_function, args, size_query, plan::Plan, arrays::NamedTuple, 
     # name, before anything about the workspace.
     arrays_fit_the_plan = lead !== missing && kind == plan_memory
     if workspace === nothing && arrays_fit_the_plan
-        sizes = tokens_and_sequences(arrays.q, arrays.cu_seqlens)
+        sizes = tokens_and_sequences(get(arrays, :q, get(arrays, :k, nothing)), get(arrays, :cu_seqlens, nothing))
         bytes = 0
         if sizes !== nothing
             bytes = try
@@ -717,6 +771,40 @@ function enqueue!(c_function, args, size_query, plan::Plan, arrays::NamedTuple, 
         check(status)
     end
     return nothing
+end
+
+"""
+    transitions!(plan, k, v, g, beta, A_log, dt_bias, transition_m, transition_e;
+                 cu_seqlens=nothing, workspace=nothing, stream=nothing)
+
+`fkda_transitions`: each sequence's segment transition, the map
+`S_out = S_in M + E` of its tokens, written into `transition_m` `(K, K, H, N)`
+and `transition_e` `(K, V, H, N)` (Float32; the C shapes reversed, as
+everywhere here). Inputs as for `fwd!` (no q, no out).
+"""
+function transitions!(plan::Plan, k, v, g, beta, A_log, dt_bias, transition_m, transition_e;
+                      cu_seqlens=nothing, workspace=nothing, stream=nothing)
+    arrays = (k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+              transition_m=transition_m, transition_e=transition_e)
+    args = fkda_transition_args(Csize_t(sizeof(fkda_transition_args)), tensors_of(arrays)...)
+    enqueue!(fkda_transitions, args, transitions_workspace_size, plan, arrays, workspace, stream)
+    return transition_m
+end
+
+"""
+    apply_transitions!(plan, transition_m, transition_e, final_state; initial_state=nothing, stream=nothing)
+
+`fkda_apply_transitions`: transitions `(K, K, H, N, R)` and `(K, V, H, N, R)`
+applied in order (r = 1 first) to `initial_state` `(K, V, H, N)` (`nothing`:
+zeros), into `final_state` (which may be `initial_state` itself).
+"""
+function apply_transitions!(plan::Plan, transition_m, transition_e, final_state;
+                            initial_state=nothing, stream=nothing)
+    arrays = (transition_m=transition_m, transition_e=transition_e, initial_state=initial_state,
+              final_state=final_state)
+    args = fkda_apply_args(Csize_t(sizeof(fkda_apply_args)), tensors_of(arrays)...)
+    enqueue!(fkda_apply_transitions, args, (plan, tokens, seqs) -> 0, plan, arrays, nothing, stream)
+    return final_state
 end
 
 """

@@ -18,7 +18,7 @@ use core::mem::size_of;
 use core::ptr::null_mut;
 
 pub const FKDA_VERSION_MAJOR: u32 = 0;
-pub const FKDA_VERSION_MINOR: u32 = 3;
+pub const FKDA_VERSION_MINOR: u32 = 4;
 pub const FKDA_VERSION_PATCH: u32 = 0;
 pub const FKDA_VERSION_NUMBER: u32 =
     FKDA_VERSION_MAJOR * 10000 + FKDA_VERSION_MINOR * 100 + FKDA_VERSION_PATCH;
@@ -93,6 +93,11 @@ pub type fkda_beta_mode = c_int;
 pub const FKDA_BETA_LOGITS: fkda_beta_mode = 0;
 pub const FKDA_BETA_PROBABILITIES: fkda_beta_mode = 1;
 
+pub type fkda_chunk_parallel = c_int;
+pub const FKDA_CHUNK_PARALLEL_AUTO: fkda_chunk_parallel = 0;
+pub const FKDA_CHUNK_PARALLEL_OFF: fkda_chunk_parallel = 1;
+pub const FKDA_CHUNK_PARALLEL_ON: fkda_chunk_parallel = 2;
+
 /// The opaque plan object behind `fkda_plan_t`.
 #[repr(C)]
 pub struct fkda_plan_s {
@@ -124,6 +129,10 @@ pub struct fkda_plan_desc {
     pub debug_checks: i32,
     pub gate_mode: i32,
     pub beta_mode: i32,
+    pub vsplit: i32,
+    pub chunk_parallel: i32,
+    pub window_slots: i64,
+    pub segment_chunks: i64,
 }
 
 /// FKDA_PLAN_DESC_INIT.
@@ -140,6 +149,10 @@ pub const FKDA_PLAN_DESC_INIT: fkda_plan_desc = fkda_plan_desc {
     debug_checks: 0,
     gate_mode: FKDA_GATE_BOUNDED,
     beta_mode: FKDA_BETA_LOGITS,
+    vsplit: 0,
+    chunk_parallel: FKDA_CHUNK_PARALLEL_AUTO,
+    window_slots: 0,
+    segment_chunks: 0,
 };
 
 // ----------------------------------------------------------------- forward
@@ -230,6 +243,56 @@ pub const FKDA_DECODE_ARGS_INIT: fkda_decode_args = fkda_decode_args {
     scale: 0.088_388_347_648_318_45,
 };
 
+// ------------------------------------------------------------- transitions
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct fkda_transition_args {
+    pub struct_size: usize,
+    pub k: fkda_tensor,
+    pub v: fkda_tensor,
+    pub g: fkda_tensor,
+    pub beta: fkda_tensor,
+    pub A_log: fkda_tensor,
+    pub dt_bias: fkda_tensor,
+    pub cu_seqlens: fkda_tensor,
+    pub transition_m: fkda_tensor,
+    pub transition_e: fkda_tensor,
+}
+
+/// FKDA_TRANSITION_ARGS_INIT: every tensor absent.
+pub const FKDA_TRANSITION_ARGS_INIT: fkda_transition_args = fkda_transition_args {
+    struct_size: size_of::<fkda_transition_args>(),
+    k: FKDA_TENSOR_NONE,
+    v: FKDA_TENSOR_NONE,
+    g: FKDA_TENSOR_NONE,
+    beta: FKDA_TENSOR_NONE,
+    A_log: FKDA_TENSOR_NONE,
+    dt_bias: FKDA_TENSOR_NONE,
+    cu_seqlens: FKDA_TENSOR_NONE,
+    transition_m: FKDA_TENSOR_NONE,
+    transition_e: FKDA_TENSOR_NONE,
+};
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct fkda_apply_args {
+    pub struct_size: usize,
+    pub transition_m: fkda_tensor,
+    pub transition_e: fkda_tensor,
+    pub initial_state: fkda_tensor,
+    pub final_state: fkda_tensor,
+}
+
+/// FKDA_APPLY_ARGS_INIT: every tensor absent.
+pub const FKDA_APPLY_ARGS_INIT: fkda_apply_args = fkda_apply_args {
+    struct_size: size_of::<fkda_apply_args>(),
+    transition_m: FKDA_TENSOR_NONE,
+    transition_e: FKDA_TENSOR_NONE,
+    initial_state: FKDA_TENSOR_NONE,
+    final_state: FKDA_TENSOR_NONE,
+};
+
 // ----------------------------------------------------------------- devices
 
 #[repr(C)]
@@ -268,6 +331,8 @@ pub struct fkda_launch_report {
     pub vsplit: i64,
     pub windows: i64,
     pub slots_per_window: i64,
+    pub chunk_parallel: i64,
+    pub segment_chunks: i64,
 }
 
 /// FKDA_LAUNCH_REPORT_INIT.
@@ -276,6 +341,8 @@ pub const FKDA_LAUNCH_REPORT_INIT: fkda_launch_report = fkda_launch_report {
     vsplit: 0,
     windows: 0,
     slots_per_window: 0,
+    chunk_parallel: 0,
+    segment_chunks: 0,
 };
 
 // ------------------------------------------------------------------- build
@@ -334,6 +401,27 @@ extern "C" {
     pub fn fkda_decode(
         plan: fkda_plan_t,
         args: *const fkda_decode_args,
+        workspace: *mut c_void,
+        workspace_bytes: usize,
+        stream: fkda_stream_t,
+    ) -> fkda_status;
+
+    pub fn fkda_plan_transitions_workspace_size(
+        plan: fkda_plan_t,
+        total_tokens: i64,
+        num_seqs: i64,
+        bytes: *mut usize,
+    ) -> fkda_status;
+    pub fn fkda_transitions(
+        plan: fkda_plan_t,
+        args: *const fkda_transition_args,
+        workspace: *mut c_void,
+        workspace_bytes: usize,
+        stream: fkda_stream_t,
+    ) -> fkda_status;
+    pub fn fkda_apply_transitions(
+        plan: fkda_plan_t,
+        args: *const fkda_apply_args,
         workspace: *mut c_void,
         workspace_bytes: usize,
         stream: fkda_stream_t,

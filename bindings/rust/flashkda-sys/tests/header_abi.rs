@@ -597,7 +597,8 @@ mirrors! {
     fkda_tensor = FKDA_TENSOR_NONE { data, dtype, rank, shape, strides }
     fkda_plan_desc = FKDA_PLAN_DESC_INIT {
         struct_size, num_heads, head_dim_k, head_dim_v, state_dtype, state_layout, backend,
-        lower_bound, null_slot_rule, debug_checks, gate_mode, beta_mode,
+        lower_bound, null_slot_rule, debug_checks, gate_mode, beta_mode, vsplit, chunk_parallel,
+        window_slots, segment_chunks,
     }
     fkda_fwd_args = FKDA_FWD_ARGS_INIT {
         struct_size, q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state,
@@ -608,11 +609,19 @@ mirrors! {
         struct_size, q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_indices,
         num_accepted_tokens, cu_seqlens, scale,
     }
+    fkda_transition_args = FKDA_TRANSITION_ARGS_INIT {
+        struct_size, k, v, g, beta, A_log, dt_bias, cu_seqlens, transition_m, transition_e,
+    }
+    fkda_apply_args = FKDA_APPLY_ARGS_INIT {
+        struct_size, transition_m, transition_e, initial_state, final_state,
+    }
     fkda_device_info = FKDA_DEVICE_INFO_INIT {
         struct_size, driver_loaded, driver_version, device_count, device, cc_major, cc_minor,
         has_kernels, name,
     }
-    fkda_launch_report = FKDA_LAUNCH_REPORT_INIT { struct_size, vsplit, windows, slots_per_window }
+    fkda_launch_report = FKDA_LAUNCH_REPORT_INIT {
+        struct_size, vsplit, windows, slots_per_window, chunk_parallel, segment_chunks,
+    }
     fkda_build_info = FKDA_BUILD_INFO_INIT { struct_size, cuda_version, min_driver_version, architectures }
 }
 

@@ -424,6 +424,93 @@ impl Plan {
         Ok(bytes)
     }
 
+    /// `fkda_plan_transitions_workspace_size`: bytes of workspace
+    /// [`Plan::transitions_host`] needs for these sizes.
+    pub fn transitions_workspace_size(&self, total_tokens: i64, num_seqs: i64) -> Result<usize> {
+        let mut bytes = 0usize;
+        // SAFETY: live handle, valid out pointer.
+        check(unsafe {
+            sys::fkda_plan_transitions_workspace_size(self.as_raw(), total_tokens, num_seqs, &mut bytes)
+        })?;
+        Ok(bytes)
+    }
+
+    /// `fkda_transitions` on host memory (a CPU plan): each sequence's
+    /// segment transition, `S_out = S_in M + E`, written into
+    /// `transition_m` and `transition_e` (see [`HostTransitions`]).
+    /// `workspace: None` allocates one of
+    /// [`Plan::transitions_workspace_size`] bytes.
+    pub fn transitions_host(&self, args: HostTransitions<'_>, workspace: Option<&mut [u8]>) -> Result<()> {
+        let (batch, seq_len) = (args.batch, args.seq_len);
+        let heads = self.desc.num_heads.max(0) as usize;
+        let dim_k = self.desc.head_dim_k.max(0) as usize;
+        let dim_v = self.desc.head_dim_v.max(0) as usize;
+        let num_seqs = match &args.cu_seqlens {
+            Some(SeqLens::I64(offsets)) => offsets.len().saturating_sub(1),
+            Some(SeqLens::I32(offsets)) => offsets.len().saturating_sub(1),
+            None => batch,
+        };
+        let k_shape = [batch, seq_len, heads, dim_k];
+        let mut raw = sys::FKDA_TRANSITION_ARGS_INIT;
+        raw.k = host_tensor("k", args.k, Dtype::Bf16, &k_shape)?;
+        raw.v = host_tensor("v", args.v, Dtype::Bf16, &[batch, seq_len, heads, dim_v])?;
+        raw.g = args.g.tensor("g", &k_shape)?;
+        raw.beta = args.beta.tensor("beta", &[batch, seq_len, heads])?;
+        if let Some(a_log) = args.a_log {
+            raw.A_log = host_tensor("A_log", a_log, Dtype::F32, &[heads])?;
+        }
+        if let Some(dt_bias) = args.dt_bias {
+            raw.dt_bias = host_tensor("dt_bias", dt_bias, Dtype::F32, &[heads, dim_k])?;
+        }
+        raw.cu_seqlens = match &args.cu_seqlens {
+            Some(SeqLens::I64(o)) => host_tensor("cu_seqlens", o, Dtype::I64, &[o.len()])?,
+            Some(SeqLens::I32(o)) => host_tensor("cu_seqlens", o, Dtype::I32, &[o.len()])?,
+            None => sys::FKDA_TENSOR_NONE,
+        };
+        raw.transition_m = host_tensor("transition_m", &*args.transition_m, Dtype::F32, &[num_seqs, heads, dim_k, dim_k])?;
+        let e_shape = match self.desc.state_layout {
+            StateLayout::Vk => [num_seqs, heads, dim_v, dim_k],
+            StateLayout::Kv => [num_seqs, heads, dim_k, dim_v],
+        };
+        raw.transition_e = host_tensor("transition_e", &*args.transition_e, Dtype::F32, &e_shape)?;
+        let total_tokens = i64::try_from(batch.saturating_mul(seq_len)).unwrap_or(i64::MAX);
+        self.run_host(Entry::Transitions(&raw), (total_tokens, num_seqs as i64), workspace)
+    }
+
+    /// `fkda_apply_transitions` on host memory (a CPU plan): `count`
+    /// transitions per sequence, `[count, N, H, K, K]` and `[count, N, H, V,
+    /// K]` (the plan's layout), applied in order to `initial_state` (`None`:
+    /// zeros) into `final_state`, `[N, H, V, K]` in the plan's state dtype.
+    pub fn apply_transitions_host(
+        &self,
+        count: usize,
+        num_seqs: usize,
+        transition_m: &[f32],
+        transition_e: &[f32],
+        initial_state: Option<StateRef<'_>>,
+        final_state: StateMut<'_>,
+    ) -> Result<()> {
+        let heads = self.desc.num_heads.max(0) as usize;
+        let dim_k = self.desc.head_dim_k.max(0) as usize;
+        let state_shape = self.slot_shape(num_seqs);
+        let mut e_shape = vec![count];
+        e_shape.extend_from_slice(&state_shape);
+        let mut raw = sys::FKDA_APPLY_ARGS_INIT;
+        raw.transition_m = host_tensor("transition_m", transition_m, Dtype::F32, &[count, num_seqs, heads, dim_k, dim_k])?;
+        raw.transition_e = host_tensor("transition_e", transition_e, Dtype::F32, &e_shape)?;
+        if let Some(state) = &initial_state {
+            raw.initial_state = match state {
+                StateRef::Bf16(s) => host_tensor("initial_state", s, Dtype::Bf16, &state_shape)?,
+                StateRef::F32(s) => host_tensor("initial_state", s, Dtype::F32, &state_shape)?,
+            };
+        }
+        raw.final_state = state_tensor("final_state", &final_state, &state_shape)?;
+        // SAFETY: every tensor points into a slice whose length was checked
+        // against its shape; final_state comes from a &mut slice. No
+        // workspace is needed.
+        check(unsafe { sys::fkda_apply_transitions(self.as_raw(), &raw, null_mut(), 0, null_mut()) })
+    }
+
     /// The forward pass on host memory (a CPU plan). Slices are contiguous
     /// row-major arrays of the shapes listed on [`HostFwd`]; their lengths
     /// are checked before the call. `workspace: None` allocates one of
@@ -585,6 +672,7 @@ impl Plan {
                 let size = match entry {
                     Entry::Fwd(_) => self.workspace_size(sizes.0, sizes.1),
                     Entry::Decode(_) => self.decode_workspace_size(sizes.0, sizes.1),
+                    Entry::Transitions(_) => self.transitions_workspace_size(sizes.0, sizes.1),
                 };
                 owned_workspace.resize(size.unwrap_or(0), 0u8);
                 &mut owned_workspace
@@ -601,6 +689,9 @@ impl Plan {
                 Entry::Fwd(raw) => sys::fkda_fwd(self.as_raw(), raw, workspace_ptr, workspace.len(), null_mut()),
                 Entry::Decode(raw) => {
                     sys::fkda_decode(self.as_raw(), raw, workspace_ptr, workspace.len(), null_mut())
+                }
+                Entry::Transitions(raw) => {
+                    sys::fkda_transitions(self.as_raw(), raw, workspace_ptr, workspace.len(), null_mut())
                 }
             }
         })
@@ -738,6 +829,28 @@ pub struct HostFwd<'a> {
     pub cu_seqlens: Option<SeqLens<'a>>,
 }
 
+/// Arguments of [`Plan::transitions_host`], contiguous row-major; H, K and
+/// V come from the plan, N is `batch` or `cu_seqlens.len() - 1`.
+pub struct HostTransitions<'a> {
+    pub batch: usize,
+    pub seq_len: usize,
+    /// bf16 `[B, T, H, K]`.
+    pub k: &'a [u16],
+    /// bf16 `[B, T, H, V]`.
+    pub v: &'a [u16],
+    /// `[B, T, H, K]`, as for [`HostFwd::g`].
+    pub g: Values<'a>,
+    /// `[B, T, H]`, as for [`HostFwd::beta`].
+    pub beta: Values<'a>,
+    pub a_log: Option<&'a [f32]>,
+    pub dt_bias: Option<&'a [f32]>,
+    pub cu_seqlens: Option<SeqLens<'a>>,
+    /// f32 `[N, H, K, K]`, written: M (KV plans: its transpose).
+    pub transition_m: &'a mut [f32],
+    /// f32 `[N, H, V, K]` (KV plans `[N, H, K, V]`, the transpose), written: E.
+    pub transition_e: &'a mut [f32],
+}
+
 /// A pool of states `[slots, H, V, K]` (or `[slots, H, K, V]`, the plan's
 /// layout) in the plan's state dtype, updated in place.
 ///
@@ -827,6 +940,7 @@ impl HostActivations {
 enum Entry<'r> {
     Fwd(&'r sys::fkda_fwd_args),
     Decode(&'r sys::fkda_decode_args),
+    Transitions(&'r sys::fkda_transition_args),
 }
 
 fn state_tensor(name: &str, state: &StateMut<'_>, shape: &[usize]) -> Result<sys::fkda_tensor> {

@@ -4,7 +4,7 @@
 
 use flashkda::{
     build_info, from_bf16, query_device, to_bf16, version, version_string, Backend, BetaMode, CheckpointDestination,
-    DecodePool, Dtype, Error, GateMode, HostCheckpoints, HostFwd, HostPool, Indices, NullSlotRule, Plan, PlanDesc,
+    DecodePool, Dtype, Error, GateMode, HostCheckpoints, HostFwd, HostPool, HostTransitions, Indices, NullSlotRule, Plan, PlanDesc,
     RawDecodeArgs, RawFwdArgs, RawTensor, SeqLens, StateMut, StateRef, Status, Values,
 };
 use std::ffi::c_void;
@@ -995,4 +995,97 @@ fn raw_decode_takes_absent_gate_parameters() {
     unsafe { plan.decode_raw(&args, null_mut(), 0, null_mut()) }.unwrap();
     assert_eq!(out, expected_out);
     assert_eq!(pool, expected_pool);
+}
+
+// ------------------------------------------------------------- transitions
+
+fn relative_l2(a: &[f32], b: &[f32]) -> f64 {
+    let (mut error, mut norm) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        error += (x as f64 - y as f64).powi(2);
+        norm += (y as f64).powi(2);
+    }
+    (error / norm).sqrt()
+}
+
+/// Transitions of two pieces of one sequence, applied to its initial state,
+/// give the state fkda_fwd leaves after all of it; in the wrong order they do not.
+#[test]
+fn transitions_of_pieces_compose_to_the_forward_pass() {
+    let (heads, tokens) = (2usize, 70usize);
+    let mut rng = Rng(17);
+    let q = rng.bf16_normals(tokens * heads * DIM);
+    let k = rng.bf16_normals(tokens * heads * DIM);
+    let v = rng.bf16_normals(tokens * heads * DIM);
+    // Slow decays: g ~ N(-6, 1) at lower_bound -5, initial state ~ N(0, 1).
+    let g: Vec<u16> = (0..tokens * heads * DIM).map(|_| to_bf16((rng.normal() - 6.0) as f32)).collect();
+    let beta = rng.bf16_normals(tokens * heads);
+    let a_log = rng.uniforms(heads);
+    let dt_bias = rng.uniforms(heads * DIM);
+    let initial: Vec<f32> = (0..heads * DIM * DIM).map(|_| rng.normal() as f32).collect();
+    let mut desc = PlanDesc::new(heads as i32);
+    desc.backend = Backend::Cpu;
+    let plan = Plan::new(&desc).unwrap();
+
+    let mut out = vec![BF16_NAN; tokens * heads * DIM];
+    let mut expected = vec![f32::NAN; heads * DIM * DIM];
+    plan.fwd_host(
+        HostFwd {
+            batch: 1,
+            seq_len: tokens,
+            q: &q,
+            k: &k,
+            v: &v,
+            g: (&g).into(),
+            beta: (&beta).into(),
+            a_log: Some(&a_log),
+            dt_bias: Some(&dt_bias),
+            scale: (DIM as f32).powf(-0.5),
+            out: &mut out,
+            initial_state: Some(StateRef::F32(&initial)),
+            final_state: Some(StateMut::F32(&mut expected)),
+            cu_seqlens: None,
+        },
+        None,
+    )
+    .unwrap();
+
+    // The pieces [0, 30) and [30, 70) as two sequences of one call.
+    let pieces = [0i64, 30, 70];
+    let mut m = vec![f32::NAN; 2 * heads * DIM * DIM];
+    let mut e = vec![f32::NAN; 2 * heads * DIM * DIM];
+    plan.transitions_host(
+        HostTransitions {
+            batch: 1,
+            seq_len: tokens,
+            k: &k,
+            v: &v,
+            g: (&g).into(),
+            beta: (&beta).into(),
+            a_log: Some(&a_log),
+            dt_bias: Some(&dt_bias),
+            cu_seqlens: Some(SeqLens::I64(&pieces)),
+            transition_m: &mut m,
+            transition_e: &mut e,
+        },
+        None,
+    )
+    .unwrap();
+    assert!(m.iter().chain(&e).all(|x| x.is_finite()));
+
+    let mut state = vec![f32::NAN; heads * DIM * DIM];
+    plan.apply_transitions_host(2, 1, &m, &e, Some(StateRef::F32(&initial)), StateMut::F32(&mut state)).unwrap();
+    let error = relative_l2(&state, &expected);
+    assert!(error < 1e-3, "composed pieces: relative L2 {error}");
+
+    // The pieces swapped: far from the sequence's state.
+    let half = heads * DIM * DIM;
+    let swap = |x: &[f32]| [&x[half..], &x[..half]].concat();
+    plan.apply_transitions_host(2, 1, &swap(&m), &swap(&e), Some(StateRef::F32(&initial)), StateMut::F32(&mut state))
+        .unwrap();
+    assert!(relative_l2(&state, &expected) > 1e-2);
+
+    // A missing final state is named.
+    let error = plan.apply_transitions_host(2, 1, &m, &e, None, StateMut::F32(&mut state[..10])).unwrap_err();
+    assert!(error.message.starts_with("final_state"), "{}", error.message);
 }
