@@ -209,8 +209,15 @@ def context_parallel_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bou
         m_sent.copy_(torch.eye(HEAD_DIM, dtype=torch.float32, device=device).expand_as(m_sent))
 
     # 2. One collective.
-    gathered = torch.empty(world_size * 2 * matrix, dtype=torch.float32, device=device)
-    dist.all_gather_into_tensor(gathered, sent, group=group)
+    if device.type == "cuda" and dist.get_backend(group) == "gloo":
+        # gloo gathers host memory: CUDA tensors go through it (NCCL gathers
+        # device memory directly).
+        gathered = torch.empty(world_size * 2 * matrix, dtype=torch.float32)
+        dist.all_gather_into_tensor(gathered, sent.cpu(), group=group)
+        gathered = gathered.to(device)
+    else:
+        gathered = torch.empty(world_size * 2 * matrix, dtype=torch.float32, device=device)
+        dist.all_gather_into_tensor(gathered, sent, group=group)
     gathered = gathered.view(world_size, 2, heads, HEAD_DIM, HEAD_DIM)
 
     # 3. The states entering the rank's pieces.

@@ -26,14 +26,18 @@ def main():
                             world_size=world_size)
     try:
         p = build_problem(case)
+        device = torch.device(case.get("device", "cpu"))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            p = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in p.items()}
         begin, end = case["rank_offsets"][rank], case["rank_offsets"][rank + 1]
         part = slice(begin, end)
-        out = torch.full((1, end - begin, p["H"], 128), float("nan"), dtype=torch.bfloat16)
+        out = torch.full((1, end - begin, p["H"], 128), float("nan"), dtype=torch.bfloat16, device=device)
         final_state = None
         if case.get("final_state"):
             final_state = torch.full_like(p["initial_state"] if p["initial_state"] is not None
                                           else torch.empty(p["N"], p["H"], 128, 128,
-                                                           dtype=p["state_dtype"]), float("nan"))
+                                                           dtype=p["state_dtype"], device=device), float("nan"))
         pool = p["state_pool"]
         states = (dict(state_pool=pool, state_indices=p["state_indices"],
                        has_initial_state=p["has_initial_state"]) if pool is not None
@@ -44,11 +48,11 @@ def main():
             cu_seqlens=case.get("cu_seqlens"),
             rank_offsets=None if case.get("equal_split") else case["rank_offsets"],
             gate_mode=p["gate_mode"])
-        np.save(f"{out_dir}/out{rank}.npy", out.float().numpy())
+        np.save(f"{out_dir}/out{rank}.npy", out.float().cpu().numpy())
         if final_state is not None:
-            np.save(f"{out_dir}/final{rank}.npy", final_state.float().numpy())
+            np.save(f"{out_dir}/final{rank}.npy", final_state.float().cpu().numpy())
         if pool is not None:
-            np.save(f"{out_dir}/pool{rank}.npy", pool.float().numpy())
+            np.save(f"{out_dir}/pool{rank}.npy", pool.float().cpu().numpy())
     finally:
         dist.destroy_process_group()
     assert flashkda.version()

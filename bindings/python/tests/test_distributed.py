@@ -67,15 +67,17 @@ def run_ranks(case, tmp_path):
 
 def single_process(case):
     p = build_problem(case)
-    out = torch.full((1, case["total"], p["H"], 128), float("nan"), dtype=torch.bfloat16)
-    final_state = torch.full((p["N"], p["H"], 128, 128), float("nan"), dtype=p["state_dtype"])
+    device = torch.device(case.get("device", "cpu"))
+    moved = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in p.items()}
+    out = torch.full((1, case["total"], p["H"], 128), float("nan"), dtype=torch.bfloat16, device=device)
+    final_state = torch.full((p["N"], p["H"], 128, 128), float("nan"), dtype=p["state_dtype"], device=device)
     cu = case.get("cu_seqlens")
-    flashkda.fwd(p["q"], p["k"], p["v"], p["g"], p["beta"], p["scale"], out, p["A_log"],
-                 p["dt_bias"], p["lower_bound"], initial_state=p["initial_state"],
+    flashkda.fwd(moved["q"], moved["k"], moved["v"], moved["g"], moved["beta"], p["scale"], out, moved["A_log"],
+                 moved["dt_bias"], p["lower_bound"], initial_state=moved["initial_state"],
                  final_state=final_state,
-                 cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int64),
+                 cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int64, device=device),
                  gate_mode=p["gate_mode"])
-    return out.float().numpy(), final_state.float().numpy(), p
+    return out.float().cpu().numpy(), final_state.float().cpu().numpy(), p
 
 
 CASES = {
@@ -95,9 +97,17 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# The same cases with CUDA tensors: two ranks sharing one GPU over gloo
+# (ranks on GPUs of their own over NCCL use the same code, with the
+# collective on device memory).
+GPU_CASES = {f"{name}, CUDA": dict(case, device="cuda") for name, case in CASES.items()
+             if len(case["rank_offsets"]) == 3}
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("name", sorted(CASES) + [pytest.param(n, marks=needs_cuda) for n in sorted(GPU_CASES)])
 def test_context_parallel_matches_one_process(name, tmp_path):
-    case = CASES[name]
+    case = CASES.get(name) or GPU_CASES[name]
     out, final_state = run_ranks(case, tmp_path)
     expected_out, expected_state, p = single_process(case)
     assert np.isfinite(out).all()
