@@ -28,6 +28,7 @@ def main():
         p = build_problem(case)
         device = torch.device(case.get("device", "cpu"))
         if device.type == "cuda":
+            device = torch.device("cuda", device.index or 0)  # the ranks share the first GPU
             torch.cuda.set_device(device)
             p = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in p.items()}
         begin, end = case["rank_offsets"][rank], case["rank_offsets"][rank + 1]
