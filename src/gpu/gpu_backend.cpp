@@ -100,8 +100,11 @@ Segments segments_for(int64_t window_slots, int64_t total_slots, int64_t num_seq
     chunks = std::min(kLongSegmentChunks,
                       std::max(kMinAutomaticSegmentChunks, ceil_div(chunks_per_seq, kSegmentsPerShortSequence)));
   }
+  // A segment longer than the call changes nothing, and a plan's value
+  // (any positive count) must not overflow the sizes below.
+  chunks = std::min(chunks, std::max<int64_t>(total_slots, 1));
   if (mode == FKDA_CHUNK_PARALLEL_AUTO &&
-      (num_seqs * num_heads > kMaxAutomaticPairs || chunks_per_seq < kMinAutomaticChunksPerSequence ||
+      (saturating_mul(num_seqs, int64_t(num_heads)) > kMaxAutomaticPairs || chunks_per_seq < kMinAutomaticChunksPerSequence ||
        chunks_per_seq < kMinSegmentsPerSequence * chunks)) {
     return seg;
   }
