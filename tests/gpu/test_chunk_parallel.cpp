@@ -80,3 +80,58 @@ TEST_CASE("chunk-parallel: small cases for compute-sanitizer", "[gpu][segments][
   check_case(in_segments(c, 3));
   check_case(in_segments(varlen("sanitize, no states", {33, 70}, 2, 802), 2));
 }
+
+TEST_CASE("chunk-parallel: a captured CUDA graph replays the direct run", "[gpu][segments]") {
+  // The three passes and the scan enqueue nothing the host waits for: the
+  // call captures into a graph whose replays give the direct run's bits.
+  const Case c = in_segments(slowly_decaying(with_state(varlen("graph", {700, 3, 250}, 2, 901), FKDA_DTYPE_F32,
+                                                        FKDA_STATE_LAYOUT_VK, true, true)),
+                             4);
+  const Tuning tuning(c.vsplit, c.window_slots, c.chunk_parallel, c.segment_chunks);
+  const Problem p = problem_of(c);
+  const Arenas arenas(p, c);
+  DeviceCase device(p, c, arenas);
+  Stream stream;
+  device.run(stream.get());
+  const Result direct = device.fetch();
+  CHECK(launch_report(device.plan.get()).chunk_parallel == 1);
+
+  cudaGraph_t graph = nullptr;
+  CUDA_REQUIRE(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+  const fkda_status captured =
+      fkda_fwd(device.plan.get(), &device.args, device.workspace.get(), device.workspace.bytes(), stream.get());
+  CUDA_REQUIRE(cudaStreamEndCapture(stream.get(), &graph));
+  INFO(fkda_last_error());
+  REQUIRE(captured == FKDA_SUCCESS);
+  cudaGraphExec_t exec = nullptr;
+  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    device.poison();
+    CUDA_REQUIRE(cudaDeviceSynchronize());
+    CUDA_REQUIRE(cudaGraphLaunch(exec, stream.get()));
+    CUDA_REQUIRE(cudaStreamSynchronize(stream.get()));
+    CHECK(device.fetch() == direct);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+TEST_CASE("chunk-parallel: the automatic choice", "[gpu][segments]") {
+  // Segments for few (sequence, head) pairs of long sequences; the serial
+  // chain for many pairs or short sequences, where segments measured slower.
+  struct Expectation {
+    std::vector<int64_t> lengths;
+    int64_t heads;
+    int64_t chunk_parallel;
+  };
+  for (const Expectation& e : {Expectation{{4096}, 2, 1}, Expectation{{2048}, 12, 0}, Expectation{{4096}, 24, 0},
+                               Expectation{{4096, 4096}, 8, 1}}) {
+    Case c = varlen("automatic", e.lengths, e.heads, 1001);
+    c.chunk_parallel = FKDA_CHUNK_PARALLEL_AUTO;
+    c.segment_chunks = 0;
+    c.name += " H=" + std::to_string(e.heads) + " N=" + std::to_string(e.lengths.size());
+    const Outputs outputs = run_gpu(problem_of(c), c);
+    CAPTURE(c.name);
+    CHECK(outputs.launch.chunk_parallel == e.chunk_parallel);
+  }
+}
