@@ -278,6 +278,29 @@ __device__ __forceinline__ int64_t num_chunks(const Sequence& s) {
   return (s.end - s.begin + FKDA_CHUNK - 1) / FKDA_CHUNK;
 }
 
+// A sequence's chunks and those of them in the current window,
+// [first, end). In the first window first is 0 and in the last end is
+// chunks, so the carries are never needed where they do not exist. A
+// sequence without chunks has first = end = chunks = 0 in every window; only
+// the first one handles it (it goes from initial to final state there).
+struct WindowChunks {
+  int64_t chunks, first, end;
+};
+
+__device__ __forceinline__ WindowChunks window_chunks(const FkdaPrefillParams& p, const Sequence& seq) {
+  WindowChunks w;
+  w.chunks = num_chunks(seq);
+  // Only reachable with unsorted offsets; keeps every record read inside the workspace.
+  if (seq.slot_base + w.chunks > p.num_slots) w.chunks = p.num_slots - seq.slot_base;
+  if (w.chunks < 0) w.chunks = 0;
+  w.first = p.window_first - seq.slot_base;
+  if (w.first < 0) w.first = 0;
+  w.end = p.window_end - seq.slot_base;
+  if (w.end > w.chunks) w.end = w.chunks;
+  if (w.end < 0) w.end = 0;
+  return w;
+}
+
 // The record of a slot of the current window, by its index in the window.
 __device__ __forceinline__ unsigned char* record_of(const FkdaPrefillParams& p, int64_t window_slot, int head) {
   return p.workspace + (window_slot * p.num_heads + head) * int64_t(FKDA_WS_RECORD_BYTES);

@@ -252,20 +252,8 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   const int e0 = v_block + warp * 16;       // first V row of this warp
 
   const Sequence seq = sequence_of(p, n);
-  int64_t chunks = num_chunks(seq);
-  // Only reachable with unsorted offsets; keeps every record read inside the workspace.
-  if (seq.slot_base + chunks > p.num_slots) chunks = p.num_slots - seq.slot_base;
-  if (chunks < 0) chunks = 0;
-  // This window's chunks [chunk_first, chunk_end) of the sequence. In the
-  // first window chunk_first is 0 and in the last chunk_end is chunks, so
-  // the carries are never needed where they do not exist. A sequence without
-  // chunks has chunk_first = chunk_end = chunks = 0 in the first window,
-  // wherever its slot lies, so it goes from initial to final state there.
-  int64_t chunk_first = p.window_first - seq.slot_base;
-  if (chunk_first < 0) chunk_first = 0;
-  int64_t chunk_end = p.window_end - seq.slot_base;
-  if (chunk_end > chunks) chunk_end = chunks;
-  if (chunk_end < 0) chunk_end = 0;
+  const WindowChunks window = window_chunks(p, seq);
+  const int64_t chunks = window.chunks, chunk_first = window.first, chunk_end = window.end;
   if (chunks == 0 ? p.window_first != 0 : chunk_first >= chunk_end) return;
 
   // The chunks [run_first, run_end) this block runs: the window's, or one

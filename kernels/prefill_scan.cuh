@@ -120,14 +120,8 @@ __device__ void segment_scan(const FkdaPrefillParams& p) {
 
   // The sequence's chunks in this window, as the recurrence finds them.
   const Sequence seq = sequence_of(p, n);
-  int64_t chunks = num_chunks(seq);
-  if (seq.slot_base + chunks > p.num_slots) chunks = p.num_slots - seq.slot_base;
-  if (chunks < 0) chunks = 0;
-  int64_t chunk_first = p.window_first - seq.slot_base;
-  if (chunk_first < 0) chunk_first = 0;
-  int64_t chunk_end = p.window_end - seq.slot_base;
-  if (chunk_end > chunks) chunk_end = chunks;
-  if (chunk_end < 0) chunk_end = 0;
+  const WindowChunks window = window_chunks(p, seq);
+  const int64_t chunks = window.chunks, chunk_first = window.first, chunk_end = window.end;
 
   float* output = m_rows ? p.trans_m : p.trans_e;
   if (chunks == 0) {

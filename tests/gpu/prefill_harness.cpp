@@ -380,6 +380,27 @@ void DeviceCase::run(cudaStream_t stream) {
   CUDA_REQUIRE(cudaStreamSynchronize(stream));
 }
 
+void check_graph_replays(DeviceCase& device, cudaStream_t stream, const Result& direct) {
+  cudaGraph_t graph = nullptr;
+  CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const fkda_status captured =
+      fkda_fwd(device.plan.get(), &device.args, device.workspace.get(), device.workspace.bytes(), stream);
+  CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
+  INFO(fkda_last_error());
+  REQUIRE(captured == FKDA_SUCCESS);
+  cudaGraphExec_t exec = nullptr;
+  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    device.poison();
+    CUDA_REQUIRE(cudaDeviceSynchronize());
+    CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
+    CUDA_REQUIRE(cudaStreamSynchronize(stream));
+    CHECK(device.fetch() == direct);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
 Result DeviceCase::fetch() const {
   Result r;
   r.out.resize(host.out.size());

@@ -180,6 +180,10 @@ struct DeviceCase {
   Result fetch() const;
 };
 
+// Captures one fkda_fwd of `device` on `stream` in a CUDA graph and checks
+// that each of two replays, outputs poisoned first, gives `direct`.
+void check_graph_replays(DeviceCase& device, cudaStream_t stream, const Result& direct);
+
 // The CPU backend on the host arenas.
 Result run_cpu(const Problem& p, const Case& c, const Arenas& arenas);
 

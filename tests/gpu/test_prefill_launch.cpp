@@ -170,24 +170,7 @@ TEST_CASE("prefill: a captured CUDA graph replays the direct run", "[gpu][window
   device.run(stream.get());
   const Result direct = device.fetch();
 
-  cudaGraph_t graph = nullptr;
-  CUDA_REQUIRE(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
-  const fkda_status captured =
-      fkda_fwd(device.plan.get(), &device.args, device.workspace.get(), device.workspace.bytes(), stream.get());
-  CUDA_REQUIRE(cudaStreamEndCapture(stream.get(), &graph));
-  INFO(fkda_last_error());
-  REQUIRE(captured == FKDA_SUCCESS);
-  cudaGraphExec_t exec = nullptr;
-  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
-  for (int replay = 0; replay < 2; ++replay) {
-    device.poison();
-    CUDA_REQUIRE(cudaDeviceSynchronize());
-    CUDA_REQUIRE(cudaGraphLaunch(exec, stream.get()));
-    CUDA_REQUIRE(cudaStreamSynchronize(stream.get()));
-    CHECK(device.fetch() == direct);
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  check_graph_replays(device, stream.get(), direct);
 }
 
 TEST_CASE("prefill: device offsets out of range or unsorted are clamped", "[gpu][sanitize]") {
