@@ -593,7 +593,12 @@ FKDA_API fkda_status fkda_query_device(int32_t device, fkda_device_info* info);
  * (16-token chunks, plus one per sequence) are processed in `windows`
  * windows of `slots_per_window` slots (the last may hold fewer), each one
  * preparation and one recurrence launch, the state crossing a window
- * boundary in f32. None of it changes a bit of the result.
+ * boundary in f32. Neither changes a bit of the result. With
+ * `chunk_parallel` 1 the sequences' chunks ran in segments of
+ * `segment_chunks` chunks (a transition launch, a scan and a segment launch
+ * per window): the states reach each segment by another order of f32
+ * operations, so the bits differ from the serial path's, within the same
+ * accuracy, and are the same from run to run.
  *
  * The plan's tuning fields (fkda_plan_desc.vsplit, chunk_parallel,
  * window_slots, segment_chunks; 0 is automatic) override the automatic
