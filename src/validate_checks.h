@@ -79,6 +79,13 @@ struct ActivationExtents {
 };
 ActivationExtents check_activations(const Plan& plan, const Activations& a);
 
+// g, beta, A_log and dt_bias under the plan's gate and beta modes (fkda_fwd,
+// fkda_decode and fkda_transitions alike).
+struct GateInputs {
+  const fkda_tensor &g, &beta, &A_log, &dt_bias;
+};
+void check_gate_inputs(const Plan& plan, const GateInputs& inputs, int64_t batch, int64_t tokens);
+
 // cu_seqlens' rank, dtype and stride; returns N (B without cu_seqlens).
 int64_t check_cu_seqlens(const fkda_tensor& cu, int64_t batch);
 
@@ -109,6 +116,12 @@ struct Named {
   const char* name;
 };
 void check_gpu_rows(const Plan& plan, const std::vector<Named>& tensors);
+
+// A call's workspace: at least `required` bytes (else
+// FKDA_ERROR_WORKSPACE_TOO_SMALL, the message naming `sizes` and the
+// `size_call` that answers them), non-NULL and 16-byte aligned when any is needed.
+void check_workspace(const void* workspace, size_t workspace_bytes, size_t required, const std::string& sizes,
+                     const char* size_call);
 
 // One piece of memory a call touches: a tensor argument's bytes from its
 // first to its last element, or the workspace the call uses.

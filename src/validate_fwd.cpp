@@ -137,16 +137,8 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   // Where the tensors live before whether the workspace suffices: a tensor
   // in the wrong memory is the first thing a caller has to fix.
   check_residency(plan, located);
-  if (workspace_bytes < required) {
-    fail(FKDA_ERROR_WORKSPACE_TOO_SMALL,
-         "workspace_bytes: " + std::to_string(workspace_bytes) + " bytes given, " + std::to_string(required) +
-             " needed for " + std::to_string(B * T) + " tokens in " + std::to_string(N) +
-             " sequences (fkda_plan_workspace_size)");
-  }
-  if (required > 0 && workspace == nullptr) {
-    invalid("workspace: NULL, but " + std::to_string(required) + " bytes are needed");
-  }
-  if (required > 0 && reinterpret_cast<uintptr_t>(workspace) % 16 != 0) invalid("workspace: must be 16-byte aligned");
+  check_workspace(workspace, workspace_bytes, required,
+                  std::to_string(B * T) + " tokens in " + std::to_string(N) + " sequences", "fkda_plan_workspace_size");
 
 
   // The kernels move rows of 8 bf16 (or 4 f32) in 16-byte accesses.

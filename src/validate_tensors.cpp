@@ -251,10 +251,8 @@ void check_residency(const Plan& plan, const std::vector<Located>& pointers) {
   }
 }
 
-namespace {
-
 // g, beta, A_log and dt_bias under the plan's gate and beta modes.
-void check_gate_inputs(const Plan& plan, const Activations& a, int64_t B, int64_t T) {
+void check_gate_inputs(const Plan& plan, const GateInputs& a, int64_t B, int64_t T) {
   const int64_t H = plan.num_heads, K = plan.head_dim_k;
   const std::string gate = std::string("the plan's gate is ") + gate_mode_name(plan.gate_mode);
   if (plan.gate_mode == FKDA_GATE_LOG_DECAY) {
@@ -276,7 +274,6 @@ void check_gate_inputs(const Plan& plan, const Activations& a, int64_t B, int64_
   check_tensor(a.beta, "beta", {FKDA_DTYPE_BF16, FKDA_DTYPE_F32}, {B, T, H}, Strides::kFree);
 }
 
-}  // namespace
 
 ActivationExtents check_activations(const Plan& plan, const Activations& a) {
   const int64_t H = plan.num_heads, K = plan.head_dim_k, V = plan.head_dim_v;
@@ -291,7 +288,7 @@ ActivationExtents check_activations(const Plan& plan, const Activations& a) {
   const int64_t B = a.q.shape[0], T = a.q.shape[1];
   check_tensor(a.k, "k", {FKDA_DTYPE_BF16}, {B, T, H, K}, Strides::kRows);
   check_tensor(a.v, "v", {FKDA_DTYPE_BF16}, {B, T, H, V}, Strides::kRows);
-  check_gate_inputs(plan, a, B, T);
+  check_gate_inputs(plan, {a.g, a.beta, a.A_log, a.dt_bias}, B, T);
   check_tensor(a.out, "out", {FKDA_DTYPE_BF16}, {B, T, H, V}, Strides::kRows);
   check_no_overlap(a.out, "out");
   // out holds B * T * H * V distinct elements inside a span that fits in
@@ -399,6 +396,19 @@ IndexView check_indices(const fkda_tensor& t, const char* name, int64_t rows, in
     check_tensor(t, name, allow_bool ? flags : integers, {rows, cols}, Strides::kFree);
   }
   return index_view(t);
+}
+
+void check_workspace(const void* workspace, size_t workspace_bytes, size_t required, const std::string& sizes,
+                     const char* size_call) {
+  if (workspace_bytes < required) {
+    fail(FKDA_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes: " + std::to_string(workspace_bytes) + " bytes given, " +
+                                             std::to_string(required) + " needed for " + sizes + " (" + size_call +
+                                             ")");
+  }
+  if (required > 0 && workspace == nullptr) {
+    invalid("workspace: NULL, but " + std::to_string(required) + " bytes are needed");
+  }
+  if (required > 0 && reinterpret_cast<uintptr_t>(workspace) % 16 != 0) invalid("workspace: must be 16-byte aligned");
 }
 
 void check_gpu_rows(const Plan& plan, const std::vector<Named>& tensors) {

@@ -18,75 +18,6 @@ using namespace checks;
 
 std::string str(int64_t value) { return std::to_string(value); }
 
-// g, beta, A_log and dt_bias under the plan's gate and beta modes, with the
-// messages fkda_fwd gives for them.
-void check_gate(const Plan& plan, const fkda_transition_args& a, int64_t B, int64_t T) {
-  const int64_t H = plan.num_heads, K = plan.head_dim_k;
-  const std::string gate = std::string("the plan's gate is ") + gate_mode_name(plan.gate_mode);
-  if (plan.gate_mode == FKDA_GATE_LOG_DECAY) {
-    check_tensor(a.g, "g", {FKDA_DTYPE_BF16, FKDA_DTYPE_F32}, {B, T, H, K}, Strides::kRows);
-    if (present(a.A_log)) invalid("A_log: must be absent: " + gate + ", g is the log-decay itself");
-    if (present(a.dt_bias)) invalid("dt_bias: must be absent: " + gate + ", g is the log-decay itself");
-  } else {
-    if (present(a.g) && a.g.dtype == FKDA_DTYPE_F32) {
-      invalid("g: expected dtype bf16 (" + gate + "; f32 g is taken with the log-decay gate only), got f32");
-    }
-    check_tensor(a.g, "g", {FKDA_DTYPE_BF16}, {B, T, H, K}, Strides::kRows);
-    if (plan.gate_mode == FKDA_GATE_SOFTPLUS && !present(a.A_log)) {
-      invalid("A_log: required tensor is missing (data NULL, rank 0): " + gate +
-              ", -exp(A_log) * softplus(g + dt_bias)");
-    }
-    if (present(a.A_log)) check_tensor(a.A_log, "A_log", {FKDA_DTYPE_F32}, {H}, Strides::kPacked);
-    if (present(a.dt_bias)) check_tensor(a.dt_bias, "dt_bias", {FKDA_DTYPE_F32}, {H, K}, Strides::kPacked);
-  }
-  check_tensor(a.beta, "beta", {FKDA_DTYPE_BF16, FKDA_DTYPE_F32}, {B, T, H}, Strides::kFree);
-}
-
-// The bytes a non-empty packed tensor covers.
-struct ByteRange {
-  uintptr_t begin = 0, end = 0;
-};
-
-ByteRange bytes_of(const fkda_tensor& t) {
-  if (!present(t) || is_empty(t)) return {};
-  int64_t count = 1;
-  for (int32_t i = 0; i < t.rank; ++i) count *= t.shape[i];  // packed and checked: fits
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data);
-  return {begin, begin + uintptr_t(count * element_bytes(t.dtype))};
-}
-
-bool overlap(const ByteRange& a, const ByteRange& b) {
-  return a.begin < a.end && b.begin < b.end && a.begin < b.end && b.begin < a.end;
-}
-
-void check_disjoint(const fkda_tensor& written, const char* written_name, const fkda_tensor& other,
-                    const char* other_name) {
-  if (overlap(bytes_of(written), bytes_of(other))) {
-    invalid(std::string(written_name) + ": overlaps " + other_name + "; an output needs memory of its own");
-  }
-}
-
-void check_workspace(const void* workspace, size_t workspace_bytes, size_t required, const std::string& sizes,
-                     const char* size_call) {
-  if (workspace_bytes < required) {
-    fail(FKDA_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes: " + std::to_string(workspace_bytes) + " bytes given, " +
-                                             std::to_string(required) + " needed for " + sizes + " (" +
-                                             size_call + ")");
-  }
-  if (required > 0 && workspace == nullptr) {
-    invalid("workspace: NULL, but " + std::to_string(required) + " bytes are needed");
-  }
-  if (required > 0 && reinterpret_cast<uintptr_t>(workspace) % 16 != 0) invalid("workspace: must be 16-byte aligned");
-}
-
-// GPU plans: rows of 16 bytes, like fkda_fwd's tensors.
-void check_gpu_rows(const Plan& plan, std::initializer_list<std::pair<const fkda_tensor*, const char*>> rows) {
-  if (plan.backend != FKDA_BACKEND_GPU) return;
-  for (const auto& [tensor, name] : rows) {
-    if (present(*tensor) && !is_empty(*tensor)) check_gpu_alignment(*tensor, name);
-  }
-}
-
 }  // namespace
 
 TransitionProblem validate_transitions(const Plan& plan, const fkda_transition_args* args, const void* workspace,
@@ -102,17 +33,15 @@ TransitionProblem validate_transitions(const Plan& plan, const fkda_transition_a
   if (a.k.shape[3] != K) invalid("k: expected head dim " + str(K) + " on axis 3, got shape " + join(a.k.shape, 4));
   const int64_t B = a.k.shape[0], T = a.k.shape[1];
   check_tensor(a.v, "v", {FKDA_DTYPE_BF16}, {B, T, H, V}, Strides::kRows);
-  check_gate(plan, a, B, T);
+  check_gate_inputs(plan, {a.g, a.beta, a.A_log, a.dt_bias}, B, T);
   const int64_t N = check_cu_seqlens(a.cu_seqlens, B);
 
-  const bool vk = plan.state_layout == FKDA_STATE_LAYOUT_VK;
   check_tensor(a.transition_m, "transition_m", {FKDA_DTYPE_F32}, {N, H, K, K}, Strides::kPacked);
-  if (vk) {
-    check_tensor(a.transition_e, "transition_e", {FKDA_DTYPE_F32}, {N, H, V, K}, Strides::kPacked);
-  } else {
-    check_tensor(a.transition_e, "transition_e", {FKDA_DTYPE_F32}, {N, H, K, V}, Strides::kPacked);
-  }
-  check_disjoint(a.transition_e, "transition_e", a.transition_m, "transition_m");
+  // E has the shape of a state in the plan's layout.
+  const std::vector<int64_t> e = state_shape(plan, {N});
+  check_tensor(a.transition_e, "transition_e", {FKDA_DTYPE_F32}, {e[0], e[1], e[2], e[3]}, Strides::kPacked);
+  check_no_shared_memory({Operand::tensor(a.transition_m, "transition_m", true),
+                          Operand::tensor(a.transition_e, "transition_e", true)});
 
   int64_t total_tokens = 0;
   if (mul_overflows(B, T, &total_tokens)) invalid("k: batch " + str(B) + " times " + str(T) + " tokens overflows");
@@ -165,36 +94,28 @@ ApplyProblem validate_apply(const Plan& plan, const fkda_apply_args* args, const
                             size_t workspace_bytes) {
   if (args == nullptr) invalid("args: NULL");
   const fkda_apply_args a = read_versioned(args, "args");
-  const int64_t H = plan.num_heads, K = plan.head_dim_k, V = plan.head_dim_v;
-  const bool vk = plan.state_layout == FKDA_STATE_LAYOUT_VK;
+  const int64_t H = plan.num_heads, K = plan.head_dim_k;
   // transition_m fixes R and N.
   check_tensor(a.transition_m, "transition_m", {FKDA_DTYPE_F32}, {kAny, kAny, H, K, K}, Strides::kPacked);
   const int64_t R = a.transition_m.shape[0], N = a.transition_m.shape[1];
-  if (vk) {
-    check_tensor(a.transition_e, "transition_e", {FKDA_DTYPE_F32}, {R, N, H, V, K}, Strides::kPacked);
-  } else {
-    check_tensor(a.transition_e, "transition_e", {FKDA_DTYPE_F32}, {R, N, H, K, V}, Strides::kPacked);
-  }
+  const std::vector<int64_t> e = state_shape(plan, {R, N});
+  check_tensor(a.transition_e, "transition_e", {FKDA_DTYPE_F32}, {e[0], e[1], e[2], e[3], e[4]}, Strides::kPacked);
+  const std::vector<int64_t> state = state_shape(plan, {N});
   auto check_state = [&](const fkda_tensor& t, const char* name) {
     if (t.dtype != plan.state_dtype && present(t)) {
       invalid(std::string(name) + ": expected dtype " + dtype_name(plan.state_dtype) +
               " (the plan's state_dtype), got " + dtype_name(t.dtype));
     }
-    if (vk) {
-      check_tensor(t, name, {plan.state_dtype}, {N, H, V, K}, Strides::kPacked);
-    } else {
-      check_tensor(t, name, {plan.state_dtype}, {N, H, K, V}, Strides::kPacked);
-    }
+    check_tensor(t, name, {plan.state_dtype}, {state[0], state[1], state[2], state[3]}, Strides::kPacked);
   };
   if (present(a.initial_state)) check_state(a.initial_state, "initial_state");
   check_state(a.final_state, "final_state");
-  check_disjoint(a.final_state, "final_state", a.transition_m, "transition_m");
-  check_disjoint(a.final_state, "final_state", a.transition_e, "transition_e");
-  // The same buffer is an update in place; any other overlap would read
-  // elements already written.
-  if (present(a.initial_state) && a.initial_state.data != a.final_state.data) {
-    check_disjoint(a.final_state, "final_state", a.initial_state, "initial_state (other than in place)");
-  }
+  // initial_state may be final_state itself (updated in place), nothing between.
+  check_no_shared_memory({Operand::tensor(a.transition_m, "transition_m", false),
+                          Operand::tensor(a.transition_e, "transition_e", false),
+                          Operand::tensor(a.initial_state, "initial_state", false),
+                          Operand::tensor(a.final_state, "final_state", true)},
+                         {{"initial_state", "final_state"}});
 
   check_residency(plan, {{a.transition_m.data, "transition_m"},
                          {a.transition_e.data, "transition_e"},
