@@ -37,6 +37,30 @@ struct TransitionProblem {
   bool debug_checks = false;
 };
 
+// The transition problem as a forward problem without q, out or states, so
+// that both backends run their forward pass's chunk steps on its inputs.
+inline PrefillProblem as_prefill(const TransitionProblem& t) {
+  PrefillProblem p;
+  p.batch = t.batch;
+  p.seq_len = t.seq_len;
+  p.num_seqs = t.num_seqs;
+  p.num_heads = t.num_heads;
+  p.head_dim_k = t.head_dim_k;
+  p.head_dim_v = t.head_dim_v;
+  p.k = t.k;
+  p.v = t.v;
+  p.g = t.g;
+  p.beta = t.beta;
+  p.A_log = t.A_log;
+  p.dt_bias = t.dt_bias;
+  p.gate = t.gate;
+  p.cu_seqlens = t.cu_seqlens;
+  p.state_layout = t.state_layout;
+  p.lower_bound = t.lower_bound;
+  p.scale = 1.f;
+  return p;
+}
+
 // fkda_apply_transitions: S <- S M_r + E_r for r = 0 .. R-1, per (sequence, head).
 struct ApplyProblem {
   int64_t num_transitions = 0;  // R (>= 0)

@@ -59,30 +59,6 @@ void affine_step(int V, int K, const float* state, const float* M, const float* 
   }
 }
 
-// The transition problem as a forward problem without q and out, so that
-// the forward pass's chunk steps read its inputs.
-PrefillProblem as_prefill(const TransitionProblem& t) {
-  PrefillProblem p;
-  p.batch = t.batch;
-  p.seq_len = t.seq_len;
-  p.num_seqs = t.num_seqs;
-  p.num_heads = t.num_heads;
-  p.head_dim_k = t.head_dim_k;
-  p.head_dim_v = t.head_dim_v;
-  p.k = t.k;
-  p.v = t.v;
-  p.g = t.g;
-  p.beta = t.beta;
-  p.A_log = t.A_log;
-  p.dt_bias = t.dt_bias;
-  p.gate = t.gate;
-  p.cu_seqlens = t.cu_seqlens;
-  p.state_layout = t.state_layout;
-  p.lower_bound = t.lower_bound;
-  p.scale = 1.f;
-  return p;
-}
-
 std::vector<ChunkRunner> runners(int64_t workers, int K, int V, void* workspace) {
   std::vector<ChunkRunner> all;
   all.reserve(size_t(workers));

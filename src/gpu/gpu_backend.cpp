@@ -140,6 +140,9 @@ const NamedKernel& prepare_kernel(const Kernels& kernels, const GateForm& gate) 
   }
 }
 
+// Floats of one f32 V x K matrix per head: a carry, or a segment record.
+int64_t carry_step(int32_t num_heads) { return int64_t(num_heads) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM); }
+
 // The workspace of these windows and segments: one window's records, then a
 // carry matrix per head for each boundary between windows, then the
 // segments' M and E records (prefill_params.h).
@@ -154,6 +157,61 @@ size_t launch_workspace(const Windows& w, const Segments& seg, int64_t total_tok
                                      std::to_string(num_heads) + " heads exceeds the address space");
   }
   return size_t(w.slots * per_slot + (w.count - 1) * per_boundary + 2 * seg.capacity * per_boundary);
+}
+
+// A call's windows and segments, computed once from its sizes and the
+// plan's tuning and held against the caller's workspace: what runs is what
+// is checked. size_call names the query that sizes this workspace.
+struct Launch {
+  Windows windows;
+  Segments seg;
+};
+
+Launch checked_launch(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, const Tuning& tuning,
+                      size_t workspace_bytes, const char* size_call) {
+  Launch l;
+  l.windows = windows_for(total_tokens, num_seqs, num_heads, tuning.window_slots);
+  l.seg = segments_for(l.windows.slots, l.windows.total_slots, num_seqs, num_heads, tuning);
+  const size_t needed = launch_workspace(l.windows, l.seg, total_tokens, num_heads);
+  if (workspace_bytes < needed) {
+    fail(FKDA_ERROR_WORKSPACE_TOO_SMALL,
+         "workspace_bytes: " + std::to_string(workspace_bytes) + " bytes given, the launch of " +
+             std::to_string(l.windows.count) + " window(s) of " + std::to_string(l.windows.slots) +
+             " chunk slots needs " + std::to_string(needed) + " (" + size_call + ")");
+  }
+  return l;
+}
+
+// Grids of one launch: heads along y, and along x the window's slots, the
+// sequences and, with segments, their segment slots.
+void check_grid_limits(const Launch& l, int64_t num_seqs, int32_t num_heads, int64_t total_tokens) {
+  const int64_t max_grid_x = std::numeric_limits<int32_t>::max();
+  if (num_heads > 65535 || l.windows.slots > max_grid_x || num_seqs > max_grid_x ||
+      l.seg.per_seq > max_grid_x / std::max<int64_t>(num_seqs, 1)) {
+    fail(FKDA_ERROR_UNSUPPORTED, "problem too large for one launch: " + std::to_string(num_seqs) +
+                                     " sequences, " + std::to_string(total_tokens) + " tokens, " +
+                                     std::to_string(num_heads) + " heads");
+  }
+}
+
+// The workspace as launch_workspace lays it out: the window's records, the
+// carries that follow them (a multiple of 16 bytes) and, with segments, the
+// segments' M and E records after the carries, set in params. Returns the
+// first carry; carry w is carry_step floats further.
+float* place_workspace(const Launch& l, int32_t num_heads, unsigned char* workspace, FkdaPrefillParams& params) {
+  params.workspace = workspace;
+  params.num_slots = l.windows.total_slots;
+  float* carry = reinterpret_cast<float*>(workspace + l.windows.slots * int64_t(num_heads) * FKDA_WS_RECORD_BYTES);
+  if (l.seg.chunks > 0) {
+    const int64_t step = carry_step(num_heads);
+    params.vsplit = kSegmentVsplit;
+    params.segment_chunks = l.seg.chunks;
+    params.segments_per_seq = l.seg.per_seq;
+    params.segment_capacity = l.seg.capacity;
+    params.seg_m = carry + (l.windows.count - 1) * step;
+    params.seg_e = params.seg_m + l.seg.capacity * step;
+  }
+  return carry;
 }
 
 }  // namespace
@@ -179,32 +237,25 @@ std::string unsupported_arch_message(int cc_major, int cc_minor) {
 
 LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes, CUstream stream) {
   const int64_t total_tokens = problem.batch * problem.seq_len;
-  // The one computation of the launch shape: what runs is what is checked.
-  const Windows windows =
-      windows_for(total_tokens, problem.num_seqs, problem.num_heads, problem.tuning.window_slots);
-  Segments seg = segments_for(windows.slots, windows.total_slots, problem.num_seqs, problem.num_heads, problem.tuning);
-  const size_t needed = launch_workspace(windows, seg, total_tokens, problem.num_heads);
-  if (workspace_bytes < needed) {
-    fail(FKDA_ERROR_WORKSPACE_TOO_SMALL,
-         "workspace_bytes: " + std::to_string(workspace_bytes) + " bytes given, the launch of " +
-             std::to_string(windows.count) + " window(s) of " + std::to_string(windows.slots) +
-             " chunk slots needs " + std::to_string(needed) + " (fkda_plan_workspace_size)");
-  }
+  Launch l = checked_launch(total_tokens, problem.num_seqs, problem.num_heads, problem.tuning, workspace_bytes,
+                            "fkda_plan_workspace_size");
   const LaunchContext context = launch_context();
+  // Devices whose shared memory cannot hold the scan, and calls whose
+  // segment grid would not fit, run the serial path (it needs no more
+  // workspace than the segments would have).
   const int64_t max_grid_x = std::numeric_limits<int32_t>::max();
-  if (problem.num_heads > 65535 || windows.slots > max_grid_x || problem.num_seqs > max_grid_x) {
-    fail(FKDA_ERROR_UNSUPPORTED, "problem too large for one launch: " + std::to_string(problem.num_seqs) +
-                                     " sequences, " + std::to_string(total_tokens) + " tokens, " +
-                                     std::to_string(problem.num_heads) + " heads");
+  if (!context.facts.segment_scan_fits || l.seg.per_seq > max_grid_x / std::max<int64_t>(problem.num_seqs, 1)) {
+    l.seg = Segments{};
   }
+  check_grid_limits(l, problem.num_seqs, problem.num_heads, total_tokens);
+  const Windows& windows = l.windows;
+  const Segments& seg = l.seg;
 
   FkdaPrefillParams params;
   std::memset(&params, 0, sizeof(params));
   set_common_params(problem, params);
   params.initial_state = problem.initial_state;
   params.final_state = problem.final_state;
-  params.workspace = static_cast<unsigned char*>(workspace);
-  params.num_slots = windows.total_slots;
   params.gate_scale = gate_scale(problem.lower_bound);
   params.vsplit = choose_vsplit(problem.num_seqs * problem.num_heads, context.facts, problem.tuning.vsplit);
   params.state_pool = problem.pool.data;
@@ -222,10 +273,6 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace
   const unsigned heads = unsigned(problem.num_heads);
   const bool serving = params.state_indices.data != nullptr || params.has_initial_state.data != nullptr ||
                        params.checkpoint_offsets.data != nullptr;
-  // Devices whose shared memory cannot hold the scan run the serial path
-  // (it needs no more workspace than the segments would have).
-  const int64_t max_grid_x_per_seq = max_grid_x / std::max<int64_t>(problem.num_seqs, 1);
-  if (!context.facts.segment_scan_fits || seg.per_seq > max_grid_x_per_seq) seg = Segments{};
   // Resolved before the first launch: a kernel that fails to resolve must
   // not find earlier windows' pools already advanced.
   const ResolvedKernel prepare =
@@ -239,19 +286,9 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace
     segment_scan = resolve(context, context.kernels.segment_scan);
     segment_recurrence = resolve(context, context.kernels.segment_recurrence[kSegmentVsplit - 1]);
   }
-  // The carries follow the window's records (a multiple of 16 bytes), then
-  // the segments' M and E records.
-  float* carry = reinterpret_cast<float*>(params.workspace + windows.slots * int64_t(problem.num_heads) *
-                                                                 FKDA_WS_RECORD_BYTES);
-  const int64_t carry_step = int64_t(problem.num_heads) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
-  if (seg.chunks > 0) {
-    params.vsplit = kSegmentVsplit;
-    params.segment_chunks = seg.chunks;
-    params.segments_per_seq = seg.per_seq;
-    params.segment_capacity = seg.capacity;
-    params.seg_m = carry + (windows.count - 1) * carry_step;
-    params.seg_e = params.seg_m + seg.capacity * carry_step;
-  }
+  // After the serial recurrence's kernel is chosen: with segments the V split is theirs.
+  float* carry = place_workspace(l, problem.num_heads, static_cast<unsigned char*>(workspace), params);
+  const int64_t step = carry_step(problem.num_heads);
   const unsigned segment_threads = unsigned(32 * fkda_recurrence_warps(kSegmentVsplit));
   const unsigned segment_smem = unsigned(fkda_recurrence_smem_bytes(kSegmentVsplit));
   const unsigned segment_grid_x = unsigned(problem.num_seqs * seg.per_seq);
@@ -260,8 +297,8 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace
   for (int64_t w = 0; w < windows.count; ++w) {
     params.window_first = w * windows.slots;
     params.window_end = std::min(params.window_first + windows.slots, windows.total_slots);
-    params.carry_in = w > 0 ? carry + (w - 1) * carry_step : nullptr;
-    params.carry_out = w + 1 < windows.count ? carry + w * carry_step : nullptr;
+    params.carry_in = w > 0 ? carry + (w - 1) * step : nullptr;
+    params.carry_out = w + 1 < windows.count ? carry + w * step : nullptr;
     if (total_tokens > 0) {
       launch(context, prepare, unsigned(params.window_end - params.window_first), heads, 1,
              FKDA_PREPARE_THREADS, 0, stream, &params);
@@ -303,24 +340,11 @@ size_t transitions_workspace_size(int64_t total_tokens, int64_t num_seqs, int32_
 
 void transitions(const TransitionProblem& problem, const Tuning& plan_tuning, void* workspace,
                  size_t workspace_bytes, CUstream stream) {
-  const Tuning tuning = transitions_tuning(plan_tuning);
   const int64_t total_tokens = problem.batch * problem.seq_len;
-  const Windows windows = windows_for(total_tokens, problem.num_seqs, problem.num_heads, tuning.window_slots);
-  const Segments seg = segments_for(windows.slots, windows.total_slots, problem.num_seqs, problem.num_heads, tuning);
-  const size_t needed = launch_workspace(windows, seg, total_tokens, problem.num_heads);
-  if (workspace_bytes < needed) {
-    fail(FKDA_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes: " + std::to_string(workspace_bytes) +
-                                             " bytes given, the transitions need " + std::to_string(needed) +
-                                             " (fkda_plan_transitions_workspace_size)");
-  }
+  const Launch l = checked_launch(total_tokens, problem.num_seqs, problem.num_heads, transitions_tuning(plan_tuning),
+                                  workspace_bytes, "fkda_plan_transitions_workspace_size");
+  check_grid_limits(l, problem.num_seqs, problem.num_heads, total_tokens);
   const LaunchContext context = launch_context();
-  const int64_t max_grid_x = std::numeric_limits<int32_t>::max();
-  if (problem.num_heads > 65535 || windows.slots > max_grid_x || problem.num_seqs > max_grid_x ||
-      seg.per_seq > max_grid_x / std::max<int64_t>(problem.num_seqs, 1)) {
-    fail(FKDA_ERROR_UNSUPPORTED, "problem too large for one launch: " + std::to_string(problem.num_seqs) +
-                                     " sequences, " + std::to_string(total_tokens) + " tokens, " +
-                                     std::to_string(problem.num_heads) + " heads");
-  }
   if (!context.facts.segment_scan_fits) {
     fail(FKDA_ERROR_UNSUPPORTED_ARCH, "fkda_transitions needs " + std::to_string(FKDA_SCAN_SMEM_BYTES) +
                                           " bytes of shared memory per block; the device allows " +
@@ -329,41 +353,19 @@ void transitions(const TransitionProblem& problem, const Tuning& plan_tuning, vo
 
   // The call as a prefill without q, out or states: q's view is k's (the
   // preparation forms Qd, which the transition pass never reads).
-  PrefillProblem prefill;
-  prefill.batch = problem.batch;
-  prefill.seq_len = problem.seq_len;
-  prefill.num_seqs = problem.num_seqs;
-  prefill.num_heads = problem.num_heads;
+  PrefillProblem prefill = as_prefill(problem);
   prefill.q = problem.k;
-  prefill.k = problem.k;
-  prefill.v = problem.v;
-  prefill.g = problem.g;
-  prefill.beta = problem.beta;
-  prefill.A_log = problem.A_log;
-  prefill.dt_bias = problem.dt_bias;
-  prefill.gate = problem.gate;
-  prefill.state_layout = problem.state_layout;
-  prefill.cu_seqlens = problem.cu_seqlens;
-  prefill.lower_bound = problem.lower_bound;
 
   FkdaPrefillParams params;
   std::memset(&params, 0, sizeof(params));
   set_common_params(prefill, params);
-  params.workspace = static_cast<unsigned char*>(workspace);
-  params.num_slots = windows.total_slots;
   params.gate_scale = gate_scale(problem.lower_bound);
-  params.vsplit = kSegmentVsplit;
   params.transitions_only = 1;
   params.trans_m = problem.transition_m;
   params.trans_e = problem.transition_e;
-  params.segment_chunks = seg.chunks;
-  params.segments_per_seq = seg.per_seq;
-  params.segment_capacity = seg.capacity;
-  float* carry = reinterpret_cast<float*>(params.workspace + windows.slots * int64_t(problem.num_heads) *
-                                                                 FKDA_WS_RECORD_BYTES);
-  const int64_t carry_step = int64_t(problem.num_heads) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
-  params.seg_m = carry + (windows.count - 1) * carry_step;
-  params.seg_e = params.seg_m + seg.capacity * carry_step;
+  place_workspace(l, problem.num_heads, static_cast<unsigned char*>(workspace), params);
+  const Windows& windows = l.windows;
+  const Segments& seg = l.seg;
 
   const ResolvedKernel prepare =
       total_tokens > 0 ? resolve(context, prepare_kernel(context.kernels, problem.gate)) : ResolvedKernel{};
