@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /* Parameters of the decode kernel (kernels/decode_recurrence.cuh), shared
  * with its launch code in src/gpu/gpu_decode.cpp. Plain C like
- * prefill_params.h, whose activation views and head size it reuses; passed by
- * value as the kernel's single argument. */
+ * prefill_params.h, whose shared fields (FkdaRecurrenceCall) and head size
+ * it reuses; passed by value as the kernel's single argument. */
 #ifndef FLASHKDA_KERNELS_DECODE_PARAMS_H
 #define FLASHKDA_KERNELS_DECODE_PARAMS_H
 
@@ -46,35 +46,18 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_smem_bytes(int32_t max_tokens
 }
 
 typedef struct FkdaDecodeParams {
-  FkdaActivation q, k, v, g, beta; /* bf16 (g, beta: or f32, see gate) */
-  FkdaOutput out;                  /* bf16 */
-  const float* A_log;              /* [H] or NULL */
-  const float* dt_bias;            /* [H, K] or NULL */
-  FkdaGate gate;
+  FkdaRecurrenceCall call;
 
   void* pool;               /* [slots, H, V, K] (or [slots, H, K, V]) */
   int64_t pool_slots;
   int64_t pool_slot_stride; /* elements */
-  int32_t state_is_bf16;    /* else f32 */
-  int32_t state_is_kv;
 
   FkdaIndexTable state_indices;   /* [N] (cols 1) or [N, W] */
   FkdaIndexTable num_accepted;    /* [N], with a table; data NULL means 1 */
   int32_t indices_are_table;
-  int32_t first_real_slot;        /* 0 or 1: smaller indices are null (fkda_null_slot_rule) */
-
-  const void* cu_seqlens; /* NULL: sequence n is batch row n */
-  int64_t cu_seqlens_stride;
-  int32_t cu_seqlens_is_i64;
-  int32_t num_heads;
-
-  int64_t seq_len;  /* T: tokens per row (the packed total with cu_seqlens) */
-  int64_t num_seqs; /* N */
-
-  float scale;
-  float gate_scale;   /* lower_bound * log2(e) */
   int32_t max_tokens; /* sequences longer than this are treated as padding; <= FKDA_DECODE_MAX_TOKENS */
   int32_t warps;      /* per block: 1, 2 or 4 */
+  int32_t reserved;   /* zero */
 } FkdaDecodeParams;
 
 #endif /* FLASHKDA_KERNELS_DECODE_PARAMS_H */

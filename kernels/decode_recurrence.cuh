@@ -214,11 +214,11 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   const int local_row = warp * FKDA_DECODE_ROWS_PER_WARP + (lane >> 3) * kDecodeRowsPerGroup;
   const int e = block_row + local_row;
 
-  int64_t batch_row = n, begin = 0, end = p.seq_len;
-  if (p.cu_seqlens != nullptr) {
+  int64_t batch_row = n, begin = 0, end = p.call.seq_len;
+  if (p.call.cu_seqlens != nullptr) {
     batch_row = 0;
-    begin = load_clamped_offset(p.cu_seqlens, p.cu_seqlens_stride, p.cu_seqlens_is_i64 != 0, p.seq_len, n);
-    end = load_clamped_offset(p.cu_seqlens, p.cu_seqlens_stride, p.cu_seqlens_is_i64 != 0, p.seq_len, n + 1);
+    begin = load_clamped_offset(p.call.cu_seqlens, p.call.cu_seqlens_stride, p.call.cu_seqlens_is_i64 != 0, p.call.seq_len, n);
+    end = load_clamped_offset(p.call.cu_seqlens, p.call.cu_seqlens_stride, p.call.cu_seqlens_is_i64 != 0, p.call.seq_len, n + 1);
     if (end < begin) end = begin;
   }
   const int64_t length = end - begin;
@@ -233,14 +233,14 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       column = accepted >= 1 && accepted <= p.state_indices.cols ? accepted - 1 : -1;
     }
     if (column >= 0) {
-      start_slot = usable_slot(load_index(p.state_indices, n, column), p.first_real_slot, p.pool_slots);
+      start_slot = usable_slot(load_index(p.state_indices, n, column), p.call.first_real_slot, p.pool_slots);
     }
   }
 
-  uint16_t* out = static_cast<uint16_t*>(p.out.data) + batch_row * p.out.stride_b + int64_t(head) * p.out.stride_h +
-                  begin * p.out.stride_t + block_row;
+  uint16_t* out = static_cast<uint16_t*>(p.call.out.data) + batch_row * p.call.out.stride_b + int64_t(head) * p.call.out.stride_h +
+                  begin * p.call.out.stride_t + block_row;
   if (start_slot < 0) {
-    for (int64_t i = tid; i < length * rows; i += blockDim.x) out[(i / rows) * p.out.stride_t + i % rows] = 0;
+    for (int64_t i = tid; i < length * rows; i += blockDim.x) out[(i / rows) * p.call.out.stride_t + i % rows] = 0;
     return;
   }
   const int tokens = int(length);
@@ -262,7 +262,7 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   float* beta = reinterpret_cast<float*>(decode_smem + fkda_decode_beta_offset(p.max_tokens, warps));
   if (p.indices_are_table) {
     for (int t = tid; t < tokens; t += blockDim.x) {
-      write_slots[t] = usable_slot(load_index(p.state_indices, n, t), p.first_real_slot, p.pool_slots);
+      write_slots[t] = usable_slot(load_index(p.state_indices, n, t), p.call.first_real_slot, p.pool_slots);
     }
   }
   {
@@ -283,34 +283,34 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     const int v_token = tid / pieces_per_token, v_row = 8 * (tid % pieces_per_token);
     uint4 v_piece = make_uint4(0, 0, 0, 0);
     if (v_token < tokens) {
-      v_piece = __ldg(reinterpret_cast<const uint4*>(token_row(p.v, v_token) + block_row + v_row));
+      v_piece = __ldg(reinterpret_cast<const uint4*>(token_row(p.call.v, v_token) + block_row + v_row));
     }
-    const float rate = gate_rate(p.A_log, head, true);
+    const float rate = gate_rate(p.call.A_log, head, true);
     float dt[4] = {0.f, 0.f, 0.f, 0.f};
-    if (p.dt_bias != nullptr) {
-      const float* dt_bias = p.dt_bias + int64_t(head) * FKDA_HEAD_DIM + 4 * lane;
+    if (p.call.dt_bias != nullptr) {
+      const float* dt_bias = p.call.dt_bias + int64_t(head) * FKDA_HEAD_DIM + 4 * lane;
       for (int i = 0; i < 4; ++i) dt[i] = __ldg(dt_bias + i);
     }
     for (int t = warp; t < tokens; t += warps) {
-      const float4 q = load_bf16x4(token_row(p.q, t) + 4 * lane);
-      const float4 k = load_bf16x4(token_row(p.k, t) + 4 * lane);
-      const float4 g = p.gate.g_is_f32
-                           ? __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.g.data) +
-                                                                   token_offset(p.g, t)) + lane)
-                           : load_bf16x4(token_row(p.g, t) + 4 * lane);
+      const float4 q = load_bf16x4(token_row(p.call.q, t) + 4 * lane);
+      const float4 k = load_bf16x4(token_row(p.call.k, t) + 4 * lane);
+      const float4 g = p.call.gate.g_is_f32
+                           ? __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.call.g.data) +
+                                                                   token_offset(p.call.g, t)) + lane)
+                           : load_bf16x4(token_row(p.call.g, t) + 4 * lane);
       const float rq = 1.0f / sqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f);
       const float rk = 1.0f / sqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
-      const float qs = rq * p.scale;
+      const float qs = rq * p.call.scale;
       reinterpret_cast<float4*>(key + t * FKDA_HEAD_DIM)[lane] = make_float4(k.x * rk, k.y * rk, k.z * rk, k.w * rk);
       reinterpret_cast<float4*>(query + t * FKDA_HEAD_DIM)[lane] =
           make_float4(q.x * qs, q.y * qs, q.z * qs, q.w * qs);
       const float gv[4] = {g.x, g.y, g.z, g.w};
       float d[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) d[i] = decay_accurate(p.gate, p.gate_scale, gv[i], rate, dt[i]);
+      for (int i = 0; i < 4; ++i) d[i] = decay_accurate(p.call.gate, p.call.gate_scale, gv[i], rate, dt[i]);
       reinterpret_cast<float4*>(decay + t * FKDA_HEAD_DIM)[lane] = make_float4(d[0], d[1], d[2], d[3]);
       if (lane == 0) {
-        beta[t] = step_size(p.gate, load_beta(p.gate, p.beta.data, token_offset(p.beta, t)), true);
+        beta[t] = step_size(p.call.gate, load_beta(p.call.gate, p.call.beta.data, token_offset(p.call.beta, t)), true);
       }
     }
     if (v_token < tokens) {
@@ -356,7 +356,7 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     // aligned (validate.cpp, check_gpu_alignment).
     static_assert(kDecodeRowsPerGroup == 4, "one 8-byte store of four outputs");
     if (l == 0) {
-      *reinterpret_cast<uint2*>(out + t * p.out.stride_t + local_row) =
+      *reinterpret_cast<uint2*>(out + t * p.call.out.stride_t + local_row) =
           make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
     }
     if (p.indices_are_table && write_slots[t] >= 0) {

@@ -236,7 +236,7 @@ __device__ __forceinline__ int64_t load_clamped_offset(const void* cu_seqlens, i
 }
 
 __device__ __forceinline__ int64_t load_offset(const FkdaPrefillParams& p, int64_t i) {
-  return load_clamped_offset(p.cu_seqlens, p.cu_seqlens_stride, p.cu_seqlens_is_i64 != 0, p.seq_len, i);
+  return load_clamped_offset(p.call.cu_seqlens, p.call.cu_seqlens_stride, p.call.cu_seqlens_is_i64 != 0, p.call.seq_len, i);
 }
 
 // Element (row, col) of a device-side index table, widened to i64.
@@ -253,17 +253,17 @@ __device__ __forceinline__ int64_t usable_slot(int64_t index, int64_t first_real
 }
 
 __device__ __forceinline__ int64_t slot_base_of(const FkdaPrefillParams& p, int64_t n) {
-  const int64_t start = p.cu_seqlens ? load_offset(p, n) : n * p.seq_len;
+  const int64_t start = p.call.cu_seqlens ? load_offset(p, n) : n * p.call.seq_len;
   return start / FKDA_CHUNK + n;
 }
 
 __device__ __forceinline__ Sequence sequence_of(const FkdaPrefillParams& p, int64_t n) {
   Sequence s;
-  if (p.cu_seqlens == nullptr) {
+  if (p.call.cu_seqlens == nullptr) {
     s.row = n;
     s.begin = 0;
-    s.end = p.seq_len;
-    s.slot_base = (n * p.seq_len) / FKDA_CHUNK + n;
+    s.end = p.call.seq_len;
+    s.slot_base = (n * p.call.seq_len) / FKDA_CHUNK + n;
   } else {
     s.row = 0;
     s.begin = load_offset(p, n);
@@ -303,7 +303,7 @@ __device__ __forceinline__ WindowChunks window_chunks(const FkdaPrefillParams& p
 
 // The record of a slot of the current window, by its index in the window.
 __device__ __forceinline__ unsigned char* record_of(const FkdaPrefillParams& p, int64_t window_slot, int head) {
-  return p.workspace + (window_slot * p.num_heads + head) * int64_t(FKDA_WS_RECORD_BYTES);
+  return p.workspace + (window_slot * p.call.num_heads + head) * int64_t(FKDA_WS_RECORD_BYTES);
 }
 
 }  // namespace fkda_dev

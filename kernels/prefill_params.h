@@ -135,17 +135,16 @@ typedef struct FkdaIndexTable {
   int32_t cols;
 } FkdaIndexTable;
 
-typedef struct FkdaPrefillParams {
+/* What the prefill, decode and transition kernels share, embedded first in
+ * each one's parameters (the host's RecurrenceCall, src/prefill_problem.h):
+ * the activations, the gate, the state's form, the sequence offsets, sizes
+ * and scalars. */
+typedef struct FkdaRecurrenceCall {
   FkdaActivation q, k, v, g, beta; /* bf16 (g, beta: or f32, see gate) */
   FkdaOutput out;                  /* bf16 */
   const float* A_log;              /* [H] or NULL */
   const float* dt_bias;            /* [H, K] or NULL */
   FkdaGate gate;
-
-  const void* initial_state; /* NULL: zeros */
-  void* final_state;         /* NULL: not written */
-  int32_t state_is_bf16;     /* else f32 */
-  int32_t state_is_kv;       /* [N, H, K, V]; else [N, H, V, K] */
 
   const void* cu_seqlens; /* NULL: sequence n is batch row n */
   int64_t cu_seqlens_stride;
@@ -155,6 +154,20 @@ typedef struct FkdaPrefillParams {
   int64_t seq_len;  /* T: tokens per row (the packed total with cu_seqlens) */
   int64_t num_seqs; /* N */
 
+  float scale;
+  float gate_scale;        /* lower_bound * log2(e) */
+  int32_t state_is_bf16;   /* else f32 */
+  int32_t state_is_kv;     /* [.., H, K, V]; else [.., H, V, K] */
+  int32_t first_real_slot; /* 0 or 1: smaller pool indices are null (fkda_null_slot_rule) */
+  int32_t reserved;        /* zero */
+} FkdaRecurrenceCall;
+
+typedef struct FkdaPrefillParams {
+  FkdaRecurrenceCall call;
+
+  const void* initial_state; /* NULL: zeros */
+  void* final_state;         /* NULL: not written */
+
   unsigned char* workspace; /* the window's records: (slot - window_first) * num_heads + head */
   int64_t num_slots;        /* of the whole call (fkda_num_chunk_slots) */
   int64_t window_first;     /* the slots [window_first, window_end) of this launch pair */
@@ -162,10 +175,8 @@ typedef struct FkdaPrefillParams {
   const float* carry_in; /* the state entering this window; NULL in the first */
   float* carry_out;      /* the state leaving it; NULL in the last */
 
-  float scale;
-  float gate_scale; /* lower_bound * log2(e) */
-  int32_t vsplit;   /* 1, 2, 4 or 8 blocks share one head's V rows */
-  int32_t first_real_slot; /* 0 or 1: smaller pool indices are null (fkda_null_slot_rule) */
+  int32_t vsplit; /* 1, 2, 4 or 8 blocks share one head's V rows */
+  int32_t reserved0; /* zero */
 
   /* States in a pool instead of initial_state / final_state (state_pool
    * non-NULL): sequence n starts from and ends in slot state_indices[n]; a

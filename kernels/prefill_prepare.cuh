@@ -290,7 +290,7 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   // The owner of this slot: the last sequence whose slots start at or before it.
-  int64_t lo = 0, hi = p.num_seqs - 1;
+  int64_t lo = 0, hi = p.call.num_seqs - 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) >> 1;
     if (slot_base_of(p, mid) <= slot) lo = mid; else hi = mid - 1;
@@ -320,10 +320,10 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
   uint32_t qv[8], kv[8], gv[8];
   float2 gv32[8];
   {
-    const uint16_t* q = token_pointer(p.q);
-    const uint16_t* k = token_pointer(p.k);
-    const uint16_t* g = token_pointer(p.g);
-    const float* g32 = static_cast<const float*>(p.g.data) + token_offset(p.g);
+    const uint16_t* q = token_pointer(p.call.q);
+    const uint16_t* k = token_pointer(p.call.k);
+    const uint16_t* g = token_pointer(p.call.g);
+    const float* g32 = static_cast<const float*>(p.call.g.data) + token_offset(p.call.g);
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
       qv[r] = kv[r] = gv[r] = 0u;
@@ -334,10 +334,10 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
         if constexpr (kGF32) gv32[r] = __ldg(reinterpret_cast<const float2*>(g32));
         else gv[r] = __ldg(reinterpret_cast<const unsigned int*>(g));
       }
-      q += p.q.stride_t;
-      k += p.k.stride_t;
-      g += p.g.stride_t;
-      g32 += p.g.stride_t;
+      q += p.call.q.stride_t;
+      k += p.call.k.stride_t;
+      g += p.call.g.stride_t;
+      g32 += p.call.g.stride_t;
     }
   }
   auto g_of = [&](int r, int e) {
@@ -347,8 +347,8 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
   if (tid < FKDA_CHUNK) {
     float b = 0.f;
     if (tid < len) {
-      const int64_t at = seq.row * p.beta.stride_b + int64_t(head) * p.beta.stride_h + (t0 + tid) * p.beta.stride_t;
-      b = step_size(p.gate, load_beta(p.gate, p.beta.data, at), false);
+      const int64_t at = seq.row * p.call.beta.stride_b + int64_t(head) * p.call.beta.stride_h + (t0 + tid) * p.call.beta.stride_t;
+      b = step_size(p.call.gate, load_beta(p.call.gate, p.call.beta.data, at), false);
     }
     b_of[tid] = b;
   }
@@ -377,9 +377,9 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
   float c[8][2];  // a2, then its running sum
   float d[8][2];  // any decay: the per-token decays 2^a2
   {
-    const float rate = gate_rate(p.A_log, head, false);
+    const float rate = gate_rate(p.call.A_log, head, false);
     float2 dt = make_float2(0.f, 0.f);
-    if (p.dt_bias != nullptr) dt = __ldg(reinterpret_cast<const float2*>(p.dt_bias + int64_t(head) * FKDA_HEAD_DIM) + pair);
+    if (p.call.dt_bias != nullptr) dt = __ldg(reinterpret_cast<const float2*>(p.call.dt_bias + int64_t(head) * FKDA_HEAD_DIM) + pair);
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
       if constexpr (kAnyDecay) {
@@ -387,8 +387,8 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
         c[r][0] = unbounded_log2_decay_fast<kGate>(g_of(r, 0) + dt.x, rate);
         c[r][1] = unbounded_log2_decay_fast<kGate>(g_of(r, 1) + dt.y, rate);
       } else {
-        c[r][0] = p.gate_scale * sigmoid_fast(rate * (g_of(r, 0) + dt.x));
-        c[r][1] = p.gate_scale * sigmoid_fast(rate * (g_of(r, 1) + dt.y));
+        c[r][0] = p.call.gate_scale * sigmoid_fast(rate * (g_of(r, 0) + dt.x));
+        c[r][1] = p.call.gate_scale * sigmoid_fast(rate * (g_of(r, 1) + dt.y));
       }
     }
     // Tokens past the chunk's end (g read as 0) decay nothing. Zeroed apart,
@@ -467,7 +467,7 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
         up = exp2_fast(c[r][e]);
       }
       kd[e] = kn[r][e] * up;
-      qd[e] = qn * p.scale * up;
+      qd[e] = qn * p.call.scale * up;
       if constexpr (!kAnyDecay) ki[e] = kn[r][e] * exp2_fast(-c[r][e]);
     }
     unsigned char* at = record + wide_at(r);
@@ -575,12 +575,12 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
       if (c / side != g / side) continue;
       const int left = (c / side) * 2 * side + c % side;
       pairs[0][right][left] = level_acc[e];
-      pairs[1][right][left] = p.scale * level_acc[2 + e];
+      pairs[1][right][left] = p.call.scale * level_acc[2 + e];
     }
     if (warp == 0 && lane < FKDA_CHUNK) {
       // B's diagonal, which no level holds.
       const float qk = norm_parts[2][lane >> 3][0][lane & 7] + norm_parts[2][lane >> 3][1][lane & 7];
-      pairs[1][lane][lane] = p.scale * inverse_norms[0][lane] * inverse_norms[1][lane] * qk;
+      pairs[1][lane][lane] = p.call.scale * inverse_norms[0][lane] * inverse_norms[1][lane] * qk;
     }
     __syncthreads();
     if (warp < 2) {

@@ -157,10 +157,10 @@ __device__ __forceinline__ void zero_output_rows(const FkdaPrefillParams& p, con
   constexpr int kPieces = kVCols / 8;
   const int64_t first = seq.begin + chunk_first * FKDA_CHUNK;
   const int64_t end = seq.begin + chunk_end * FKDA_CHUNK < seq.end ? seq.begin + chunk_end * FKDA_CHUNK : seq.end;
-  uint16_t* out = static_cast<uint16_t*>(p.out.data) + seq.row * p.out.stride_b + int64_t(head) * p.out.stride_h +
+  uint16_t* out = static_cast<uint16_t*>(p.call.out.data) + seq.row * p.call.out.stride_b + int64_t(head) * p.call.out.stride_h +
                   v_block;
   for (int64_t i = threadIdx.x; i < (end - first) * kPieces; i += kThreads) {
-    *reinterpret_cast<uint4*>(out + (first + i / kPieces) * p.out.stride_t + (i % kPieces) * 8) =
+    *reinterpret_cast<uint4*>(out + (first + i / kPieces) * p.call.out.stride_t + (i % kPieces) * 8) =
         make_uint4(0u, 0u, 0u, 0u);
   }
 }
@@ -194,16 +194,16 @@ __device__ __forceinline__ void seek_checkpoint(const FkdaPrefillParams& p, int6
 __device__ __forceinline__ bool checkpoint_destination(const FkdaPrefillParams& p, int64_t n, int64_t column,
                                                        int64_t head_offset, StateAccess& to) {
   to.initial = nullptr;
-  to.kv = p.state_is_kv != 0;
+  to.kv = p.call.state_is_kv != 0;
   if (p.checkpoints != nullptr) {
     to.final = p.checkpoints;
     to.bf16 = p.checkpoint_is_bf16 != 0;
     to.base = n * p.checkpoint_stride_n + column * p.checkpoint_stride_c + head_offset;
     return true;
   }
-  const int64_t slot = usable_slot(load_index(p.checkpoint_slots, n, column), p.first_real_slot, p.pool_slots);
+  const int64_t slot = usable_slot(load_index(p.checkpoint_slots, n, column), p.call.first_real_slot, p.pool_slots);
   to.final = p.state_pool;
-  to.bf16 = p.state_is_bf16 != 0;
+  to.bf16 = p.call.state_is_bf16 != 0;
   to.base = slot * p.pool_slot_stride + head_offset;
   return slot >= 0;
 }
@@ -291,11 +291,11 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   StateAccess state;
   state.initial = p.initial_state;
   state.final = p.final_state;
-  state.bf16 = p.state_is_bf16 != 0;
-  state.kv = p.state_is_kv != 0;
-  state.base = n * p.num_heads * int64_t(FKDA_HEAD_DIM * FKDA_HEAD_DIM) + head_offset;
+  state.bf16 = p.call.state_is_bf16 != 0;
+  state.kv = p.call.state_is_kv != 0;
+  state.base = n * p.call.num_heads * int64_t(FKDA_HEAD_DIM * FKDA_HEAD_DIM) + head_offset;
   if (kServing && p.state_indices.data != nullptr) {
-    const int64_t slot = usable_slot(load_index(p.state_indices, n, 0), p.first_real_slot, p.pool_slots);
+    const int64_t slot = usable_slot(load_index(p.state_indices, n, 0), p.call.first_real_slot, p.pool_slots);
     if (slot < 0) {
       if (kMode != kTransition) zero_output_rows<kThreads, kVCols>(p, seq, head, v_block, run_first, run_end);
       return;
@@ -329,12 +329,12 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
     // zeros, or the identity for M. Transitions end in their records.
     const bool from_state = first_segment && !p.transitions_only;
     if (!from_state) from.initial = nullptr;
-    to = segment_matrix(forms_m ? p.seg_m : p.seg_e, segment_index, head, p.num_heads);
+    to = segment_matrix(forms_m ? p.seg_m : p.seg_e, segment_index, head, p.call.num_heads);
   } else if constexpr (kMode == kSegment) {
     if (!first_segment) {
-      from = segment_matrix(p.seg_e, segment_index - 1, head, p.num_heads);
+      from = segment_matrix(p.seg_e, segment_index - 1, head, p.call.num_heads);
     } else if (!last_segment) {
-      from = segment_matrix(p.seg_m, segment_index, head, p.num_heads);
+      from = segment_matrix(p.seg_m, segment_index, head, p.call.num_heads);
     }
     if (!last_segment) to.final = nullptr;
   }
@@ -348,14 +348,14 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
         for (int r = 0; r < 4; ++r) S[nt][r] = (e0 + g + 8 * (r >> 1) == nt * 8 + 2 * t + (r & 1)) ? 1.f : 0.f;
       }
     } else if (first_segment && !p.transitions_only) {
-      store_state(segment_matrix(p.seg_m, segment_index, head, p.num_heads), e0, g, t, S);
+      store_state(segment_matrix(p.seg_m, segment_index, head, p.call.num_heads), e0, g, t, S);
     }
   }
 
   const uint32_t stages = smem_address(smem);
   unsigned char* out_tile = smem + FKDA_RECURRENCE_STAGES * kStageBytes + warp * FKDA_OUT_TILE_BYTES;
-  uint16_t* out_row = static_cast<uint16_t*>(p.out.data) + seq.row * p.out.stride_b +
-                      int64_t(head) * p.out.stride_h + e0;
+  uint16_t* out_row = static_cast<uint16_t*>(p.call.out.data) + seq.row * p.call.out.stride_b +
+                      int64_t(head) * p.call.out.stride_h + e0;
 
   CheckpointCursor checkpoint{0, -1};
   if constexpr (kServing && kMode != kTransition) {
@@ -364,19 +364,19 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
 
   // The next chunk to stage, its record and its first v row.
   int64_t next = run_first;
-  const int64_t record_step = int64_t(p.num_heads) * FKDA_WS_RECORD_BYTES;
+  const int64_t record_step = int64_t(p.call.num_heads) * FKDA_WS_RECORD_BYTES;
   const unsigned char* next_record = record_of(p, seq.slot_base + run_first - p.window_first, head);
-  const uint16_t* next_v = static_cast<const uint16_t*>(p.v.data) + seq.row * p.v.stride_b +
-                           int64_t(head) * p.v.stride_h + v_block +
-                           (seq.begin + run_first * FKDA_CHUNK) * p.v.stride_t;
-  const int64_t v_step = FKDA_CHUNK * p.v.stride_t;
+  const uint16_t* next_v = static_cast<const uint16_t*>(p.call.v.data) + seq.row * p.call.v.stride_b +
+                           int64_t(head) * p.call.v.stride_h + v_block +
+                           (seq.begin + run_first * FKDA_CHUNK) * p.call.v.stride_t;
+  const int64_t v_step = FKDA_CHUNK * p.call.v.stride_t;
   auto issue = [&]() {
     if (next < run_end) {
       const int64_t left = seq.end - (seq.begin + next * FKDA_CHUNK);
       const uint32_t stage = stages + int(next % FKDA_RECURRENCE_STAGES) * kStageBytes;
       stage_record<kThreads>(stage, next_record);
       // M is the same recurrence with v = 0: zero-filled rows.
-      stage_v_rows<kThreads, kVCols>(stage, next_v, p.v.stride_t,
+      stage_v_rows<kThreads, kVCols>(stage, next_v, p.call.v.stride_t,
                                      forms_m ? 0 : int(left < FKDA_CHUNK ? left : FKDA_CHUNK));
       next_record += record_step;
       next_v += v_step;
@@ -515,7 +515,7 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
       const int token = lane >> 1, piece = lane & 1;
       if (first + token < seq.end) {
         const uint4 value = *reinterpret_cast<const uint4*>(out_tile + token * FKDA_OUT_TILE_PITCH_BYTES + piece * 16);
-        *reinterpret_cast<uint4*>(out_row + (first + token) * p.out.stride_t + piece * 8) = value;
+        *reinterpret_cast<uint4*>(out_row + (first + token) * p.call.out.stride_t + piece * 8) = value;
       }
     }
     if (!checkpoint_here) break;

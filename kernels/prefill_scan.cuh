@@ -37,8 +37,8 @@ constexpr int kScanQuarters = 4;
 // Element (row, col) of an f32 [N, H, 128, 128] output, stored transposed
 // for KV plans.
 __device__ __forceinline__ int64_t transition_at(const FkdaPrefillParams& p, int64_t n, int head, int row, int col) {
-  const int64_t base = (n * p.num_heads + head) * int64_t(kScanMatrix);
-  return base + (p.state_is_kv ? int64_t(col) * FKDA_HEAD_DIM + row : int64_t(row) * FKDA_HEAD_DIM + col);
+  const int64_t base = (n * p.call.num_heads + head) * int64_t(kScanMatrix);
+  return base + (p.call.state_is_kv ? int64_t(col) * FKDA_HEAD_DIM + row : int64_t(row) * FKDA_HEAD_DIM + col);
 }
 
 __device__ __forceinline__ const float* segment_record(const float* base, int64_t index, int head, int num_heads) {
@@ -145,26 +145,26 @@ __device__ void segment_scan(const FkdaPrefillParams& p) {
   const int64_t s_end = transitions ? s_last + 1 : s_last;
   if (!transitions && s_end <= s_begin) return;  // E_s0 already is the state after s0
   float x[4];
-  const float* first = segment_record(m_rows ? p.seg_m : p.seg_e, index_of(s0), head, p.num_heads);
+  const float* first = segment_record(m_rows ? p.seg_m : p.seg_e, index_of(s0), head, p.call.num_heads);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     x[c] = continues ? output[transition_at(p, n, head, row, col + c)] : first[row * FKDA_HEAD_DIM + col + c];
   }
   put_transposed(xt, x);
 
-  if (s_begin < s_end) stage_transition_m(m_stage(0), segment_record(p.seg_m, index_of(s_begin), head, p.num_heads));
+  if (s_begin < s_end) stage_transition_m(m_stage(0), segment_record(p.seg_m, index_of(s_begin), head, p.call.num_heads));
   cp_async_commit();
   for (int64_t s = s_begin; s < s_end; ++s) {
     const int64_t k = s - s_begin;
     // The stage this overwrites was last read before the previous step's final barrier.
-    if (s + 1 < s_end) stage_transition_m(m_stage(k + 1), segment_record(p.seg_m, index_of(s + 1), head, p.num_heads));
+    if (s + 1 < s_end) stage_transition_m(m_stage(k + 1), segment_record(p.seg_m, index_of(s + 1), head, p.call.num_heads));
     cp_async_commit();
     // E_s first (M rows add nothing): its latency hides behind the wait.
     if (m_rows) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) x[c] = 0.f;
     } else {
-      const float4 e = *reinterpret_cast<const float4*>(segment_record(p.seg_e, index_of(s), head, p.num_heads) +
+      const float4 e = *reinterpret_cast<const float4*>(segment_record(p.seg_e, index_of(s), head, p.call.num_heads) +
                                                         row * FKDA_HEAD_DIM + col);
       x[0] = e.x;
       x[1] = e.y;
@@ -176,7 +176,7 @@ __device__ void segment_scan(const FkdaPrefillParams& p) {
     multiply_add_transition(xt, m_stage(k), partial, x);
     if (!transitions) {
       // The state after segment s, over E_s: where segment s + 1 starts.
-      *reinterpret_cast<float4*>(p.seg_e + (index_of(s) * p.num_heads + head) * int64_t(kScanMatrix) +
+      *reinterpret_cast<float4*>(p.seg_e + (index_of(s) * p.call.num_heads + head) * int64_t(kScanMatrix) +
                                  row * FKDA_HEAD_DIM + col) = make_float4(x[0], x[1], x[2], x[3]);
     }
     __syncthreads();  // every read of X^T, the partials and M_s is done

@@ -97,7 +97,13 @@ struct GateForm {
   bool beta_is_f32 = false;
 };
 
-struct PrefillProblem {
+// What every call that runs the recurrence over a batch of activations
+// shares (fkda_fwd, fkda_decode, fkda_transitions): the sizes, the
+// activations and gate parameters, the state's form, the sequence offsets
+// and the plan's scalars at the call's start. Each problem below is one of
+// these plus its own fields; a call without q or out (fkda_transitions)
+// leaves them empty.
+struct RecurrenceCall {
   int64_t batch = 0;      // B
   int64_t seq_len = 0;    // T (tokens per batch row; the packed total with cu_seqlens)
   int64_t num_seqs = 0;   // N: B, or cu_seqlens length - 1
@@ -111,13 +117,21 @@ struct PrefillProblem {
   const float* dt_bias = nullptr;  // [H, K], optional
   GateForm gate;
 
-  // Optional states, contiguous, dtype bf16 or f32 (fkda_dtype values).
-  const void* initial_state = nullptr;
-  void* final_state = nullptr;
-  int32_t state_dtype = 0;
-  int32_t state_layout = 0;  // fkda_state_layout
+  int32_t state_dtype = 0;     // fkda_dtype of the states the call reads and writes
+  int32_t state_layout = 0;    // fkda_state_layout
+  int32_t null_slot_rule = 0;  // fkda_null_slot_rule of pool indices
 
   SeqOffsets cu_seqlens;  // absent: sequence n is batch row n
+
+  float scale = 0.f;
+  float lower_bound = -5.f;   // BOUNDED only
+  bool debug_checks = false;  // GPU: check device-side indices on the host first
+};
+
+struct PrefillProblem : RecurrenceCall {
+  // Optional states, contiguous, in state_dtype.
+  const void* initial_state = nullptr;
+  void* final_state = nullptr;
 
   // States in a pool instead of initial_state / final_state: sequence n
   // reads and writes pool slot state_indices[n] (null: padding, see
@@ -125,7 +139,6 @@ struct PrefillProblem {
   PoolView pool;
   IndexView state_indices;      // [N]
   IndexView has_initial_state;  // [N]: 0 starts from zeros (with either state form)
-  int32_t null_slot_rule = 0;   // fkda_null_slot_rule
 
   // Checkpoints: the state after checkpoint_offsets[n][c] tokens of sequence
   // n (multiples of 16, ascending, negative = none), written either to
@@ -139,10 +152,7 @@ struct PrefillProblem {
   int64_t checkpoint_stride_c = 0;
   IndexView checkpoint_slots;  // [N, C]
 
-  float scale = 0.f;
-  float lower_bound = -5.f;
-  bool debug_checks = false;  // GPU: check device-side indices on the host first
-  Tuning tuning;              // the plan's, read at its creation
+  Tuning tuning;  // the plan's, read at its creation
 };
 
 }  // namespace fkda

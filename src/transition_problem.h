@@ -13,51 +13,21 @@ namespace fkda {
 
 // fkda_transitions: for each (sequence, head), M (K x K) and E (V x K) of
 // the sequence's tokens (flashkda.h, "Segment transitions").
-struct TransitionProblem {
-  int64_t batch = 0;      // B
-  int64_t seq_len = 0;    // T (the packed total with cu_seqlens)
-  int64_t num_seqs = 0;   // N: B, or cu_seqlens length - 1
-  int32_t num_heads = 0;  // H
-  int32_t head_dim_k = 128;
-  int32_t head_dim_v = 128;
-
-  ActView k, v, g, beta;           // as in PrefillProblem (no q, no out)
-  const float* A_log = nullptr;    // [H], optional (GateForm)
-  const float* dt_bias = nullptr;  // [H, K], optional
-  GateForm gate;
-  SeqOffsets cu_seqlens;  // absent: sequence n is batch row n
-
+// q and out are empty, scale unused.
+struct TransitionProblem : RecurrenceCall {
   // f32, packed. VK plans: M [N, H, K, K] with S_out = S_in M, E [N, H, V, K].
   // KV plans: the transposes, M^T [N, H, K, K] and E^T [N, H, K, V].
   float* transition_m = nullptr;
   float* transition_e = nullptr;
-  int32_t state_layout = 0;  // fkda_state_layout
-
-  float lower_bound = -5.f;  // BOUNDED only
-  bool debug_checks = false;
 };
 
 // The transition problem as a forward problem without q, out or states, so
 // that both backends run their forward pass's chunk steps on its inputs.
 inline PrefillProblem as_prefill(const TransitionProblem& t) {
   PrefillProblem p;
-  p.batch = t.batch;
-  p.seq_len = t.seq_len;
-  p.num_seqs = t.num_seqs;
-  p.num_heads = t.num_heads;
-  p.head_dim_k = t.head_dim_k;
-  p.head_dim_v = t.head_dim_v;
-  p.k = t.k;
-  p.v = t.v;
-  p.g = t.g;
-  p.beta = t.beta;
-  p.A_log = t.A_log;
-  p.dt_bias = t.dt_bias;
-  p.gate = t.gate;
-  p.cu_seqlens = t.cu_seqlens;
-  p.state_layout = t.state_layout;
-  p.lower_bound = t.lower_bound;
+  static_cast<RecurrenceCall&>(p) = t;
   p.scale = 1.f;
+  p.state_dtype = FKDA_DTYPE_F32;  // M and E are f32 whatever the plan's states are
   return p;
 }
 

@@ -143,35 +143,8 @@ struct Operand {
 void check_no_shared_memory(const std::vector<Operand>& operands,
                             std::initializer_list<std::pair<const char*, const char*>> in_place = {});
 
-// The fields PrefillProblem and DecodeProblem share, from checked arguments.
-template <typename Problem>
-void fill_shared_fields(const Plan& plan, const Activations& a, const fkda_tensor& cu_seqlens, int64_t batch,
-                        int64_t tokens, int64_t num_seqs, float scale, Problem& p) {
-  p.batch = batch;
-  p.seq_len = tokens;
-  p.num_seqs = num_seqs;
-  p.num_heads = plan.num_heads;
-  p.head_dim_k = plan.head_dim_k;
-  p.head_dim_v = plan.head_dim_v;
-  p.q = act_view(a.q);
-  p.k = act_view(a.k);
-  p.v = act_view(a.v);
-  p.g = act_view(a.g);
-  p.beta = act_view(a.beta);
-  p.out = act_view(a.out);
-  p.A_log = present(a.A_log) && !is_empty(a.A_log) ? static_cast<const float*>(a.A_log.data) : nullptr;
-  p.dt_bias = present(a.dt_bias) && !is_empty(a.dt_bias) ? static_cast<const float*>(a.dt_bias.data) : nullptr;
-  p.gate.gate_mode = plan.gate_mode;
-  p.gate.beta_mode = plan.beta_mode;
-  p.gate.g_is_f32 = a.g.dtype == FKDA_DTYPE_F32;
-  p.gate.beta_is_f32 = a.beta.dtype == FKDA_DTYPE_F32;
-  p.state_dtype = plan.state_dtype;
-  p.state_layout = plan.state_layout;
-  if (present(cu_seqlens)) p.cu_seqlens = SeqOffsets{cu_seqlens.data, cu_seqlens.dtype, cu_seqlens.strides[0]};
-  p.scale = scale;
-  p.lower_bound = plan.lower_bound.load();
-  p.debug_checks = plan.debug_checks;
-  p.null_slot_rule = plan.null_slot_rule;
-}
+// The fields every problem shares (RecurrenceCall), from checked arguments.
+void fill_recurrence_call(const Plan& plan, const Activations& a, const fkda_tensor& cu_seqlens, int64_t batch,
+                          int64_t tokens, int64_t num_seqs, float scale, RecurrenceCall& call);
 
 }  // namespace fkda::checks

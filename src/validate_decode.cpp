@@ -77,7 +77,7 @@ DecodeProblem validate_decode(const Plan& plan, const fkda_decode_args* args, co
   (void)workspace;
   (void)workspace_bytes;
 
-  fill_shared_fields(plan, activations, a.cu_seqlens, B, T, N, a.scale, p);
+  fill_recurrence_call(plan, activations, a.cu_seqlens, B, T, N, a.scale, p);
   if (plan.backend == FKDA_BACKEND_CPU) {
     if (present(a.cu_seqlens)) check_cu_seqlens_contents(a.cu_seqlens, T);
     check_decode_contents(p, plan.debug_checks);

@@ -92,7 +92,7 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   if (!std::isfinite(a.scale)) invalid("scale: must be finite, got " + std::to_string(a.scale));
 
   PrefillProblem p;
-  fill_shared_fields(plan, activations, a.cu_seqlens, B, T, N, a.scale, p);
+  fill_recurrence_call(plan, activations, a.cu_seqlens, B, T, N, a.scale, p);
   p.initial_state = present(a.initial_state) ? a.initial_state.data : nullptr;
   p.final_state = present(a.final_state) ? a.final_state.data : nullptr;
   check_serving(plan, a, p);

@@ -173,6 +173,35 @@ ActView act_view(const fkda_tensor& t) {
   return view;
 }
 
+void fill_recurrence_call(const Plan& plan, const Activations& a, const fkda_tensor& cu_seqlens, int64_t batch,
+                          int64_t tokens, int64_t num_seqs, float scale, RecurrenceCall& call) {
+  call.batch = batch;
+  call.seq_len = tokens;
+  call.num_seqs = num_seqs;
+  call.num_heads = plan.num_heads;
+  call.head_dim_k = plan.head_dim_k;
+  call.head_dim_v = plan.head_dim_v;
+  call.q = act_view(a.q);
+  call.k = act_view(a.k);
+  call.v = act_view(a.v);
+  call.g = act_view(a.g);
+  call.beta = act_view(a.beta);
+  call.out = act_view(a.out);
+  call.A_log = present(a.A_log) && !is_empty(a.A_log) ? static_cast<const float*>(a.A_log.data) : nullptr;
+  call.dt_bias = present(a.dt_bias) && !is_empty(a.dt_bias) ? static_cast<const float*>(a.dt_bias.data) : nullptr;
+  call.gate.gate_mode = plan.gate_mode;
+  call.gate.beta_mode = plan.beta_mode;
+  call.gate.g_is_f32 = a.g.dtype == FKDA_DTYPE_F32;
+  call.gate.beta_is_f32 = a.beta.dtype == FKDA_DTYPE_F32;
+  call.state_dtype = plan.state_dtype;
+  call.state_layout = plan.state_layout;
+  call.null_slot_rule = plan.null_slot_rule;
+  if (present(cu_seqlens)) call.cu_seqlens = SeqOffsets{cu_seqlens.data, cu_seqlens.dtype, cu_seqlens.strides[0]};
+  call.scale = scale;
+  call.lower_bound = plan.lower_bound.load();
+  call.debug_checks = plan.debug_checks;
+}
+
 // GPU kernels move rows of 8 bf16 in 16-byte accesses.
 void check_gpu_alignment(const fkda_tensor& t, const char* name) {
   if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) {

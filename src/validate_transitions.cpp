@@ -40,12 +40,17 @@ TransitionProblem validate_transitions(const Plan& plan, const fkda_transition_a
   // E has the shape of a state in the plan's layout.
   const std::vector<int64_t> e = state_shape(plan, {N});
   check_tensor(a.transition_e, "transition_e", {FKDA_DTYPE_F32}, {e[0], e[1], e[2], e[3]}, Strides::kPacked);
-  check_no_shared_memory({Operand::tensor(a.transition_m, "transition_m", true),
-                          Operand::tensor(a.transition_e, "transition_e", true)});
 
   int64_t total_tokens = 0;
   if (mul_overflows(B, T, &total_tokens)) invalid("k: batch " + str(B) + " times " + str(T) + " tokens overflows");
   const size_t required = plan.transitions_workspace_size(total_tokens, N);
+  // Written: both transitions and the workspace, all workspace_bytes of it.
+  check_no_shared_memory(
+      {Operand::tensor(a.k, "k", false), Operand::tensor(a.v, "v", false), Operand::tensor(a.g, "g", false),
+       Operand::tensor(a.beta, "beta", false), Operand::tensor(a.A_log, "A_log", false),
+       Operand::tensor(a.dt_bias, "dt_bias", false), Operand::tensor(a.cu_seqlens, "cu_seqlens", false),
+       Operand::tensor(a.transition_m, "transition_m", true), Operand::tensor(a.transition_e, "transition_e", true),
+       Operand::bytes(workspace, workspace_bytes, "workspace", true)});
   std::vector<Located> located = {{a.k.data, "k"},
                                   {a.v.data, "v"},
                                   {a.g.data, "g"},
@@ -65,28 +70,10 @@ TransitionProblem validate_transitions(const Plan& plan, const fkda_transition_a
                   "fkda_plan_transitions_workspace_size");
 
   TransitionProblem p;
-  p.batch = B;
-  p.seq_len = T;
-  p.num_seqs = N;
-  p.num_heads = plan.num_heads;
-  p.head_dim_k = plan.head_dim_k;
-  p.head_dim_v = plan.head_dim_v;
-  p.k = act_view(a.k);
-  p.v = act_view(a.v);
-  p.g = act_view(a.g);
-  p.beta = act_view(a.beta);
-  p.A_log = present(a.A_log) && !is_empty(a.A_log) ? static_cast<const float*>(a.A_log.data) : nullptr;
-  p.dt_bias = present(a.dt_bias) && !is_empty(a.dt_bias) ? static_cast<const float*>(a.dt_bias.data) : nullptr;
-  p.gate.gate_mode = plan.gate_mode;
-  p.gate.beta_mode = plan.beta_mode;
-  p.gate.g_is_f32 = a.g.dtype == FKDA_DTYPE_F32;
-  p.gate.beta_is_f32 = a.beta.dtype == FKDA_DTYPE_F32;
-  if (present(a.cu_seqlens)) p.cu_seqlens = SeqOffsets{a.cu_seqlens.data, a.cu_seqlens.dtype, a.cu_seqlens.strides[0]};
+  const fkda_tensor none = FKDA_TENSOR_NONE;  // no q, no out
+  fill_recurrence_call(plan, {none, a.k, a.v, a.g, a.beta, a.A_log, a.dt_bias, none}, a.cu_seqlens, B, T, N, 1.f, p);
   p.transition_m = static_cast<float*>(a.transition_m.data);
   p.transition_e = static_cast<float*>(a.transition_e.data);
-  p.state_layout = plan.state_layout;
-  p.lower_bound = plan.lower_bound.load();
-  p.debug_checks = plan.debug_checks;
   return p;
 }
 

@@ -253,10 +253,9 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace
 
   FkdaPrefillParams params;
   std::memset(&params, 0, sizeof(params));
-  set_common_params(problem, params);
+  params.call = kernel_call(problem);
   params.initial_state = problem.initial_state;
   params.final_state = problem.final_state;
-  params.gate_scale = gate_scale(problem.lower_bound);
   params.vsplit = choose_vsplit(problem.num_seqs * problem.num_heads, context.facts, problem.tuning.vsplit);
   params.state_pool = problem.pool.data;
   params.pool_slots = problem.pool.slots;
@@ -358,8 +357,7 @@ void transitions(const TransitionProblem& problem, const Tuning& plan_tuning, vo
 
   FkdaPrefillParams params;
   std::memset(&params, 0, sizeof(params));
-  set_common_params(prefill, params);
-  params.gate_scale = gate_scale(problem.lower_bound);
+  params.call = kernel_call(prefill);
   params.transitions_only = 1;
   params.trans_m = problem.transition_m;
   params.trans_e = problem.transition_e;

@@ -36,14 +36,13 @@ void decode(const DecodeProblem& problem, CUstream stream) {
 
   FkdaDecodeParams params;
   std::memset(&params, 0, sizeof(params));
-  set_common_params(problem, params);
+  params.call = kernel_call(problem);
   params.pool = problem.pool.data;
   params.pool_slots = problem.pool.slots;
   params.pool_slot_stride = problem.pool.slot_stride;
   params.state_indices = index_table(problem.state_indices);
   params.indices_are_table = problem.indices_are_table;
   if (problem.indices_are_table) params.num_accepted = index_table(problem.num_accepted_tokens);
-  params.gate_scale = gate_scale(problem.lower_bound);
   // The longest sequence the kernel serves: no sequence holds more tokens
   // than a row, and a table has a column for each token's state.
   int64_t max_tokens = std::min<int64_t>(FKDA_DECODE_MAX_TOKENS, problem.seq_len);
@@ -56,8 +55,8 @@ void decode(const DecodeProblem& problem, CUstream stream) {
     fail(FKDA_ERROR_UNSUPPORTED, "decode too large for one launch: " + std::to_string(problem.num_seqs) +
                                      " sequences, " + std::to_string(problem.num_heads) + " heads");
   }
-  const NamedKernel& kernel = context.kernels.decode[decode_kernel_index(params.state_is_bf16 != 0,
-                                                                         params.state_is_kv != 0)];
+  const NamedKernel& kernel = context.kernels.decode[decode_kernel_index(params.call.state_is_bf16 != 0,
+                                                                         params.call.state_is_kv != 0)];
   launch(context, kernel, unsigned(problem.num_seqs * vsplit), unsigned(problem.num_heads), 1,
          unsigned(32 * params.warps), unsigned(fkda_decode_smem_bytes(params.max_tokens, params.warps)), stream,
          &params);

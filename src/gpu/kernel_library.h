@@ -9,6 +9,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "flashkda.h"
 #include "gpu/cuda_driver.h"
@@ -105,37 +106,39 @@ inline FkdaIndexTable index_table(const IndexView& view) {
 // The base-2 gate factor of docs/NUMERICS.md step 1, lower_bound * log2(e) in f32.
 inline float gate_scale(float lower_bound) { return lower_bound * FKDA_LOG2E; }
 
-// The fields that the prefill and decode parameters share, from the
-// validated problem: activations, gate parameters, state dtype and layout,
-// sequence offsets, sizes and scale.
-template <typename Params, typename Problem>
-void set_common_params(const Problem& problem, Params& params) {
-  params.q = kernel_view(problem.q);
-  params.k = kernel_view(problem.k);
-  params.v = kernel_view(problem.v);
-  params.g = kernel_view(problem.g);
-  params.beta = kernel_view(problem.beta);
-  params.out = output_view(problem.out);
-  params.A_log = problem.A_log;
-  params.dt_bias = problem.dt_bias;
+// The kernels' shared fields (FkdaRecurrenceCall) from the validated
+// problem's (RecurrenceCall).
+inline FkdaRecurrenceCall kernel_call(const RecurrenceCall& problem) {
+  FkdaRecurrenceCall call;
+  std::memset(&call, 0, sizeof(call));
+  call.q = kernel_view(problem.q);
+  call.k = kernel_view(problem.k);
+  call.v = kernel_view(problem.v);
+  call.g = kernel_view(problem.g);
+  call.beta = kernel_view(problem.beta);
+  call.out = output_view(problem.out);
+  call.A_log = problem.A_log;
+  call.dt_bias = problem.dt_bias;
   static_assert(FKDA_KERNEL_GATE_BOUNDED == FKDA_GATE_BOUNDED && FKDA_KERNEL_GATE_SOFTPLUS == FKDA_GATE_SOFTPLUS &&
                     FKDA_KERNEL_GATE_LOG_DECAY == FKDA_GATE_LOG_DECAY && FKDA_KERNEL_BETA_LOGITS == FKDA_BETA_LOGITS &&
                     FKDA_KERNEL_BETA_PROBABILITIES == FKDA_BETA_PROBABILITIES,
                 "kernels/prefill_params.h's gate and beta modes are flashkda.h's");
-  params.gate.mode = problem.gate.gate_mode;
-  params.gate.beta_mode = problem.gate.beta_mode;
-  params.gate.g_is_f32 = problem.gate.g_is_f32;
-  params.gate.beta_is_f32 = problem.gate.beta_is_f32;
-  params.state_is_bf16 = problem.state_dtype == FKDA_DTYPE_BF16;
-  params.state_is_kv = problem.state_layout == FKDA_STATE_LAYOUT_KV;
-  params.first_real_slot = problem.null_slot_rule == FKDA_NULL_SLOT_NONPOSITIVE ? 1 : 0;
-  params.cu_seqlens = problem.cu_seqlens.data;
-  params.cu_seqlens_stride = problem.cu_seqlens.stride;
-  params.cu_seqlens_is_i64 = problem.cu_seqlens.dtype == FKDA_DTYPE_I64;
-  params.num_heads = problem.num_heads;
-  params.seq_len = problem.seq_len;
-  params.num_seqs = problem.num_seqs;
-  params.scale = problem.scale;
+  call.gate.mode = problem.gate.gate_mode;
+  call.gate.beta_mode = problem.gate.beta_mode;
+  call.gate.g_is_f32 = problem.gate.g_is_f32;
+  call.gate.beta_is_f32 = problem.gate.beta_is_f32;
+  call.cu_seqlens = problem.cu_seqlens.data;
+  call.cu_seqlens_stride = problem.cu_seqlens.stride;
+  call.cu_seqlens_is_i64 = problem.cu_seqlens.dtype == FKDA_DTYPE_I64;
+  call.num_heads = problem.num_heads;
+  call.seq_len = problem.seq_len;
+  call.num_seqs = problem.num_seqs;
+  call.scale = problem.scale;
+  call.gate_scale = gate_scale(problem.lower_bound);
+  call.state_is_bf16 = problem.state_dtype == FKDA_DTYPE_BF16;
+  call.state_is_kv = problem.state_layout == FKDA_STATE_LAYOUT_KV;
+  call.first_real_slot = problem.null_slot_rule == FKDA_NULL_SLOT_NONPOSITIVE ? 1 : 0;
+  return call;
 }
 
 }  // namespace fkda::gpu

@@ -356,6 +356,15 @@ TEST_CASE("transitions and apply: every bad argument is named", "[transitions][v
     a.transition_e.data = m.data();
     expect_invalid(call(a, bytes), "transition_e");
   }
+  SECTION("transitions overlapping an input or the workspace") {
+    a.transition_m.data = const_cast<void*>(good.v.data);
+    expect_invalid(call(a, bytes), "transition_m");
+    a = good;
+    a.transition_e.data = static_cast<char*>(const_cast<void*>(good.cu_seqlens.data)) - 64;
+    expect_invalid(call(a, bytes), "transition_e");
+    a = good;
+    expect_invalid(fkda_transitions(plan.get(), &a, e.data(), bytes, nullptr), "workspace");
+  }
   SECTION("workspace") {
     check_failure(call(a, bytes - 1), FKDA_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes");
     expect_invalid(fkda_transitions(plan.get(), &a, nullptr, bytes, nullptr), "workspace");
