@@ -18,8 +18,9 @@
  *    with their _INIT macro. Fields are only ever appended. The sizes
  *    accepted are exactly the sizeof of each release of this header that
  *    changed the struct (fkda_plan_desc: 40 in 0.1, 48 in 0.2, 56 in 0.3,
- *    80 in 0.4; fkda_fwd_args: 1248 in 0.1, 1920 in 0.2; fkda_decode_args
- *    1360, fkda_device_info 296, fkda_build_info 80; fkda_launch_report: 32
+ *    80 in 0.4, 88 in 0.5; fkda_fwd_args: 1248 in 0.1, 1920 in 0.2, 3160
+ *    in 0.5; fkda_decode_args 1360 in 0.2, 2600 in 0.5; fkda_device_info
+ *    296, fkda_build_info 80; fkda_launch_report: 32
  *    in 0.2, 48 in 0.4; fkda_transition_args 1016, fkda_apply_args 456; all
  *    on LP64): a program built against an older header keeps working, only
  *    the fields its release had are read, and the others take their _INIT
@@ -42,7 +43,7 @@
 #include <stdint.h>
 
 #define FKDA_VERSION_MAJOR 0
-#define FKDA_VERSION_MINOR 4
+#define FKDA_VERSION_MINOR 5
 #define FKDA_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, the value fkda_version() returns. */
 #define FKDA_VERSION_NUMBER \
@@ -223,6 +224,12 @@ typedef struct fkda_plan_desc {
   int64_t window_slots;    /* 0, or > 0: chunk slots per window */
   int64_t segment_chunks;  /* 0, or > 0: chunks per segment of the
                               chunk-parallel path */
+  /* Appended in 0.5: */
+  int32_t layer_step;      /* 0 or 1. 1: fkda_fwd calls may pass the
+                              convolution of the layer step (fkda_layer_step);
+                              fkda_plan_workspace_size then counts the
+                              workspace it needs. fkda_decode and the output
+                              gate need no flag. */
 } fkda_plan_desc;
 
 /* Whether GPU prefill cuts long sequences into segments that run in
@@ -240,7 +247,7 @@ typedef enum fkda_chunk_parallel {
   { sizeof(fkda_plan_desc), 0, 128, 128, FKDA_DTYPE_F32,                    \
     FKDA_STATE_LAYOUT_VK, FKDA_BACKEND_AUTO, -5.0f,                         \
     FKDA_NULL_SLOT_NEGATIVE, 0, FKDA_GATE_BOUNDED, FKDA_BETA_LOGITS,        \
-    0, FKDA_CHUNK_PARALLEL_AUTO, 0, 0 }
+    0, FKDA_CHUNK_PARALLEL_AUTO, 0, 0, 0 }
 
 /* Validates `desc` and creates a plan. A plan is a small host object: it
  * allocates no device memory and loads nothing until its first GPU call.
@@ -283,6 +290,72 @@ FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
                                               int64_t total_tokens,
                                               int64_t num_seqs,
                                               size_t* bytes);
+
+/* ------------------------------------------------------------------------ */
+/* The layer step around the recurrence (appended in 0.5)                   */
+/* ------------------------------------------------------------------------ */
+
+/* A KDA layer (Kimi-Linear) does between its input and output projections:
+ *   q, k, v = SiLU(causal depthwise convolution of width W of their
+ *             projections, plus an optional bias), per channel c of H*K:
+ *             x'[t][c] = silu(bias[c] + sum_{j<W} weight[c][j] x[t-W+1+j][c])
+ *   the recurrence of fkda_fwd / fkda_decode on q, k, v;
+ *   o = RMSNorm(o) * w * sigmoid(g_out), over each head's V values:
+ *             o'[v] = o[v] / sqrt(mean_v(o^2) + eps) * w[v] * sigmoid(g_out[v]).
+ * fkda_fwd and fkda_decode do both parts in the same call when given this
+ * struct (a member of their arguments). Every field is optional: the
+ * convolution runs when conv_weight_q is present, the output gate when
+ * out_gate is.
+ *
+ * Convolution: q, k and v are then the raw projections (any strides of the
+ * token and head axes, so three views into one packed [T, 3*H*K] buffer
+ * work). conv_weight_q, _k, _v are bf16 or f32 [H*K, W] (one dtype for the
+ * three, W in 2..4, any strides; torch's [H*K, 1, W] weight viewed as
+ * [H*K, W]); the biases, all three or none, [H*K] in the weights' dtype.
+ * The convolution state of a sequence is the raw inputs before its first
+ * token, oldest first: conv_state_q, _k, _v, all three or none, bf16 or f32
+ * (one dtype), [rows, H*K, Wc] with Wc = W - 1 or W (the last W - 1
+ * columns are read; any strides, so channel-last pools work), rows being
+ * the pool's slots when the call takes state_indices and the sequences
+ * otherwise. A sequence reads it when it reads a recurrent state
+ * (initial_state, or a pool slot, unless has_initial_state is 0) and starts
+ * from zeros otherwise, as does every sequence without conv states. After
+ * the call, a sequence's row holds its last Wc raw inputs (from the old
+ * state where it had fewer tokens): updated in place. Padding and
+ * zero-length sequences touch nothing. Checkpoints to pool slots
+ * (checkpoint_slots) write the convolution state at each checkpoint too;
+ * checkpoints to a tensor carry the recurrent state only. fkda_decode with
+ * an [N, W] slot table (speculative verify) refuses the convolution
+ * (FKDA_ERROR_UNSUPPORTED): a rejected draft would need the convolution
+ * state of every column.
+ *
+ * Output gate: out_gate (g_out) bf16 [B, T, H, V] like v (last axis
+ * contiguous); out_norm_weight (w) bf16 or f32 [V], required with it;
+ * out_norm_eps finite and > 0. Padding sequences' output rows stay zero.
+ *
+ * fkda_fwd rounds the convolved q, k and v to bf16, as they would be
+ * stored between two kernels, and gates the bf16 output of the recurrence;
+ * fkda_decode keeps both in f32. The layout of this struct is frozen. */
+typedef struct fkda_layer_step {
+  fkda_tensor conv_weight_q;
+  fkda_tensor conv_weight_k;
+  fkda_tensor conv_weight_v;
+  fkda_tensor conv_bias_q;
+  fkda_tensor conv_bias_k;
+  fkda_tensor conv_bias_v;
+  fkda_tensor conv_state_q;
+  fkda_tensor conv_state_k;
+  fkda_tensor conv_state_v;
+  fkda_tensor out_gate;
+  fkda_tensor out_norm_weight;
+  float out_norm_eps; /* default 1e-5 */
+  int32_t reserved;   /* zero */
+} fkda_layer_step;
+
+#define FKDA_LAYER_STEP_INIT                                                 \
+  { FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
+    FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
+    FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, 1e-5f, 0 }
 
 /* ------------------------------------------------------------------------ */
 /* Forward (prefill)                                                        */
@@ -365,6 +438,9 @@ typedef struct fkda_fwd_args {
   fkda_tensor checkpoint_offsets; /* optional [N, C] */
   fkda_tensor checkpoints;        /* optional [N, C, H, V, K] */
   fkda_tensor checkpoint_slots;   /* optional [N, C] */
+  /* Appended in 0.5: */
+  fkda_layer_step layer; /* optional parts; the convolution needs a plan
+                            created with layer_step = 1 */
 } fkda_fwd_args;
 
 #define FKDA_FWD_ARGS_INIT                                                   \
@@ -373,7 +449,7 @@ typedef struct fkda_fwd_args {
     FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
     FKDA_TENSOR_NONE, 0.08838834764831845f, FKDA_TENSOR_NONE,                \
     FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
-    FKDA_TENSOR_NONE }
+    FKDA_TENSOR_NONE, FKDA_LAYER_STEP_INIT }
 
 /* Runs the KDA forward pass. Every argument is checked, every kernel
  * resolved and every launch limit checked before any work starts: a call
@@ -442,13 +518,16 @@ typedef struct fkda_decode_args {
   fkda_tensor num_accepted_tokens; /* optional */
   fkda_tensor cu_seqlens;          /* optional */
   float scale;                     /* finite; usually K^-0.5 */
+  /* Appended in 0.5: */
+  fkda_layer_step layer; /* optional parts (conv_state rows are pool slots) */
 } fkda_decode_args;
 
 #define FKDA_DECODE_ARGS_INIT                                                \
   { sizeof(fkda_decode_args), FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,            \
     FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
     FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,  \
-    FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, 0.08838834764831845f }
+    FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, 0.08838834764831845f,                \
+    FKDA_LAYER_STEP_INIT }
 
 /* Bytes of workspace fkda_decode needs for these sizes (0 today: a NULL
  * workspace is then accepted; ask anyway, later versions may need some). */

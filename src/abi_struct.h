@@ -47,7 +47,7 @@ template <>
 struct AbiStruct<fkda_plan_desc> {
   static constexpr const char* name = "fkda_plan_desc";
   static constexpr const char* init_macro = "FKDA_PLAN_DESC_INIT";
-  static constexpr StructRelease releases[] = {{"0.1", 40, 36}, {"0.2", 48, 44}, {"0.3", 56, 52}, {"0.4", 80, 80}};
+  static constexpr StructRelease releases[] = {{"0.1", 40, 36}, {"0.2", 48, 44}, {"0.3", 56, 52}, {"0.4", 80, 80}, {"0.5", 88, 84}};
   static fkda_plan_desc init() { return FKDA_PLAN_DESC_INIT; }
 };
 
@@ -55,7 +55,7 @@ template <>
 struct AbiStruct<fkda_fwd_args> {
   static constexpr const char* name = "fkda_fwd_args";
   static constexpr const char* init_macro = "FKDA_FWD_ARGS_INIT";
-  static constexpr StructRelease releases[] = {{"0.1", 1248, 1244}, {"0.2", 1920, 1920}};
+  static constexpr StructRelease releases[] = {{"0.1", 1248, 1244}, {"0.2", 1920, 1920}, {"0.5", 3160, 3160}};
   static fkda_fwd_args init() { return FKDA_FWD_ARGS_INIT; }
 };
 
@@ -63,7 +63,7 @@ template <>
 struct AbiStruct<fkda_decode_args> {
   static constexpr const char* name = "fkda_decode_args";
   static constexpr const char* init_macro = "FKDA_DECODE_ARGS_INIT";
-  static constexpr StructRelease releases[] = {{"0.2", 1360, 1356}};
+  static constexpr StructRelease releases[] = {{"0.2", 1360, 1356}, {"0.5", 2600, 2600}};
   static fkda_decode_args init() { return FKDA_DECODE_ARGS_INIT; }
 };
 

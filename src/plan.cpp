@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
 #include "plan.h"
+#include "layer_step.h"
 
 #include <cerrno>
 #include <cmath>
@@ -170,8 +171,16 @@ Tuning read_tuning(const fkda_plan_desc& desc) {
 size_t Plan::workspace_size(int64_t total_tokens, int64_t num_seqs) const {
   if (total_tokens < 0) invalid("total_tokens: must be >= 0, got " + std::to_string(total_tokens));
   if (num_seqs < 0) invalid("num_seqs: must be >= 0, got " + std::to_string(num_seqs));
-  if (backend == FKDA_BACKEND_GPU) return gpu::workspace_size(total_tokens, num_seqs, num_heads, tuning);
-  return cpu::workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v, tuning);
+  const size_t backend_bytes = backend == FKDA_BACKEND_GPU
+                                   ? gpu::workspace_size(total_tokens, num_seqs, num_heads, tuning)
+                                   : cpu::workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v, tuning);
+  if (!layer_step) return backend_bytes;
+  const size_t staging = conv_staging_bytes(total_tokens, num_heads, head_dim_k);
+  if (staging > std::numeric_limits<size_t>::max() - backend_bytes) {
+    fail(FKDA_ERROR_UNSUPPORTED, "total_tokens: the convolution's workspace for " + std::to_string(total_tokens) +
+                                     " tokens cannot be counted");
+  }
+  return staging + backend_bytes;
 }
 
 size_t Plan::transitions_workspace_size(int64_t total_tokens, int64_t num_seqs) const {
@@ -242,6 +251,9 @@ fkda_plan_t create_plan(const fkda_plan_desc* desc) {
   if (desc->segment_chunks < 0) {
     invalid("desc.segment_chunks: must be 0 (automatic) or > 0, got " + std::to_string(desc->segment_chunks));
   }
+  if (desc->layer_step != 0 && desc->layer_step != 1) {
+    invalid("desc.layer_step: expected 0 or 1, got " + std::to_string(desc->layer_step));
+  }
 
   fkda_backend backend = FKDA_BACKEND_CPU;
   switch (desc->backend) {
@@ -276,6 +288,7 @@ fkda_plan_t create_plan(const fkda_plan_desc* desc) {
   plan->gate_mode = desc->gate_mode;
   plan->beta_mode = desc->beta_mode;
   plan->tuning = tuning;
+  plan->layer_step = desc->layer_step == 1;
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   const uintptr_t handle = ++r.last_handle;

@@ -37,6 +37,9 @@ struct Plan {
   int32_t beta_mode = FKDA_BETA_LOGITS;   // fkda_beta_mode
   std::atomic<float> lower_bound{-5.0f};  // BOUNDED plans only
   Tuning tuning;  // GPU prefill's launch choices, fixed at creation
+  // fkda_fwd may fuse the convolution of the layer step: its workspace
+  // counts the convolved q, k and v.
+  bool layer_step = false;
   // The launch shape of the last GPU fkda_fwd (fkda_plan_get_launch_report).
   mutable std::mutex launch_mutex;
   mutable fkda_launch_report last_launch = FKDA_LAUNCH_REPORT_INIT;

@@ -97,6 +97,38 @@ struct GateForm {
   bool beta_is_f32 = false;
 };
 
+// One projection's convolution (flashkda.h, "The layer step"): weight
+// [H*K, W] and optional bias [H*K] in weight_dtype; state [rows, H*K, Wc]
+// in state_dtype, absent (NULL) when the call passed no conv states. Strides
+// in elements.
+struct ConvView {
+  const void* weight = nullptr;
+  int64_t weight_stride_c = 0, weight_stride_w = 0;
+  const void* bias = nullptr;  // optional
+  int64_t bias_stride = 0;
+  void* state = nullptr;  // optional, read and written in place
+  int64_t state_stride_row = 0, state_stride_c = 0, state_stride_w = 0;
+};
+
+// The layer step around the recurrence, as validated. conv_width 0: no
+// convolution; out_gate.data NULL: no output gate.
+struct LayerStep {
+  int32_t conv_width = 0;        // W, 2..4
+  int32_t conv_state_width = 0;  // Wc, W - 1 or W (0 without states)
+  int32_t conv_dtype = 0;        // of weights and biases: bf16 or f32
+  int32_t conv_state_dtype = 0;  // bf16 or f32
+  ConvView conv[3];              // q, k, v
+  ActView out_gate;              // bf16 [B, T, H, V]
+  const void* norm_weight = nullptr;  // [V]
+  int32_t norm_weight_dtype = 0;      // bf16 or f32
+  int64_t norm_weight_stride = 0;
+  float norm_eps = 1e-5f;
+
+  bool has_conv() const { return conv_width > 0; }
+  bool has_conv_state() const { return conv[0].state != nullptr; }
+  bool has_out_gate() const { return out_gate.data != nullptr; }
+};
+
 // What every call that runs the recurrence over a batch of activations
 // shares (fkda_fwd, fkda_decode, fkda_transitions): the sizes, the
 // activations and gate parameters, the state's form, the sequence offsets
@@ -126,6 +158,8 @@ struct RecurrenceCall {
   float scale = 0.f;
   float lower_bound = -5.f;   // BOUNDED only
   bool debug_checks = false;  // GPU: check device-side indices on the host first
+
+  LayerStep layer;  // fkda_fwd and fkda_decode; empty for fkda_transitions
 };
 
 struct PrefillProblem : RecurrenceCall {
@@ -153,6 +187,9 @@ struct PrefillProblem : RecurrenceCall {
   IndexView checkpoint_slots;  // [N, C]
 
   Tuning tuning;  // the plan's, read at its creation
+  // Plans with layer_step: the front of the workspace holds the convolved
+  // q, k and v (layer_step.h), the backend's part follows it.
+  size_t conv_staging_bytes = 0;
 };
 
 }  // namespace fkda

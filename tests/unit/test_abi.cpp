@@ -203,16 +203,20 @@ TEST_CASE("struct layouts are frozen", "[abi]") {
   STATIC_REQUIRE(offsetof(fkda_plan_desc, chunk_parallel) == 56);
   STATIC_REQUIRE(offsetof(fkda_plan_desc, window_slots) == 64);
   STATIC_REQUIRE(offsetof(fkda_plan_desc, segment_chunks) == 72);
-  STATIC_REQUIRE(sizeof(fkda_plan_desc) == 80);
+  STATIC_REQUIRE(offsetof(fkda_plan_desc, layer_step) == 80);
+  STATIC_REQUIRE(sizeof(fkda_plan_desc) == 88);
+  STATIC_REQUIRE(sizeof(fkda_layer_step) == 11 * 112 + 8);
   STATIC_REQUIRE(offsetof(fkda_fwd_args, q) == 8);
   STATIC_REQUIRE(offsetof(fkda_fwd_args, cu_seqlens) == 8 + 10 * 112);
   STATIC_REQUIRE(offsetof(fkda_fwd_args, scale) == 8 + 11 * 112);
   STATIC_REQUIRE(offsetof(fkda_fwd_args, state_pool) == 1248);
   STATIC_REQUIRE(offsetof(fkda_fwd_args, checkpoint_slots) == 1248 + 5 * 112);
-  STATIC_REQUIRE(sizeof(fkda_fwd_args) == 1248 + 6 * 112);
+  STATIC_REQUIRE(offsetof(fkda_fwd_args, layer) == 1248 + 6 * 112);
+  STATIC_REQUIRE(sizeof(fkda_fwd_args) == 1248 + 6 * 112 + sizeof(fkda_layer_step));
   STATIC_REQUIRE(offsetof(fkda_decode_args, cu_seqlens) == 8 + 11 * 112);
   STATIC_REQUIRE(offsetof(fkda_decode_args, scale) == 8 + 12 * 112);
-  STATIC_REQUIRE(sizeof(fkda_decode_args) == 8 + 12 * 112 + 8);
+  STATIC_REQUIRE(offsetof(fkda_decode_args, layer) == 8 + 12 * 112 + 8);
+  STATIC_REQUIRE(sizeof(fkda_decode_args) == 8 + 12 * 112 + 8 + sizeof(fkda_layer_step));
   STATIC_REQUIRE(offsetof(fkda_device_info, name) == 36);
   STATIC_REQUIRE(sizeof(fkda_device_info) == 296);
   STATIC_REQUIRE(offsetof(fkda_launch_report, vsplit) == 8);
@@ -265,11 +269,13 @@ void check_release_table(const std::vector<fkda::StructRelease>& expected) {
 TEST_CASE("the table of struct sizes per release matches flashkda.h", "[abi]") {
   using P = fkda_plan_desc;
   check_release_table<P>({layout<P>("0.1", FIELD_END(P, lower_bound)), layout<P>("0.2", FIELD_END(P, debug_checks)),
-                          layout<P>("0.3", FIELD_END(P, beta_mode)), layout<P>("0.4", FIELD_END(P, segment_chunks))});
+                          layout<P>("0.3", FIELD_END(P, beta_mode)), layout<P>("0.4", FIELD_END(P, segment_chunks)),
+                          layout<P>("0.5", FIELD_END(P, layer_step))});
   using F = fkda_fwd_args;
-  check_release_table<F>({layout<F>("0.1", FIELD_END(F, scale)), layout<F>("0.2", FIELD_END(F, checkpoint_slots))});
+  check_release_table<F>({layout<F>("0.1", FIELD_END(F, scale)), layout<F>("0.2", FIELD_END(F, checkpoint_slots)),
+                          layout<F>("0.5", FIELD_END(F, layer))});
   using D = fkda_decode_args;
-  check_release_table<D>({layout<D>("0.2", FIELD_END(D, scale))});
+  check_release_table<D>({layout<D>("0.2", FIELD_END(D, scale)), layout<D>("0.5", FIELD_END(D, layer))});
   using T = fkda_transition_args;
   check_release_table<T>({layout<T>("0.4", FIELD_END(T, transition_e))});
   using A = fkda_apply_args;

@@ -197,7 +197,7 @@ std::vector<BadDecode> bad_decode_calls() {
   using A = fkda_decode_args;
   using F = DecodeFixture;
   return {
-      {"struct_size short", kPacked, [](A& a, F&) { a.struct_size -= 8; }, "args: struct_size is 1352, not a size fkda_decode_args has had (1360 in 0.2, or larger with zeros past 1360); initialise it with FKDA_DECODE_ARGS_INIT"},
+      {"struct_size short", kPacked, [](A& a, F&) { a.struct_size -= 8; }, "args: struct_size is 2592, not a size fkda_decode_args has had (1360 in 0.2, 2600 in 0.5, or larger with zeros past 2600); initialise it with FKDA_DECODE_ARGS_INIT"},
       {"q missing", kPacked, [](A& a, F&) { a.q = FKDA_TENSOR_NONE; }, "q: required tensor is missing"},
       {"v of another length", kPacked, [](A& a, F&) { a.v.shape[1] = 23; }, "v: expected shape [1, 24, 1, 128], got [1, 23, 1, 128]"},
       {"17 tokens per row", kPacked, [](A& a, F& f) { a = f.batched(1, 17); }, "q: fkda_decode takes at most 16 tokens per sequence, got T = 17"},
@@ -336,12 +336,15 @@ constexpr size_t release_size(size_t fields_end) {
 }
 
 // The struct behind a caller's pointer, with room for the sizes of a newer
-// header: `extra` bytes past sizeof(S), zero unless a test sets one.
+// header: `extra` bytes past sizeof(S), zero unless a test sets one. The
+// bytes from `fields_end` on (S's trailing padding, undefined in a copy)
+// are zero too, as a caller that zeroes its struct whole has them.
 template <typename S>
 struct Oversized {
   std::vector<uint64_t> words;
-  explicit Oversized(const S& value, size_t extra = 64) : words((sizeof(S) + extra + 7) / 8, 0) {
-    std::memcpy(words.data(), &value, sizeof(S));
+  explicit Oversized(const S& value, size_t extra = 64, size_t fields_end = sizeof(S))
+      : words((sizeof(S) + extra + 7) / 8, 0) {
+    std::memcpy(words.data(), &value, fields_end);
   }
   S* get() { return reinterpret_cast<S*>(words.data()); }
   unsigned char* bytes() { return reinterpret_cast<unsigned char*>(words.data()); }
@@ -352,10 +355,10 @@ struct Oversized {
 // the argument, the size and the struct.
 template <typename S, typename Call>
 void check_every_size(const S& valid, const std::set<size_t>& releases, const char* argument, const char* name,
-                      const Call& call) {
+                      const Call& call, size_t fields_end = sizeof(S)) {
   for (size_t size = 0; size <= sizeof(S) + 64; ++size) {
     CAPTURE(size);
-    Oversized<S> given(valid);
+    Oversized<S> given(valid, 64, fields_end);
     given.get()->struct_size = size;
     const fkda_status status = call(given.get());
     if (releases.count(size) == 1 || size > sizeof(S)) {
@@ -380,13 +383,14 @@ TEST_CASE("struct sizes: exactly the releases' sizes, or larger with zeros past 
     const std::set<size_t> releases = {release_size<fkda_plan_desc>(FIELD_END(fkda_plan_desc, lower_bound)),
                                        release_size<fkda_plan_desc>(FIELD_END(fkda_plan_desc, debug_checks)),
                                        release_size<fkda_plan_desc>(FIELD_END(fkda_plan_desc, beta_mode)),
+                                       release_size<fkda_plan_desc>(FIELD_END(fkda_plan_desc, segment_chunks)),
                                        sizeof(fkda_plan_desc)};
     check_every_size(desc, releases, "desc", "fkda_plan_desc", [](const fkda_plan_desc* d) {
       fkda_plan_t plan = nullptr;
       const fkda_status status = fkda_plan_create(d, &plan);
       if (plan != nullptr) fkda_plan_destroy(plan);  // a refusal's message stays
       return status;
-    });
+    }, FIELD_END(fkda_plan_desc, layer_step));
   }
   SECTION("fkda_fwd_args") {
     CpuPlan plan(1);
@@ -395,6 +399,7 @@ TEST_CASE("struct sizes: exactly the releases' sizes, or larger with zeros past 
     fkda_fwd_args args = f.contiguous();
     args.checkpoint_offsets = args.checkpoints = FKDA_TENSOR_NONE;
     const std::set<size_t> releases = {release_size<fkda_fwd_args>(FIELD_END(fkda_fwd_args, scale)),
+                                       release_size<fkda_fwd_args>(FIELD_END(fkda_fwd_args, checkpoint_slots)),
                                        sizeof(fkda_fwd_args)};
     check_every_size(args, releases, "args", "fkda_fwd_args",
                      [&](const fkda_fwd_args* a) { return plan.fwd(*a); });
@@ -402,22 +407,25 @@ TEST_CASE("struct sizes: exactly the releases' sizes, or larger with zeros past 
   SECTION("fkda_decode_args") {
     CpuPlan plan(1);
     DecodeFixture f;
-    check_every_size(f.packed(), {sizeof(fkda_decode_args)}, "args", "fkda_decode_args",
+    check_every_size(f.packed(),
+                     {release_size<fkda_decode_args>(FIELD_END(fkda_decode_args, scale)), sizeof(fkda_decode_args)},
+                     "args", "fkda_decode_args",
                      [&](const fkda_decode_args* a) { return plan.decode(*a); });
   }
 }
 
 TEST_CASE("struct sizes that split a field are refused, naming the struct", "[validation][abi]") {
-  // 1424 ends inside state_indices' descriptor; 1919 one byte short of 0.2's struct.
+  // 1424 ends inside state_indices' descriptor; 1919 is one byte short of
+  // 0.2's struct, 3159 of 0.5's.
   CpuPlan plan(1);
   PrefillFixture f;
-  for (size_t size : {size_t(1424), sizeof(fkda_fwd_args) - 1}) {
+  for (size_t size : {size_t(1424), size_t(1919), sizeof(fkda_fwd_args) - 1}) {
     CAPTURE(size);
     fkda_fwd_args args = f.by_slot();
     args.struct_size = size;
     std::fill(f.out.begin(), f.out.end(), kPoisonBf16);
     const Pool before = f.pool;
-    expect_invalid(plan.fwd(args), "args: struct_size is " + std::to_string(size) + ", not a size fkda_fwd_args has had (1248 in 0.1, 1920 in 0.2, or larger with zeros past 1920");
+    expect_invalid(plan.fwd(args), "args: struct_size is " + std::to_string(size) + ", not a size fkda_fwd_args has had (1248 in 0.1, 1920 in 0.2, 3160 in 0.5, or larger with zeros past 3160");
     CHECK(inspect_rows(f.out, 1, {}).poisoned == f.out.size());
     CHECK(bytes_changed_outside(before, f.pool, {}) == 0);
   }
@@ -435,27 +443,31 @@ TEST_CASE("a newer caller's struct: accepted while its unknown bytes are zero, e
     given.bytes()[sizeof(fkda_fwd_args) + 9] = 1;
     given.bytes()[sizeof(fkda_fwd_args) + 17] = 1;
     expect_invalid(plan.fwd(*given.get()),
-                   "args: struct_size is 1944, larger than this library's fkda_fwd_args (1920 bytes), and byte 1929 "
+                   "args: struct_size is 3184, larger than this library's fkda_fwd_args (3160 bytes), and byte 3169 "
                    "is not zero: the caller sets a field this library does not know");
   }
-  SECTION("fkda_decode_args: its trailing padding is a field to a newer caller") {
-    CpuPlan plan(1);
-    DecodeFixture f;
-    const size_t fields_end = FIELD_END(fkda_decode_args, scale);
-    REQUIRE(fields_end < sizeof(fkda_decode_args));
-    Oversized<fkda_decode_args> given(f.packed());
+  SECTION("fkda_plan_desc: its trailing padding is a field to a newer caller") {
+    fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+    desc.num_heads = 1;
+    desc.backend = FKDA_BACKEND_CPU;
+    const size_t fields_end = FIELD_END(fkda_plan_desc, layer_step);
+    REQUIRE(fields_end < sizeof(fkda_plan_desc));
+    Oversized<fkda_plan_desc> given(desc, 64, fields_end);
     given.bytes()[fields_end] = 0x5A;
-    FKDA_REQUIRE(plan.decode(*given.get()));  // this header's size: padding, not read
-    given.get()->struct_size = sizeof(fkda_decode_args) + 8;
-    expect_invalid(plan.decode(*given.get()), "args: struct_size is " + std::to_string(sizeof(fkda_decode_args) + 8) +
-                                                  ", larger than this library's fkda_decode_args (1360 bytes), and byte " +
-                                                  std::to_string(fields_end) + " is not zero");
+    fkda_plan_t plan = nullptr;
+    FKDA_REQUIRE(fkda_plan_create(given.get(), &plan));  // this header's size: padding, not read
+    fkda_plan_destroy(plan);
+    given.get()->struct_size = sizeof(fkda_plan_desc) + 8;
+    expect_invalid(fkda_plan_create(given.get(), &plan),
+                   "desc: struct_size is " + std::to_string(sizeof(fkda_plan_desc) + 8) +
+                       ", larger than this library's fkda_plan_desc (88 bytes), and byte " + std::to_string(fields_end) +
+                       " is not zero");
   }
   SECTION("fkda_plan_desc: beyond a page past the struct is refused unread") {
     fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
     desc.num_heads = 1;
     desc.backend = FKDA_BACKEND_CPU;
-    Oversized<fkda_plan_desc> given(desc, 4096);
+    Oversized<fkda_plan_desc> given(desc, 4096, FIELD_END(fkda_plan_desc, layer_step));
     fkda_plan_t plan = nullptr;
     given.get()->struct_size = sizeof(fkda_plan_desc) + 4096;
     FKDA_REQUIRE(fkda_plan_create(given.get(), &plan));

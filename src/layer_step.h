@@ -1,0 +1,33 @@
+// SPDX-License-Identifier: MIT
+// What both backends share of the layer step (flashkda.h, "The layer step
+// around the recurrence"): fkda_fwd stages the convolved q, k and v, bf16,
+// at the front of its workspace and runs the recurrence on them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "prefill_problem.h"
+
+namespace fkda {
+
+// The staging area: three packed [total_tokens, H, K] bf16 tensors, each
+// rounded up to 256 bytes. SIZE_MAX when it cannot be counted.
+size_t conv_staging_bytes(int64_t total_tokens, int32_t num_heads, int32_t head_dim);
+
+// The staged q, k, v of a problem whose workspace starts with the staging
+// area, as [B, T, H, K] views (the problem's B and T), and the workspace
+// left for the backend after it.
+struct ConvStaging {
+  void* q = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
+  ActView view_of(void* data) const;  // [B, T, H, K], packed
+  int64_t seq_len = 0;
+  int32_t num_heads = 0, head_dim = 0;
+  unsigned char* rest = nullptr;
+  size_t rest_bytes = 0;
+};
+ConvStaging conv_staging(const RecurrenceCall& call, void* workspace, size_t workspace_bytes);
+
+}  // namespace fkda
