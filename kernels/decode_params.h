@@ -8,6 +8,7 @@
 
 #include <stdint.h>
 
+#include "layer_params.h"
 #include "prefill_params.h"
 
 /* The longest sequence a decode call serves (tokens). */
@@ -45,6 +46,16 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_smem_bytes(int32_t max_tokens
   return fkda_decode_beta_offset(max_tokens, warps) + ((max_tokens * 4 + 15) / 16) * 16;
 }
 
+/* The layer step's decode kernels (a convolution or an output gate) give a
+ * block all 128 rows of a head: it alone reads and writes the head's conv
+ * state channels, and it sees every value the output's RMSNorm sums. With
+ * an output gate the outputs wait in f32 [max_tokens][128] after the arrays
+ * above. */
+#define FKDA_DECODE_LAYER_WARPS 8
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_layer_smem_bytes(int32_t max_tokens) {
+  return fkda_decode_smem_bytes(max_tokens, FKDA_DECODE_LAYER_WARPS) + max_tokens * FKDA_HEAD_DIM * 4;
+}
+
 typedef struct FkdaDecodeParams {
   FkdaRecurrenceCall call;
 
@@ -56,8 +67,9 @@ typedef struct FkdaDecodeParams {
   FkdaIndexTable num_accepted;    /* [N], with a table; data NULL means 1 */
   int32_t indices_are_table;
   int32_t max_tokens; /* sequences longer than this are treated as padding; <= FKDA_DECODE_MAX_TOKENS */
-  int32_t warps;      /* per block: 1, 2 or 4 */
+  int32_t warps;      /* per block: 1, 2 or 4; FKDA_DECODE_LAYER_WARPS with a layer step */
   int32_t reserved;   /* zero */
+  FkdaLayerStep layer; /* conv states' rows are pool slots */
 } FkdaDecodeParams;
 
 #endif /* FLASHKDA_KERNELS_DECODE_PARAMS_H */

@@ -41,6 +41,7 @@
 
 #include "decode_params.h"
 #include "device_common.cuh"
+#include "layer_step.cuh"
 
 namespace fkda_dev {
 
@@ -200,7 +201,66 @@ __device__ __forceinline__ float4 load_bf16x4(const uint16_t* at) {
   return make_float4(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
 }
 
-template <bool kBf16, bool kKV>
+// The layer step's convolution in decode: the convolved values of token t
+// (of `tokens`, from `begin`) for four channels c0..c0+3 of projection
+// `proj`, from the call's raw inputs and the pool slot's conv state.
+__device__ __forceinline__ float4 convolve_four(const FkdaDecodeParams& p, int proj, const FkdaActivation& raw,
+                                                int64_t batch_row, int64_t begin, int t, int head, int i0,
+                                                int64_t slot) {
+  const FkdaConv& conv = p.layer.conv[proj];
+  const int width = p.layer.conv_width;
+  float x[4][FKDA_CONV_MAX_WIDTH] = {};
+#pragma unroll
+  for (int j = 0; j < FKDA_CONV_MAX_WIDTH; ++j) {
+    if (j >= width) continue;
+    const int at = t - (width - 1) + j;
+    if (at >= 0) {
+      const float4 f = load_bf16x4(static_cast<const uint16_t*>(raw.data) + batch_row * raw.stride_b +
+                                   (begin + at) * raw.stride_t + int64_t(head) * raw.stride_h + i0);
+      x[0][j] = f.x;
+      x[1][j] = f.y;
+      x[2][j] = f.z;
+      x[3][j] = f.w;
+    } else if (conv.state != nullptr) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        x[i][j] = conv_state_at(p.layer, conv, slot, int64_t(head) * FKDA_HEAD_DIM + i0 + i,
+                                p.layer.conv_state_width + at);
+      }
+    }
+  }
+  const int64_t c = int64_t(head) * FKDA_HEAD_DIM + i0;
+  return make_float4(convolve(p.layer, conv, c, x[0]), convolve(p.layer, conv, c + 1, x[1]),
+                     convolve(p.layer, conv, c + 2, x[2]), convolve(p.layer, conv, c + 3, x[3]));
+}
+
+// After the steps (every old conv state value was read before the block's
+// first barrier): each of the head's 3 x 128 channels keeps its last Wc raw
+// inputs, a thread per channel.
+__device__ __forceinline__ void store_decode_conv_states(const FkdaDecodeParams& p, int64_t batch_row, int64_t begin,
+                                                         int tokens, int head, int64_t slot) {
+  const int state_width = p.layer.conv_state_width;
+  for (int index = threadIdx.x; index < 3 * FKDA_HEAD_DIM; index += blockDim.x) {
+    const int proj = index / FKDA_HEAD_DIM, i = index % FKDA_HEAD_DIM;
+    const FkdaConv& conv = p.layer.conv[proj];
+    const FkdaActivation& raw = proj == 0 ? p.call.q : (proj == 1 ? p.call.k : p.call.v);
+    const int64_t c = int64_t(head) * FKDA_HEAD_DIM + i;
+    float kept[FKDA_CONV_MAX_WIDTH];
+#pragma unroll
+    for (int col = 0; col < FKDA_CONV_MAX_WIDTH; ++col) {
+      const int at = tokens - state_width + col;
+      if (col >= state_width) continue;
+      kept[col] = at >= 0 ? raw_input(raw, batch_row, begin + at, head, i)
+                          : conv_state_at(p.layer, conv, slot, c, state_width + at);
+    }
+#pragma unroll
+    for (int col = 0; col < FKDA_CONV_MAX_WIDTH; ++col) {
+      if (col < state_width) store_conv_state(p.layer, conv, slot, c, col, kept[col]);
+    }
+  }
+}
+
+template <bool kBf16, bool kKV, bool kLayer>
 __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   extern __shared__ __align__(16) unsigned char decode_smem[];
   const int warps = p.warps;
@@ -217,8 +277,8 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   int64_t batch_row = n, begin = 0, end = p.call.seq_len;
   if (p.call.cu_seqlens != nullptr) {
     batch_row = 0;
-    begin = load_clamped_offset(p.call.cu_seqlens, p.call.cu_seqlens_stride, p.call.cu_seqlens_is_i64 != 0, p.call.seq_len, n);
-    end = load_clamped_offset(p.call.cu_seqlens, p.call.cu_seqlens_stride, p.call.cu_seqlens_is_i64 != 0, p.call.seq_len, n + 1);
+    begin = load_offset_of(p.call, n);
+    end = load_offset_of(p.call, n + 1);
     if (end < begin) end = begin;
   }
   const int64_t length = end - begin;
@@ -260,6 +320,7 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   float* decay = reinterpret_cast<float*>(decode_smem + fkda_decode_decay_offset(p.max_tokens));
   float* value = reinterpret_cast<float*>(decode_smem + fkda_decode_value_offset(p.max_tokens));
   float* beta = reinterpret_cast<float*>(decode_smem + fkda_decode_beta_offset(p.max_tokens, warps));
+  float* gated = reinterpret_cast<float*>(decode_smem + fkda_decode_smem_bytes(p.max_tokens, warps));
   if (p.indices_are_table) {
     for (int t = tid; t < tokens; t += blockDim.x) {
       write_slots[t] = usable_slot(load_index(p.state_indices, n, t), p.call.first_real_slot, p.pool_slots);
@@ -282,7 +343,8 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     const int pieces_per_token = rows / 8;
     const int v_token = tid / pieces_per_token, v_row = 8 * (tid % pieces_per_token);
     uint4 v_piece = make_uint4(0, 0, 0, 0);
-    if (v_token < tokens) {
+    const bool convolved = kLayer && p.layer.conv_width > 0;
+    if (v_token < tokens && !convolved) {
       v_piece = __ldg(reinterpret_cast<const uint4*>(token_row(p.call.v, v_token) + block_row + v_row));
     }
     const float rate = gate_rate(p.call.A_log, head, true);
@@ -292,8 +354,10 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       for (int i = 0; i < 4; ++i) dt[i] = __ldg(dt_bias + i);
     }
     for (int t = warp; t < tokens; t += warps) {
-      const float4 q = load_bf16x4(token_row(p.call.q, t) + 4 * lane);
-      const float4 k = load_bf16x4(token_row(p.call.k, t) + 4 * lane);
+      const float4 q = convolved ? convolve_four(p, 0, p.call.q, batch_row, begin, t, head, 4 * lane, start_slot)
+                                 : load_bf16x4(token_row(p.call.q, t) + 4 * lane);
+      const float4 k = convolved ? convolve_four(p, 1, p.call.k, batch_row, begin, t, head, 4 * lane, start_slot)
+                                 : load_bf16x4(token_row(p.call.k, t) + 4 * lane);
       const float4 g = p.call.gate.g_is_f32
                            ? __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.call.g.data) +
                                                                    token_offset(p.call.g, t)) + lane)
@@ -315,8 +379,13 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     }
     if (v_token < tokens) {
       float4* to = reinterpret_cast<float4*>(value + v_token * rows + v_row);
-      to[0] = make_float4(bf16_lo(v_piece.x), bf16_hi(v_piece.x), bf16_lo(v_piece.y), bf16_hi(v_piece.y));
-      to[1] = make_float4(bf16_lo(v_piece.z), bf16_hi(v_piece.z), bf16_lo(v_piece.w), bf16_hi(v_piece.w));
+      if (convolved) {
+        to[0] = convolve_four(p, 2, p.call.v, batch_row, begin, v_token, head, block_row + v_row, start_slot);
+        to[1] = convolve_four(p, 2, p.call.v, batch_row, begin, v_token, head, block_row + v_row + 4, start_slot);
+      } else {
+        to[0] = make_float4(bf16_lo(v_piece.x), bf16_hi(v_piece.x), bf16_lo(v_piece.y), bf16_hi(v_piece.y));
+        to[1] = make_float4(bf16_lo(v_piece.z), bf16_hi(v_piece.z), bf16_lo(v_piece.w), bf16_hi(v_piece.w));
+      }
     }
   }
   __syncthreads();
@@ -355,7 +424,12 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     // are multiples of 4 and the output's data and strides are 16-byte
     // aligned (validate.cpp, check_gpu_alignment).
     static_assert(kDecodeRowsPerGroup == 4, "one 8-byte store of four outputs");
-    if (l == 0) {
+    if (kLayer && p.layer.out_gate.data != nullptr) {
+      // Gated below, once the block has all 128 values of every token.
+      if (l == 0) {
+        *reinterpret_cast<float4*>(gated + t * FKDA_HEAD_DIM + local_row) = make_float4(o[0], o[1], o[2], o[3]);
+      }
+    } else if (l == 0) {
       *reinterpret_cast<uint2*>(out + t * p.call.out.stride_t + local_row) =
           make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
     }
@@ -364,14 +438,40 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     }
   }
   if (!p.indices_are_table) store_state_rows<kBf16, kKV>(matrix_of(start_slot), e, l, s);
+  if (!kLayer) return;
+  if (p.layer.conv_width > 0 && p.layer.conv[0].state != nullptr) {
+    store_decode_conv_states(p, batch_row, begin, tokens, head, start_slot);
+  }
+  if (p.layer.out_gate.data != nullptr) {
+    __syncthreads();
+    const FkdaActivation& g_out = p.layer.out_gate;
+    for (int t = warp; t < tokens; t += warps) {
+      float o[4];
+      const float4 f = *reinterpret_cast<const float4*>(gated + t * FKDA_HEAD_DIM + 4 * lane);
+      o[0] = f.x;
+      o[1] = f.y;
+      o[2] = f.z;
+      o[3] = f.w;
+      const float4 gv = load_bf16x4(static_cast<const uint16_t*>(g_out.data) + batch_row * g_out.stride_b +
+                                    (begin + t) * g_out.stride_t + int64_t(head) * g_out.stride_h + 4 * lane);
+      const float g[4] = {gv.x, gv.y, gv.z, gv.w};
+      gate_four(p.layer, warp_sum(o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3]), 4 * lane, g, o);
+      *reinterpret_cast<uint2*>(out + t * p.call.out.stride_t + 4 * lane) =
+          make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+    }
+  }
 }
 
 }  // namespace fkda_dev
 
-// One kernel per pool dtype and layout.
+// One kernel per pool dtype and layout, and one more of each with the layer
+// step (a block per head, FKDA_DECODE_LAYER_WARPS warps).
 #define FKDA_DEFINE_DECODE(name, bf16, kv)                                                     \
   extern "C" __global__ void __launch_bounds__(32 * FKDA_DECODE_MAX_WARPS) name(const FkdaDecodeParams p) { \
-    fkda_dev::decode_steps<bf16, kv>(p);                                                         \
+    fkda_dev::decode_steps<bf16, kv, false>(p);                                                  \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(32 * FKDA_DECODE_LAYER_WARPS) name##_layer(const FkdaDecodeParams p) { \
+    fkda_dev::decode_steps<bf16, kv, true>(p);                                                   \
   }
 FKDA_DEFINE_DECODE(fkda_decode_f32_vk, false, false)
 FKDA_DEFINE_DECODE(fkda_decode_f32_kv, false, true)

@@ -235,9 +235,12 @@ __device__ __forceinline__ int64_t load_clamped_offset(const void* cu_seqlens, i
   return value < 0 ? 0 : (value > seq_len ? seq_len : value);
 }
 
-__device__ __forceinline__ int64_t load_offset(const FkdaPrefillParams& p, int64_t i) {
-  return load_clamped_offset(p.call.cu_seqlens, p.call.cu_seqlens_stride, p.call.cu_seqlens_is_i64 != 0, p.call.seq_len, i);
+// Offset i of a call's cu_seqlens, clamped into [0, seq_len].
+__device__ __forceinline__ int64_t load_offset_of(const FkdaRecurrenceCall& call, int64_t i) {
+  return load_clamped_offset(call.cu_seqlens, call.cu_seqlens_stride, call.cu_seqlens_is_i64 != 0, call.seq_len, i);
 }
+
+__device__ __forceinline__ int64_t load_offset(const FkdaPrefillParams& p, int64_t i) { return load_offset_of(p.call, i); }
 
 // Element (row, col) of a device-side index table, widened to i64.
 __device__ __forceinline__ int64_t load_index(const FkdaIndexTable& table, int64_t row, int64_t col) {

@@ -9,3 +9,4 @@
 #include "prefill_recurrence.cuh"
 #include "decode_recurrence.cuh"
 #include "prefill_scan.cuh"
+#include "layer_step.cuh"

@@ -14,6 +14,7 @@
 #include "error.h"
 #include "gpu/gpu_transitions.h"
 #include "gpu/kernel_library.h"
+#include "layer_step.h"
 #include "prefill_params.h"
 
 namespace fkda::gpu {
@@ -235,7 +236,11 @@ std::string unsupported_arch_message(int cc_major, int cc_minor) {
          ": this build has kernels for the sm_80 family and sm_90 (and later, through PTX)";
 }
 
-LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes, CUstream stream) {
+namespace {
+
+// The windows of the recurrence, on the problem's q, k and v as they are.
+LaunchShape fwd_recurrence(const PrefillProblem& problem, void* workspace, size_t workspace_bytes,
+                           CUstream stream) {
   const int64_t total_tokens = problem.batch * problem.seq_len;
   Launch l = checked_launch(total_tokens, problem.num_seqs, problem.num_heads, problem.tuning, workspace_bytes,
                             "fkda_plan_workspace_size");
@@ -318,6 +323,94 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace
            unsigned(fkda_recurrence_smem_bytes(params.vsplit)), stream, &params);
   }
   return LaunchShape{params.vsplit, windows.count, windows.slots, seg.chunks > 0 ? 1 : 0, seg.chunks};
+}
+
+// fkda_fwd's layer step: its kernels resolved up front, the convolution
+// into the staging area before the recurrence (it writes the workspace
+// only), the conv states and the output gate after it.
+struct LayerLaunch {
+  FkdaLayerParams params;
+  ResolvedKernel convolve, store, gate;
+  bool has_conv = false, has_state = false, has_gate = false;
+
+  LayerLaunch(const LaunchContext& context, const PrefillProblem& problem, const ConvStaging& staging) {
+    std::memset(&params, 0, sizeof(params));
+    params.call = kernel_call(problem);
+    params.layer = kernel_layer(problem.layer);
+    params.staged[0] = staging.q;
+    params.staged[1] = staging.k;
+    params.staged[2] = staging.v;
+    params.batch = problem.batch;
+    params.state_indices = index_table(problem.state_indices);
+    params.pool_slots = problem.pool.slots;
+    params.has_initial_state = index_table(problem.has_initial_state);
+    params.reads_state = problem.initial_state != nullptr || problem.state_indices.present();
+    if (problem.checkpoint_slots.present()) {
+      params.checkpoint_offsets = index_table(problem.checkpoint_offsets);
+      params.checkpoint_slots = index_table(problem.checkpoint_slots);
+    }
+    const bool any_tokens = problem.batch * problem.seq_len > 0 && problem.num_seqs > 0;
+    has_conv = problem.layer.has_conv() && any_tokens;
+    has_state = has_conv && problem.layer.has_conv_state();
+    has_gate = problem.layer.has_out_gate() && any_tokens;
+    if (has_conv) convolve = resolve(context, context.kernels.layer_convolve);
+    if (has_state) store = resolve(context, context.kernels.layer_conv_store);
+    if (has_gate) gate = resolve(context, context.kernels.layer_gate);
+  }
+
+  void before(const LaunchContext& context, CUstream stream) {
+    if (!has_conv) return;
+    const int64_t tiles = ceil_div(params.batch * params.call.seq_len, FKDA_CONV_TILE_TOKENS);
+    launch(context, convolve, unsigned(tiles), unsigned(params.call.num_heads), 3, FKDA_HEAD_DIM, 0, stream,
+           &params);
+  }
+
+  void after(const LaunchContext& context, CUstream stream) {
+    if (has_state) {
+      launch(context, store, unsigned(params.call.num_seqs), unsigned(params.call.num_heads), 3, FKDA_HEAD_DIM, 0,
+             stream, &params);
+    }
+    if (has_gate) {
+      const int64_t rows = params.batch * params.call.seq_len * params.call.num_heads;
+      launch(context, gate, unsigned(ceil_div(rows, FKDA_GATE_ROWS_PER_BLOCK)), 1, 1,
+             32 * FKDA_GATE_ROWS_PER_BLOCK, 0, stream, &params);
+    }
+  }
+};
+
+}  // namespace
+
+LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes, CUstream stream) {
+  if (problem.conv_staging_bytes == 0 && !problem.layer.has_out_gate()) {
+    return fwd_recurrence(problem, workspace, workspace_bytes, stream);
+  }
+  const ConvStaging staging =
+      problem.conv_staging_bytes > 0 ? conv_staging(problem, workspace, workspace_bytes) : ConvStaging{};
+  const LaunchContext context = launch_context();
+  const int64_t tiles = ceil_div(problem.batch * problem.seq_len, FKDA_CONV_TILE_TOKENS);
+  const int64_t gate_blocks = ceil_div(problem.batch * problem.seq_len * problem.num_heads, FKDA_GATE_ROWS_PER_BLOCK);
+  if (tiles > std::numeric_limits<int32_t>::max() || gate_blocks > std::numeric_limits<int32_t>::max() ||
+      problem.num_seqs > std::numeric_limits<int32_t>::max() || problem.num_heads > 65535) {
+    fail(FKDA_ERROR_UNSUPPORTED, "layer step too large for one launch: " + std::to_string(problem.batch * problem.seq_len) +
+                                     " tokens of " + std::to_string(problem.num_heads) + " heads");
+  }
+  LayerLaunch layer(context, problem, staging);
+  PrefillProblem recurrence = problem;
+  void* rest = workspace;
+  size_t rest_bytes = workspace_bytes;
+  if (problem.conv_staging_bytes > 0) {
+    rest = staging.rest;
+    rest_bytes = staging.rest_bytes;
+  }
+  if (problem.layer.has_conv()) {
+    recurrence.q = staging.view_of(staging.q);
+    recurrence.k = staging.view_of(staging.k);
+    recurrence.v = staging.view_of(staging.v);
+  }
+  layer.before(context, stream);
+  const LaunchShape shape = fwd_recurrence(recurrence, rest, rest_bytes, stream);
+  layer.after(context, stream);
+  return shape;
 }
 
 // ------------------------------------------------------- transitions ---

@@ -48,18 +48,22 @@ void decode(const DecodeProblem& problem, CUstream stream) {
   int64_t max_tokens = std::min<int64_t>(FKDA_DECODE_MAX_TOKENS, problem.seq_len);
   if (problem.indices_are_table) max_tokens = std::min<int64_t>(max_tokens, problem.state_indices.cols);
   params.max_tokens = int32_t(max_tokens);
-  params.warps = choose_warps(problem.num_seqs * problem.num_heads, context.facts.sm_count);
+  // The layer step gives a block all of a head's rows (decode_params.h).
+  const bool layer = problem.layer.has_conv() || problem.layer.has_out_gate();
+  params.warps = layer ? FKDA_DECODE_LAYER_WARPS : choose_warps(problem.num_seqs * problem.num_heads, context.facts.sm_count);
+  if (layer) params.layer = kernel_layer(problem.layer);
 
   const int64_t vsplit = FKDA_HEAD_DIM / (FKDA_DECODE_ROWS_PER_WARP * params.warps);
   if (problem.num_heads > 65535 || problem.num_seqs > std::numeric_limits<int32_t>::max() / vsplit) {
     fail(FKDA_ERROR_UNSUPPORTED, "decode too large for one launch: " + std::to_string(problem.num_seqs) +
                                      " sequences, " + std::to_string(problem.num_heads) + " heads");
   }
-  const NamedKernel& kernel = context.kernels.decode[decode_kernel_index(params.call.state_is_bf16 != 0,
-                                                                         params.call.state_is_kv != 0)];
+  const int index = decode_kernel_index(params.call.state_is_bf16 != 0, params.call.state_is_kv != 0);
+  const NamedKernel& kernel = layer ? context.kernels.decode_layer[index] : context.kernels.decode[index];
+  const int32_t smem = layer ? fkda_decode_layer_smem_bytes(params.max_tokens)
+                             : fkda_decode_smem_bytes(params.max_tokens, params.warps);
   launch(context, kernel, unsigned(problem.num_seqs * vsplit), unsigned(problem.num_heads), 1,
-         unsigned(32 * params.warps), unsigned(fkda_decode_smem_bytes(params.max_tokens, params.warps)), stream,
-         &params);
+         unsigned(32 * params.warps), unsigned(smem), stream, &params);
 }
 
 }  // namespace fkda::gpu

@@ -70,6 +70,13 @@ Kernels load_kernels(const cuda::Driver& d) {
   get(&kernels.decode[decode_kernel_index(false, true)], "fkda_decode_f32_kv");
   get(&kernels.decode[decode_kernel_index(true, false)], "fkda_decode_bf16_vk");
   get(&kernels.decode[decode_kernel_index(true, true)], "fkda_decode_bf16_kv");
+  get(&kernels.decode_layer[decode_kernel_index(false, false)], "fkda_decode_f32_vk_layer");
+  get(&kernels.decode_layer[decode_kernel_index(false, true)], "fkda_decode_f32_kv_layer");
+  get(&kernels.decode_layer[decode_kernel_index(true, false)], "fkda_decode_bf16_vk_layer");
+  get(&kernels.decode_layer[decode_kernel_index(true, true)], "fkda_decode_bf16_kv_layer");
+  get(&kernels.layer_convolve, "fkda_layer_convolve");
+  get(&kernels.layer_conv_store, "fkda_layer_conv_store");
+  get(&kernels.layer_gate, "fkda_layer_gate");
   return kernels;
 }
 

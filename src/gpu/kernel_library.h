@@ -13,6 +13,7 @@
 
 #include "flashkda.h"
 #include "gpu/cuda_driver.h"
+#include "layer_params.h"
 #include "prefill_params.h"
 #include "prefill_problem.h"
 
@@ -49,6 +50,11 @@ struct Kernels {
   NamedKernel segment_scan;
   NamedKernel apply_transitions;  // fkda_apply_transitions
   NamedKernel decode[kDecodeKernelCount];
+  NamedKernel decode_layer[kDecodeKernelCount];  // with the layer step
+  // fkda_fwd's layer step (kernels/layer_step.cuh).
+  NamedKernel layer_convolve;
+  NamedKernel layer_conv_store;
+  NamedKernel layer_gate;
 };
 
 // What the launch code needs to know about a device, read once per device.
@@ -139,6 +145,35 @@ inline FkdaRecurrenceCall kernel_call(const RecurrenceCall& problem) {
   call.state_is_kv = problem.state_layout == FKDA_STATE_LAYOUT_KV;
   call.first_real_slot = problem.null_slot_rule == FKDA_NULL_SLOT_NONPOSITIVE ? 1 : 0;
   return call;
+}
+
+// The kernels' view of the layer step.
+inline FkdaLayerStep kernel_layer(const LayerStep& layer) {
+  FkdaLayerStep k;
+  std::memset(&k, 0, sizeof(k));
+  for (int proj = 0; proj < 3; ++proj) {
+    const ConvView& from = layer.conv[proj];
+    FkdaConv& to = k.conv[proj];
+    to.weight = from.weight;
+    to.weight_stride_c = from.weight_stride_c;
+    to.weight_stride_w = from.weight_stride_w;
+    to.bias = from.bias;
+    to.bias_stride = from.bias_stride;
+    to.state = from.state;
+    to.state_stride_row = from.state_stride_row;
+    to.state_stride_c = from.state_stride_c;
+    to.state_stride_w = from.state_stride_w;
+  }
+  k.conv_width = layer.conv_width;
+  k.conv_state_width = layer.has_conv_state() ? layer.conv_state_width : 0;
+  k.conv_is_f32 = layer.conv_dtype == FKDA_DTYPE_F32;
+  k.conv_state_is_f32 = layer.conv_state_dtype == FKDA_DTYPE_F32;
+  k.out_gate = kernel_view(layer.out_gate);
+  k.norm_weight = layer.norm_weight;
+  k.norm_weight_stride = layer.norm_weight_stride;
+  k.norm_weight_is_f32 = layer.norm_weight_dtype == FKDA_DTYPE_F32;
+  k.norm_eps = layer.norm_eps;
+  return k;
 }
 
 }  // namespace fkda::gpu

@@ -1,0 +1,241 @@
+// SPDX-License-Identifier: MIT
+// The layer step around the recurrence (flashkda.h, "The layer step"): the
+// causal depthwise convolution of q, k and v with SiLU, and the output gate
+// RMSNorm(o) * w * sigmoid(g_out). The decode kernel calls the device
+// functions below inside its own steps; fkda_fwd runs the three kernels at
+// the end of this file around the recurrence:
+//   fkda_layer_convolve   the convolved q, k, v, rounded to bf16, into the
+//                         staging area the recurrence then reads as its q, k, v
+//   fkda_layer_conv_store each sequence's last Wc raw inputs into its conv
+//                         state row (and pool checkpoints), after every read
+//                         of the old states (a later launch)
+//   fkda_layer_gate       the output gate, over the recurrence's bf16 output
+// One thread per channel: the weights are per channel, and consecutive
+// channels are consecutive in memory, so every warp access is one segment.
+#pragma once
+
+#include "device_common.cuh"
+#include "layer_params.h"
+
+namespace fkda_dev {
+
+__device__ __forceinline__ float load_real(const void* data, bool is_f32, int64_t at) {
+  return is_f32 ? __ldg(static_cast<const float*>(data) + at)
+                : bf16_bits(__ldg(static_cast<const uint16_t*>(data) + at));
+}
+
+__device__ __forceinline__ void store_real(void* data, bool is_f32, int64_t at, float x) {
+  if (is_f32) {
+    static_cast<float*>(data)[at] = x;
+  } else {
+    static_cast<uint16_t*>(data)[at] = to_bf16(x);
+  }
+}
+
+// Accurate exp: the convolution feeds the decode's f32 state directly.
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+// Column `col` of channel c of a conv state row. Plain loads: the store
+// kernel writes these rows in a later launch of the same call.
+__device__ __forceinline__ float conv_state_at(const FkdaLayerStep& layer, const FkdaConv& conv, int64_t row,
+                                               int64_t c, int col) {
+  const int64_t at = row * conv.state_stride_row + c * conv.state_stride_c + col * conv.state_stride_w;
+  return layer.conv_state_is_f32 ? static_cast<const float*>(conv.state)[at]
+                                 : bf16_bits(static_cast<const uint16_t*>(conv.state)[at]);
+}
+
+__device__ __forceinline__ void store_conv_state(const FkdaLayerStep& layer, const FkdaConv& conv, int64_t row,
+                                                 int64_t c, int col, float x) {
+  store_real(conv.state, layer.conv_state_is_f32 != 0,
+             row * conv.state_stride_row + c * conv.state_stride_c + col * conv.state_stride_w, x);
+}
+
+// The convolution's output for channel c from its W inputs, oldest first:
+// silu(bias + sum_j weight[c][j] x[j]), accumulated in that order.
+__device__ __forceinline__ float convolve(const FkdaLayerStep& layer, const FkdaConv& conv, int64_t c,
+                                          const float (&x)[FKDA_CONV_MAX_WIDTH]) {
+  const bool f32 = layer.conv_is_f32 != 0;
+  float acc = conv.bias != nullptr ? load_real(conv.bias, f32, c * conv.bias_stride) : 0.f;
+#pragma unroll
+  for (int j = 0; j < FKDA_CONV_MAX_WIDTH; ++j) {
+    if (j < layer.conv_width) acc = fmaf(load_real(conv.weight, f32, c * conv.weight_stride_c + j * conv.weight_stride_w), x[j], acc);
+  }
+  return silu(acc);
+}
+
+// RMSNorm * w * sigmoid(g) of four of a head's values, given the sum of the
+// squares of all 128.
+__device__ __forceinline__ void gate_four(const FkdaLayerStep& layer, float sum_squares, int first_v,
+                                          const float (&g)[4], float (&o)[4]) {
+  const float r = 1.0f / sqrtf(sum_squares / float(FKDA_HEAD_DIM) + layer.norm_eps);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float w = load_real(layer.norm_weight, layer.norm_weight_is_f32 != 0,
+                              int64_t(first_v + i) * layer.norm_weight_stride);
+    o[i] = o[i] * r * w * sigmoid_accurate(g[i]);
+  }
+}
+
+// ---- fkda_fwd's kernels ----
+
+// The conv state row of sequence n, or -1 (padding: nothing touched), and
+// whether the sequence reads it.
+struct ConvRow {
+  int64_t row;
+  bool reads;
+};
+__device__ __forceinline__ ConvRow conv_row_of(const FkdaLayerParams& p, int64_t n) {
+  ConvRow r{n, p.reads_state != 0};
+  if (p.state_indices.data != nullptr) {
+    r.row = usable_slot(load_index(p.state_indices, n, 0), p.call.first_real_slot, p.pool_slots);
+    if (r.row < 0) return ConvRow{-1, false};
+  }
+  if (p.has_initial_state.data != nullptr && load_index(p.has_initial_state, n, 0) == 0) r.reads = false;
+  if (p.layer.conv[0].state == nullptr) r.reads = false;
+  return r;
+}
+
+__device__ __forceinline__ const FkdaActivation& raw_projection(const FkdaLayerParams& p, int proj) {
+  return proj == 0 ? p.call.q : (proj == 1 ? p.call.k : p.call.v);
+}
+
+__device__ __forceinline__ float raw_input(const FkdaActivation& raw, int64_t row, int64_t token, int head, int i) {
+  return bf16_bits(__ldg(static_cast<const uint16_t*>(raw.data) + row * raw.stride_b + token * raw.stride_t +
+                         int64_t(head) * raw.stride_h + i));
+}
+
+// The sequence holding packed token t with cu_seqlens: the last n whose
+// offset is at most t (offsets are untrusted: any answer stays in range).
+__device__ __forceinline__ int64_t sequence_at(const FkdaLayerParams& p, int64_t t) {
+  int64_t lo = 0, hi = p.call.num_seqs - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (load_offset_of(p.call, mid) <= t) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Block (token tile, head, projection), a thread per channel of the head.
+__device__ __forceinline__ void convolve_inputs(const FkdaLayerParams& p) {
+  const int proj = blockIdx.z, head = blockIdx.y, i = threadIdx.x;
+  const FkdaActivation& raw = raw_projection(p, proj);
+  const FkdaConv& conv = p.layer.conv[proj];
+  const int64_t c = int64_t(head) * FKDA_HEAD_DIM + i;
+  const int width = p.layer.conv_width, state_width = p.layer.conv_state_width;
+  const int64_t total = p.batch * p.call.seq_len;
+  const int64_t first = int64_t(blockIdx.x) * FKDA_CONV_TILE_TOKENS;
+  const int64_t last = first + FKDA_CONV_TILE_TOKENS < total ? first + FKDA_CONV_TILE_TOKENS : total;
+  uint16_t* staged = static_cast<uint16_t*>(p.staged[proj]) + int64_t(head) * FKDA_HEAD_DIM + i;
+
+  const bool packed = p.call.cu_seqlens != nullptr;
+  int64_t n = packed ? sequence_at(p, first) : first / p.call.seq_len;
+  int64_t begin = packed ? load_offset_of(p.call, n) : n * p.call.seq_len;
+  int64_t end = packed ? load_offset_of(p.call, n + 1) : begin + p.call.seq_len;
+  ConvRow row = conv_row_of(p, n);
+  for (int64_t t = first; t < last; ++t) {
+    while (t >= end && n + 1 < p.call.num_seqs) {  // the next sequence starts (zero-length ones are skipped)
+      ++n;
+      begin = packed ? load_offset_of(p.call, n) : n * p.call.seq_len;
+      end = packed ? load_offset_of(p.call, n + 1) : begin + p.call.seq_len;
+      row = conv_row_of(p, n);
+    }
+    const int64_t position = t - begin;  // in the sequence; < 0 only for tokens no sequence holds
+    const int64_t batch_row = packed ? 0 : n;
+    const int64_t first_token = packed ? begin : 0;
+    float x[FKDA_CONV_MAX_WIDTH] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < FKDA_CONV_MAX_WIDTH; ++j) {
+      if (j >= width || position < 0) continue;
+      const int64_t at = position - (width - 1) + j;
+      if (at >= 0) {
+        x[j] = raw_input(raw, batch_row, first_token + at, head, i);
+      } else if (row.reads) {
+        x[j] = conv_state_at(p.layer, conv, row.row, c, int(state_width + at));
+      }
+    }
+    staged[t * int64_t(p.call.num_heads) * FKDA_HEAD_DIM] = to_bf16(convolve(p.layer, conv, c, x));
+  }
+}
+
+// Block (sequence, head, projection), a thread per channel: the sequence's
+// last Wc raw inputs (older ones from its old state) into its row, and the
+// same at each pool checkpoint. Every old value is read before any write.
+__device__ __forceinline__ void store_conv_states(const FkdaLayerParams& p) {
+  const int64_t n = blockIdx.x;
+  const int head = blockIdx.y, proj = blockIdx.z, i = threadIdx.x;
+  const FkdaConv& conv = p.layer.conv[proj];
+  const int64_t c = int64_t(head) * FKDA_HEAD_DIM + i;
+  const int state_width = p.layer.conv_state_width;
+  const bool packed = p.call.cu_seqlens != nullptr;
+  const int64_t begin = packed ? load_offset_of(p.call, n) : 0;
+  int64_t end = packed ? load_offset_of(p.call, n + 1) : p.call.seq_len;
+  if (end < begin) end = begin;
+  const int64_t length = end - begin, batch_row = packed ? 0 : n;
+  const ConvRow row = conv_row_of(p, n);
+  if (row.row < 0 || length == 0) return;
+
+  float old[FKDA_CONV_MAX_WIDTH] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int col = 0; col < FKDA_CONV_MAX_WIDTH; ++col) {
+    if (col < state_width && row.reads) old[col] = conv_state_at(p.layer, conv, row.row, c, col);
+  }
+  // Input `at` of the sequence (negative: from the old state), at >= -Wc.
+  auto input = [&](int64_t at) {
+    if (at >= 0) return raw_input(raw_projection(p, proj), batch_row, begin + at, head, i);
+    float value = 0.f;
+#pragma unroll
+    for (int col = 0; col < FKDA_CONV_MAX_WIDTH; ++col) value = col == state_width + at ? old[col] : value;
+    return value;
+  };
+  if (p.checkpoint_offsets.data != nullptr) {
+    for (int64_t k = 0; k < p.checkpoint_offsets.cols; ++k) {
+      const int64_t offset = load_index(p.checkpoint_offsets, n, k);
+      if (offset < FKDA_CHUNK || offset > length || offset % FKDA_CHUNK != 0) continue;
+      const int64_t slot =
+          usable_slot(load_index(p.checkpoint_slots, n, k), p.call.first_real_slot, p.pool_slots);
+      if (slot < 0) continue;
+      for (int col = 0; col < state_width; ++col) {
+        store_conv_state(p.layer, conv, slot, c, col, input(offset - state_width + col));
+      }
+    }
+  }
+  for (int col = 0; col < state_width; ++col) {
+    store_conv_state(p.layer, conv, row.row, c, col, input(length - state_width + col));
+  }
+}
+
+// A warp per (token, head) row of out, four values a lane.
+__device__ __forceinline__ void gate_output_rows(const FkdaLayerParams& p) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t index = int64_t(blockIdx.x) * FKDA_GATE_ROWS_PER_BLOCK + warp;
+  const int64_t heads = p.call.num_heads;
+  if (index >= p.batch * p.call.seq_len * heads) return;
+  const int head = int(index % heads);
+  const int64_t token = index / heads;
+  const int64_t b = token / p.call.seq_len, t = token % p.call.seq_len;
+  uint16_t* out = static_cast<uint16_t*>(p.call.out.data) + b * p.call.out.stride_b + t * p.call.out.stride_t +
+                  head * p.call.out.stride_h + 4 * lane;
+  const FkdaActivation& gate = p.layer.out_gate;
+  const uint2 o_bits = *reinterpret_cast<const uint2*>(out);
+  const uint2 g_bits = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(gate.data) + b * gate.stride_b +
+                                                             t * gate.stride_t + head * gate.stride_h + 4 * lane));
+  float o[4] = {bf16_lo(o_bits.x), bf16_hi(o_bits.x), bf16_lo(o_bits.y), bf16_hi(o_bits.y)};
+  const float g[4] = {bf16_lo(g_bits.x), bf16_hi(g_bits.x), bf16_lo(g_bits.y), bf16_hi(g_bits.y)};
+  float squares = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
+#pragma unroll
+  for (int d = 16; d >= 1; d >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, d);
+  gate_four(p.layer, squares, 4 * lane, g, o);
+  *reinterpret_cast<uint2*>(out) = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+}
+
+}  // namespace fkda_dev
+
+extern "C" __global__ void __launch_bounds__(FKDA_HEAD_DIM) fkda_layer_convolve(const FkdaLayerParams p) {
+  fkda_dev::convolve_inputs(p);
+}
+extern "C" __global__ void __launch_bounds__(FKDA_HEAD_DIM) fkda_layer_conv_store(const FkdaLayerParams p) {
+  fkda_dev::store_conv_states(p);
+}
+extern "C" __global__ void __launch_bounds__(32 * FKDA_GATE_ROWS_PER_BLOCK) fkda_layer_gate(const FkdaLayerParams p) {
+  fkda_dev::gate_output_rows(p);
+}
