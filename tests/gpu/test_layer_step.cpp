@@ -1,0 +1,380 @@
+// SPDX-License-Identifier: MIT
+// The layer step on the GPU (flashkda.h, "The layer step around the
+// recurrence"): the same fkda_fwd and fkda_decode calls with a convolution
+// and an output gate on a GPU plan and on a CPU plan, whose layer step the
+// unit tests hold to the fp64 whole step. The raw projections are views into
+// one packed [T, 3*H*K] buffer and the conv states views into one pool (one
+// case channel-last), so strides are exercised; slots are scattered, with a
+// padding sequence. Outputs and pools start poisoned; conv states are copies
+// of raw inputs and must agree bit for bit, the output and the recurrent
+// states to the accuracy of two backends.
+#include <catch2/catch.hpp>
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "flashkda.h"
+#include "gpu_support.h"
+#include "kda_reference.h"
+
+namespace {
+
+using namespace fkda_ref;
+
+constexpr int64_t kDim = 128;
+// GPU against CPU: each backend is within 3e-3 (prefill) / 2e-3 (decode)
+// of fp64, so they agree to the sum.
+constexpr double kFwdOut = 6e-3;
+constexpr double kDecodeOut = 4e-3;
+constexpr double kState = 2e-3;
+constexpr double kDecodeState = 2e-6;  // f32 pool, the decode's exact arithmetic
+
+struct LayerCase {
+  std::string name;
+  std::vector<int64_t> lengths;  // packed with cu_seqlens
+  int64_t H = 2;
+  int32_t width = 4, state_width = 3;
+  fkda_dtype weight_dtype = FKDA_DTYPE_F32;
+  fkda_dtype conv_state_dtype = FKDA_DTYPE_BF16;
+  bool bias = true;
+  bool channel_last = false;  // conv states [slots, Wc, 3*H*K]
+  bool conv = true;
+  bool gate = true;
+  int32_t gate_mode = FKDA_GATE_BOUNDED;
+  bool checkpoints = false;  // fwd: a checkpoint at 16 tokens to a pool slot
+  uint64_t seed = 7;
+};
+
+// Host bytes of one buffer, and where the backend under test sees them.
+struct Bytes {
+  std::vector<unsigned char> host;
+  DeviceBuffer device;
+  void* at(bool gpu) { return gpu ? device.get() : host.data(); }
+  template <typename T>
+  explicit Bytes(const std::vector<T>& values)
+      : host(reinterpret_cast<const unsigned char*>(values.data()),
+             reinterpret_cast<const unsigned char*>(values.data()) + values.size() * sizeof(T)),
+        device(host) {}
+  void download() { check_cuda(cudaMemcpy(host.data(), device.get(), host.size(), cudaMemcpyDeviceToHost), "copy"); }
+};
+
+std::vector<float> random_floats(size_t count, uint64_t seed, float scale) {
+  const std::vector<uint16_t> bits = quick_normals(count, seed);
+  std::vector<float> values(count);
+  for (size_t i = 0; i < count; ++i) values[i] = from_bf16(bits[i]) * scale;
+  return values;
+}
+
+std::vector<uint16_t> as_bf16(const std::vector<float>& values) {
+  std::vector<uint16_t> bits(values.size());
+  for (size_t i = 0; i < values.size(); ++i) bits[i] = to_bf16(values[i]);
+  return bits;
+}
+
+fkda_tensor strided(void* data, fkda_dtype dtype, std::vector<int64_t> shape, std::vector<int64_t> strides) {
+  fkda_tensor t = FKDA_TENSOR_NONE;
+  t.data = data;
+  t.dtype = dtype;
+  t.rank = int32_t(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) {
+    t.shape[i] = shape[i];
+    t.strides[i] = strides[i];
+  }
+  return t;
+}
+
+size_t element_bytes(fkda_dtype dtype) { return dtype == FKDA_DTYPE_F32 ? 4 : 2; }
+
+// Everything one case reads and writes, on both sides.
+struct LayerSetup {
+  LayerCase c;
+  Problem p;
+  int64_t slots = 0, channels = 0;
+  std::vector<int64_t> indices;  // pool slot of each sequence, one null
+  Bytes projections, g, beta, A_log, dt_bias, cu_seqlens, out, pool, weights, biases, conv_states, out_gate,
+      norm_weight, state_indices, checkpoint_offsets, checkpoint_slots;
+
+  static std::vector<uint16_t> packed_projections(const Problem& p) {
+    const int64_t rows = p.B * p.T, width = p.H * kDim;
+    std::vector<uint16_t> packed(size_t(rows * 3 * width));
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(&packed[size_t(r * 3 * width)], &p.q[size_t(r * width)], size_t(width) * 2);
+      std::memcpy(&packed[size_t(r * 3 * width + width)], &p.k[size_t(r * width)], size_t(width) * 2);
+      std::memcpy(&packed[size_t(r * 3 * width + 2 * width)], &p.v[size_t(r * width)], size_t(width) * 2);
+    }
+    return packed;
+  }
+  static Problem make_problem(const LayerCase& c) {
+    ProblemShape shape;
+    shape.H = c.H;
+    shape.lengths = c.lengths;
+    shape.gate_mode = c.gate_mode;
+    shape.with_initial_state = false;
+    return random_problem(slow_decay(shape), c.seed);
+  }
+  static std::vector<float> weight_values(const LayerCase& c, int64_t channels, uint64_t seed) {
+    return random_floats(size_t(3 * channels * c.width), seed, 0.5f);
+  }
+  static std::vector<unsigned char> in_dtype(const std::vector<float>& values, fkda_dtype dtype) {
+    std::vector<unsigned char> bytes(values.size() * element_bytes(dtype));
+    if (dtype == FKDA_DTYPE_F32) {
+      std::memcpy(bytes.data(), values.data(), bytes.size());
+    } else {
+      const std::vector<uint16_t> bits = as_bf16(values);
+      std::memcpy(bytes.data(), bits.data(), bytes.size());
+    }
+    return bytes;
+  }
+
+  explicit LayerSetup(const LayerCase& lc)
+      : c(lc),
+        p(make_problem(lc)),
+        slots(int64_t(lc.lengths.size()) + 3),
+        channels(lc.H * kDim),
+        projections(packed_projections(p)),
+        g(p.g),
+        beta(p.beta),
+        A_log(p.A_log.empty() ? std::vector<float>(1) : p.A_log),
+        dt_bias(p.dt_bias.empty() ? std::vector<float>(1) : p.dt_bias),
+        cu_seqlens(p.cu_seqlens),
+        out(std::vector<uint16_t>(p.q.size(), 0xFFFF)),
+        pool(random_floats(size_t(slots * lc.H * kDim * kDim), lc.seed + 1, 0.5f)),
+        weights(in_dtype(weight_values(lc, channels, lc.seed + 2), lc.weight_dtype)),
+        biases(in_dtype(random_floats(size_t(3 * channels), lc.seed + 3, 0.3f), lc.weight_dtype)),
+        conv_states(in_dtype(random_floats(size_t(slots * 3 * channels * lc.state_width), lc.seed + 4, 1.f),
+                             lc.conv_state_dtype)),
+        out_gate(quick_normals(p.q.size(), lc.seed + 5)),
+        norm_weight(random_floats(size_t(kDim), lc.seed + 6, 1.f)),
+        state_indices(std::vector<int64_t>{}),
+        checkpoint_offsets(std::vector<int64_t>{}),
+        checkpoint_slots(std::vector<int64_t>{}) {
+    const int64_t N = p.num_seqs();
+    // Sequence n at slot slots - 1 - n; sequence 2 is padding (null slot -1).
+    for (int64_t n = 0; n < N; ++n) indices.push_back(n == 2 ? -1 : slots - 1 - n);
+    state_indices = Bytes(indices);
+    std::vector<int64_t> offsets(size_t(N), -1), checkpoint_to(size_t(N), -1);
+    offsets[0] = 16;
+    checkpoint_to[0] = 0;  // slot 0 is no sequence's
+    checkpoint_offsets = Bytes(offsets);
+    checkpoint_slots = Bytes(checkpoint_to);
+  }
+
+  // The three [H*K, W] weight views (or [H*K] biases) into the packed buffer.
+  fkda_tensor weight(bool gpu, int proj) {
+    auto* base = static_cast<unsigned char*>(weights.at(gpu)) + size_t(proj * channels * c.width) * element_bytes(c.weight_dtype);
+    return strided(base, c.weight_dtype, {channels, c.width}, {c.width, 1});
+  }
+  fkda_tensor bias(bool gpu, int proj) {
+    auto* base = static_cast<unsigned char*>(biases.at(gpu)) + size_t(proj * channels) * element_bytes(c.weight_dtype);
+    return strided(base, c.weight_dtype, {channels}, {1});
+  }
+  // [slots, 3*H*K, Wc], or channel-last [slots, Wc, 3*H*K], viewed per projection.
+  fkda_tensor conv_state(bool gpu, int proj) {
+    const int64_t all = 3 * channels;
+    auto* base = static_cast<unsigned char*>(conv_states.at(gpu));
+    if (c.channel_last) {
+      return strided(base + size_t(proj * channels) * element_bytes(c.conv_state_dtype), c.conv_state_dtype,
+                     {slots, channels, c.state_width}, {all * c.state_width, 1, all});
+    }
+    return strided(base + size_t(proj * channels * c.state_width) * element_bytes(c.conv_state_dtype),
+                   c.conv_state_dtype, {slots, channels, c.state_width}, {all * c.state_width, c.state_width, 1});
+  }
+  // q, k, v: views into the packed [T, 3*H*K] buffer.
+  void set_projections(bool gpu, fkda_tensor& q, fkda_tensor& k, fkda_tensor& v) {
+    const int64_t all = 3 * channels;
+    auto* base = static_cast<uint16_t*>(projections.at(gpu));
+    const std::vector<int64_t> shape = {p.B, p.T, p.H, kDim};
+    const std::vector<int64_t> strides = {p.T * all, all, kDim, 1};
+    q = strided(base, FKDA_DTYPE_BF16, shape, strides);
+    k = strided(base + channels, FKDA_DTYPE_BF16, shape, strides);
+    v = strided(base + 2 * channels, FKDA_DTYPE_BF16, shape, strides);
+  }
+  fkda_layer_step layer(bool gpu) {
+    fkda_layer_step l = FKDA_LAYER_STEP_INIT;
+    if (c.conv) {
+      l.conv_weight_q = weight(gpu, 0);
+      l.conv_weight_k = weight(gpu, 1);
+      l.conv_weight_v = weight(gpu, 2);
+      if (c.bias) {
+        l.conv_bias_q = bias(gpu, 0);
+        l.conv_bias_k = bias(gpu, 1);
+        l.conv_bias_v = bias(gpu, 2);
+      }
+      l.conv_state_q = conv_state(gpu, 0);
+      l.conv_state_k = conv_state(gpu, 1);
+      l.conv_state_v = conv_state(gpu, 2);
+    }
+    if (c.gate) {
+      l.out_gate = tensor(out_gate.at(gpu), FKDA_DTYPE_BF16, {p.B, p.T, p.H, kDim});
+      l.out_norm_weight = tensor(norm_weight.at(gpu), FKDA_DTYPE_F32, {kDim});
+      l.out_norm_eps = 1e-5f;
+    }
+    return l;
+  }
+  Buffers buffers(bool gpu) {
+    Buffers b{nullptr, nullptr, nullptr, g.at(gpu), beta.at(gpu), A_log.at(gpu), dt_bias.at(gpu), out.at(gpu)};
+    b.cu_seqlens = p.cu_seqlens.empty() ? nullptr : cu_seqlens.at(gpu);
+    return b;
+  }
+  fkda_tensor pool_tensor(bool gpu) { return tensor(pool.at(gpu), FKDA_DTYPE_F32, {slots, p.H, kDim, kDim}); }
+
+  fkda_fwd_args fwd_args(bool gpu) {
+    fkda_fwd_args a = make_args(p, buffers(gpu), FKDA_DTYPE_F32);
+    set_projections(gpu, a.q, a.k, a.v);
+    a.state_pool = pool_tensor(gpu);
+    a.state_indices = tensor(state_indices.at(gpu), FKDA_DTYPE_I64, {p.num_seqs()});
+    if (c.checkpoints) {
+      a.checkpoint_offsets = tensor(checkpoint_offsets.at(gpu), FKDA_DTYPE_I64, {p.num_seqs(), 1});
+      a.checkpoint_slots = tensor(checkpoint_slots.at(gpu), FKDA_DTYPE_I64, {p.num_seqs(), 1});
+    }
+    a.layer = layer(gpu);
+    return a;
+  }
+  fkda_decode_args decode_args(bool gpu) {
+    fkda_decode_args a = make_decode_args(p, buffers(gpu));
+    set_projections(gpu, a.q, a.k, a.v);
+    a.state_pool = pool_tensor(gpu);
+    a.state_indices = tensor(state_indices.at(gpu), FKDA_DTYPE_I64, {p.num_seqs()});
+    a.layer = layer(gpu);
+    return a;
+  }
+};
+
+struct Outcome {
+  std::vector<float> out;
+  std::vector<float> pool;
+  std::vector<unsigned char> conv_states;
+};
+
+fkda_plan_desc layer_plan(const LayerSetup& s, fkda_backend backend) {
+  fkda_plan_desc desc = plan_desc(s.p.H, s.p.lower_bound, FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK, backend);
+  apply_gate(s.p, &desc);
+  desc.layer_step = 1;
+  return desc;
+}
+
+// One call on one backend, from a fresh copy of the case's inputs.
+template <typename Call>
+Outcome run(const LayerCase& c, bool gpu, const Call& call) {
+  LayerSetup s(c);
+  const fkda_plan_desc desc = layer_plan(s, gpu ? FKDA_BACKEND_GPU : FKDA_BACKEND_CPU);
+  fkda_plan_t plan = nullptr;
+  FKDA_REQUIRE(fkda_plan_create(&desc, &plan));
+  call(s, plan, gpu);
+  fkda_plan_destroy(plan);
+  if (gpu) {
+    CUDA_REQUIRE(cudaDeviceSynchronize());
+    s.out.download();
+    s.pool.download();
+    s.conv_states.download();
+  }
+  Outcome o;
+  std::vector<uint16_t> out_bits(s.p.q.size());
+  std::memcpy(out_bits.data(), s.out.host.data(), s.out.host.size());
+  o.out = bf16_to_float(out_bits);
+  o.pool.resize(s.pool.host.size() / 4);
+  std::memcpy(o.pool.data(), s.pool.host.data(), s.pool.host.size());
+  o.conv_states = s.conv_states.host;
+  return o;
+}
+
+void fwd_call(LayerSetup& s, fkda_plan_t plan, bool gpu) {
+  size_t bytes = 0;
+  FKDA_REQUIRE(fkda_plan_workspace_size(plan, s.p.B * s.p.T, s.p.num_seqs(), &bytes));
+  std::vector<unsigned char> host(bytes + 16);
+  DeviceBuffer device(bytes);
+  const fkda_fwd_args a = s.fwd_args(gpu);
+  FKDA_REQUIRE(fkda_fwd(plan, &a, gpu ? device.get() : host.data(), bytes, nullptr));
+  if (gpu) CUDA_REQUIRE(cudaDeviceSynchronize());
+}
+
+void decode_call(LayerSetup& s, fkda_plan_t plan, bool gpu) {
+  const fkda_decode_args a = s.decode_args(gpu);
+  FKDA_REQUIRE(fkda_decode(plan, &a, nullptr, 0, nullptr));
+}
+
+std::vector<double> widened(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+
+void compare(const Outcome& gpu, const Outcome& cpu, double out_tolerance, double state_tolerance) {
+  for (float x : gpu.out) REQUIRE(std::isfinite(x));  // every row written (poison is NaN)
+  CHECK(rel_l2(gpu.out, widened(cpu.out)) <= out_tolerance);
+  CHECK(rel_l2(gpu.pool, widened(cpu.pool)) <= state_tolerance);
+  CHECK(gpu.conv_states == cpu.conv_states);
+}
+
+std::vector<LayerCase> fwd_cases() {
+  std::vector<LayerCase> cases;
+  LayerCase base;
+  base.lengths = {37, 0, 70, 2, 130};
+  base.name = "W4 Wc3 bf16 states, f32 weights, bias, gate, pool checkpoint";
+  base.checkpoints = true;
+  cases.push_back(base);
+  LayerCase c = base;
+  c.name = "W3 Wc3 f32 channel-last states, bf16 weights, no bias, softplus";
+  c.width = 3;
+  c.weight_dtype = FKDA_DTYPE_BF16;
+  c.conv_state_dtype = FKDA_DTYPE_F32;
+  c.channel_last = true;
+  c.bias = false;
+  c.gate_mode = FKDA_GATE_SOFTPLUS;
+  cases.push_back(c);
+  c = base;
+  c.name = "W2 Wc2, no gate, log-decay";
+  c.width = 2;
+  c.state_width = 2;
+  c.gate = false;
+  c.gate_mode = FKDA_GATE_LOG_DECAY;
+  cases.push_back(c);
+  c = base;
+  c.name = "gate only";
+  c.conv = false;
+  cases.push_back(c);
+  return cases;
+}
+
+}  // namespace
+
+TEST_CASE("layer step: GPU fkda_fwd matches the CPU backend", "[gpu][layer_step]") {
+  for (const LayerCase& c : fwd_cases()) {
+    SECTION(c.name) {
+      const Outcome gpu = run(c, true, fwd_call);
+      const Outcome cpu = run(c, false, fwd_call);
+      compare(gpu, cpu, kFwdOut, kState);
+    }
+  }
+}
+
+TEST_CASE("layer step: GPU fkda_decode matches the CPU backend", "[gpu][layer_step]") {
+  std::vector<LayerCase> cases;
+  for (LayerCase c : fwd_cases()) {
+    c.lengths = {1, 1, 3, 0, 2, 1};
+    c.checkpoints = false;
+    cases.push_back(c);
+  }
+  LayerCase wide = cases[0];
+  wide.name = "W4 Wc4, 16 tokens";
+  wide.state_width = 4;
+  wide.lengths = {16, 5};
+  cases.push_back(wide);
+  for (const LayerCase& c : cases) {
+    SECTION(c.name) {
+      const Outcome gpu = run(c, true, decode_call);
+      const Outcome cpu = run(c, false, decode_call);
+      compare(gpu, cpu, kDecodeOut, kDecodeState);
+    }
+  }
+}
+
+TEST_CASE("layer step: GPU calls under the sanitizers", "[gpu][layer_step][sanitize]") {
+  LayerCase c = fwd_cases()[0];
+  c.lengths = {20, 0, 33};
+  (void)run(c, true, fwd_call);
+  c.lengths = {1, 1, 2};
+  c.checkpoints = false;
+  (void)run(c, true, decode_call);
+}
