@@ -72,35 +72,25 @@ DecodeProblem validate_decode(const Plan& plan, const fkda_decode_args* args, co
 
   // The pool and the conv states are read and written; out only written;
   // the rest only read.
-  std::vector<Operand> operands = {
-      Operand::tensor(a.q, "q", false), Operand::tensor(a.k, "k", false), Operand::tensor(a.v, "v", false),
-      Operand::tensor(a.g, "g", false), Operand::tensor(a.beta, "beta", false),
-      Operand::tensor(a.A_log, "A_log", false), Operand::tensor(a.dt_bias, "dt_bias", false),
-      Operand::tensor(a.cu_seqlens, "cu_seqlens", false), Operand::tensor(a.state_indices, "state_indices", false),
-      Operand::tensor(a.num_accepted_tokens, "num_accepted_tokens", false),
-      Operand::tensor(a.state_pool, "state_pool", true), Operand::tensor(a.out, "out", true)};
-  const std::vector<Operand> layer_operand_list = layer_operands(a.layer);
-  operands.insert(operands.end(), layer_operand_list.begin(), layer_operand_list.end());
-  check_no_shared_memory(operands);
+  check_no_shared_memory(with_layer_operands(
+      {Operand::tensor(a.q, "q", false), Operand::tensor(a.k, "k", false), Operand::tensor(a.v, "v", false),
+       Operand::tensor(a.g, "g", false), Operand::tensor(a.beta, "beta", false),
+       Operand::tensor(a.A_log, "A_log", false), Operand::tensor(a.dt_bias, "dt_bias", false),
+       Operand::tensor(a.cu_seqlens, "cu_seqlens", false), Operand::tensor(a.state_indices, "state_indices", false),
+       Operand::tensor(a.num_accepted_tokens, "num_accepted_tokens", false),
+       Operand::tensor(a.state_pool, "state_pool", true), Operand::tensor(a.out, "out", true)},
+      a.layer));
 
-  std::vector<Located> located = {{a.q.data, "q"},
-                                  {a.k.data, "k"},
-                                  {a.v.data, "v"},
-                                  {a.g.data, "g"},
-                                  {a.beta.data, "beta"},
-                                  {a.A_log.data, "A_log"},
-                                  {a.dt_bias.data, "dt_bias"},
-                                  {a.out.data, "out"},
-                                  {a.state_pool.data, "state_pool"},
-                                  {a.state_indices.data, "state_indices"},
-                                  {a.num_accepted_tokens.data, "num_accepted_tokens"},
-                                  {a.cu_seqlens.data, "cu_seqlens"}};
-  const std::vector<Located> layer_pointers = layer_located(a.layer);
-  located.insert(located.end(), layer_pointers.begin(), layer_pointers.end());
-  check_residency(plan, located);
-  check_gpu_rows(plan, {{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.g, "g"}, {&a.out, "out"},
-                        {&a.dt_bias, "dt_bias"}, {&a.state_pool, "state_pool"}});
-  check_gpu_rows(plan, layer_gpu_rows(a.layer));
+  check_residency(plan, with_layer_pointers(
+                            {{a.q.data, "q"}, {a.k.data, "k"}, {a.v.data, "v"}, {a.g.data, "g"},
+                             {a.beta.data, "beta"}, {a.A_log.data, "A_log"}, {a.dt_bias.data, "dt_bias"},
+                             {a.out.data, "out"}, {a.state_pool.data, "state_pool"},
+                             {a.state_indices.data, "state_indices"},
+                             {a.num_accepted_tokens.data, "num_accepted_tokens"}, {a.cu_seqlens.data, "cu_seqlens"}},
+                            a.layer));
+  check_gpu_rows(plan, with_layer_rows({{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.g, "g"}, {&a.out, "out"},
+                                        {&a.dt_bias, "dt_bias"}, {&a.state_pool, "state_pool"}},
+                                       a.layer));
   // No workspace today: any pointer and size, NULL included, is accepted.
   (void)workspace;
   (void)workspace_bytes;

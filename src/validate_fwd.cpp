@@ -135,41 +135,40 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   // states (read too) and the workspace, all workspace_bytes of it (the CPU
   // backend scales its workers to what it is lent); final_state may be
   // initial_state itself, nothing between.
-  std::vector<Operand> operands = {
-      Operand::tensor(a.q, "q", false), Operand::tensor(a.k, "k", false), Operand::tensor(a.v, "v", false),
-      Operand::tensor(a.g, "g", false), Operand::tensor(a.beta, "beta", false),
-      Operand::tensor(a.A_log, "A_log", false), Operand::tensor(a.dt_bias, "dt_bias", false),
-      Operand::tensor(a.initial_state, "initial_state", false), Operand::tensor(a.cu_seqlens, "cu_seqlens", false),
-      Operand::tensor(a.state_indices, "state_indices", false),
-      Operand::tensor(a.has_initial_state, "has_initial_state", false),
-      Operand::tensor(a.checkpoint_offsets, "checkpoint_offsets", false),
-      Operand::tensor(a.checkpoint_slots, "checkpoint_slots", false),
-      Operand::tensor(a.state_pool, "state_pool", true), Operand::tensor(a.out, "out", true),
-      Operand::tensor(a.final_state, "final_state", true), Operand::tensor(a.checkpoints, "checkpoints", true),
-      Operand::bytes(workspace, workspace_bytes, "workspace", true)};
-  const std::vector<Operand> layer = layer_operands(a.layer);
-  operands.insert(operands.end(), layer.begin(), layer.end());
-  check_no_shared_memory(operands, {{"initial_state", "final_state"}});
+  check_no_shared_memory(
+      with_layer_operands(
+          {Operand::tensor(a.q, "q", false), Operand::tensor(a.k, "k", false), Operand::tensor(a.v, "v", false),
+           Operand::tensor(a.g, "g", false), Operand::tensor(a.beta, "beta", false),
+           Operand::tensor(a.A_log, "A_log", false), Operand::tensor(a.dt_bias, "dt_bias", false),
+           Operand::tensor(a.initial_state, "initial_state", false), Operand::tensor(a.cu_seqlens, "cu_seqlens", false),
+           Operand::tensor(a.state_indices, "state_indices", false),
+           Operand::tensor(a.has_initial_state, "has_initial_state", false),
+           Operand::tensor(a.checkpoint_offsets, "checkpoint_offsets", false),
+           Operand::tensor(a.checkpoint_slots, "checkpoint_slots", false),
+           Operand::tensor(a.state_pool, "state_pool", true), Operand::tensor(a.out, "out", true),
+           Operand::tensor(a.final_state, "final_state", true), Operand::tensor(a.checkpoints, "checkpoints", true),
+           Operand::bytes(workspace, workspace_bytes, "workspace", true)},
+          a.layer),
+      {{"initial_state", "final_state"}});
 
-  std::vector<Located> located = {{a.q.data, "q"},
-                                  {a.k.data, "k"},
-                                  {a.v.data, "v"},
-                                  {a.g.data, "g"},
-                                  {a.beta.data, "beta"},
-                                  {a.A_log.data, "A_log"},
-                                  {a.dt_bias.data, "dt_bias"},
-                                  {a.out.data, "out"},
-                                  {a.initial_state.data, "initial_state"},
-                                  {a.final_state.data, "final_state"},
-                                  {a.cu_seqlens.data, "cu_seqlens"},
-                                  {a.state_pool.data, "state_pool"},
-                                  {a.state_indices.data, "state_indices"},
-                                  {a.has_initial_state.data, "has_initial_state"},
-                                  {a.checkpoint_offsets.data, "checkpoint_offsets"},
-                                  {a.checkpoints.data, "checkpoints"},
-                                  {a.checkpoint_slots.data, "checkpoint_slots"}};
-  const std::vector<Located> layer_pointers = layer_located(a.layer);
-  located.insert(located.end(), layer_pointers.begin(), layer_pointers.end());
+  std::vector<Located> located = with_layer_pointers({{a.q.data, "q"},
+                                                      {a.k.data, "k"},
+                                                      {a.v.data, "v"},
+                                                      {a.g.data, "g"},
+                                                      {a.beta.data, "beta"},
+                                                      {a.A_log.data, "A_log"},
+                                                      {a.dt_bias.data, "dt_bias"},
+                                                      {a.out.data, "out"},
+                                                      {a.initial_state.data, "initial_state"},
+                                                      {a.final_state.data, "final_state"},
+                                                      {a.cu_seqlens.data, "cu_seqlens"},
+                                                      {a.state_pool.data, "state_pool"},
+                                                      {a.state_indices.data, "state_indices"},
+                                                      {a.has_initial_state.data, "has_initial_state"},
+                                                      {a.checkpoint_offsets.data, "checkpoint_offsets"},
+                                                      {a.checkpoints.data, "checkpoints"},
+                                                      {a.checkpoint_slots.data, "checkpoint_slots"}},
+                                                     a.layer);
   if (required > 0 && workspace != nullptr) located.push_back({workspace, "workspace"});
   // Where the tensors live before whether the workspace suffices: a tensor
   // in the wrong memory is the first thing a caller has to fix.
@@ -179,17 +178,17 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
 
 
   // The kernels move rows of 8 bf16 (or 4 f32) in 16-byte accesses.
-  check_gpu_rows(plan, {{&a.q, "q"},
-                        {&a.k, "k"},
-                        {&a.v, "v"},
-                        {&a.g, "g"},
-                        {&a.out, "out"},
-                        {&a.dt_bias, "dt_bias"},
-                        {&a.initial_state, "initial_state"},
-                        {&a.final_state, "final_state"},
-                        {&a.state_pool, "state_pool"},
-                        {&a.checkpoints, "checkpoints"}});
-  check_gpu_rows(plan, layer_gpu_rows(a.layer));
+  check_gpu_rows(plan, with_layer_rows({{&a.q, "q"},
+                                        {&a.k, "k"},
+                                        {&a.v, "v"},
+                                        {&a.g, "g"},
+                                        {&a.out, "out"},
+                                        {&a.dt_bias, "dt_bias"},
+                                        {&a.initial_state, "initial_state"},
+                                        {&a.final_state, "final_state"},
+                                        {&a.state_pool, "state_pool"},
+                                        {&a.checkpoints, "checkpoints"}},
+                                       a.layer));
 
   if (plan.backend == FKDA_BACKEND_CPU) {
     if (present(a.cu_seqlens)) check_cu_seqlens_contents(a.cu_seqlens, T);

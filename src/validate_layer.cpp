@@ -223,20 +223,19 @@ LayerStep check_layer_step(const Plan& plan, const fkda_layer_step& layer, const
   return step;
 }
 
-std::vector<Operand> layer_operands(const fkda_layer_step& layer) {
-  std::vector<Operand> operands;
+std::vector<Operand> with_layer_operands(std::vector<Operand> operands, const fkda_layer_step& layer) {
   for (const LayerTensor& t : kLayerTensors) operands.push_back(Operand::tensor(layer.*t.member, t.name, t.written));
   return operands;
 }
 
-std::vector<Located> layer_located(const fkda_layer_step& layer) {
-  std::vector<Located> located;
-  for (const LayerTensor& t : kLayerTensors) located.push_back({(layer.*t.member).data, t.name});
-  return located;
+std::vector<Located> with_layer_pointers(std::vector<Located> pointers, const fkda_layer_step& layer) {
+  for (const LayerTensor& t : kLayerTensors) pointers.push_back({(layer.*t.member).data, t.name});
+  return pointers;
 }
 
-std::vector<Named> layer_gpu_rows(const fkda_layer_step& layer) {
-  return {{&layer.out_gate, kLayerTensors[kOutGate].name}};
+std::vector<Named> with_layer_rows(std::vector<Named> tensors, const fkda_layer_step& layer) {
+  tensors.push_back({&layer.out_gate, kLayerTensors[kOutGate].name});
+  return tensors;
 }
 
 }  // namespace fkda::checks

@@ -35,11 +35,12 @@ struct LayerCall {
 // backends read it.
 LayerStep check_layer_step(const Plan& plan, const fkda_layer_step& layer, const LayerCall& call);
 
-// The layer's tensors for the call's check_no_shared_memory (the conv states
-// written, the rest read), check_residency and check_gpu_rows (out_gate, whose
-// rows the kernels move like v's).
-std::vector<Operand> layer_operands(const fkda_layer_step& layer);
-std::vector<Located> layer_located(const fkda_layer_step& layer);
-std::vector<Named> layer_gpu_rows(const fkda_layer_step& layer);
+// The call's own operands, pointers and GPU rows followed by the layer's:
+// for check_no_shared_memory (the conv states written, the rest read),
+// check_residency and check_gpu_rows (out_gate, whose rows the kernels move
+// like v's).
+std::vector<Operand> with_layer_operands(std::vector<Operand> operands, const fkda_layer_step& layer);
+std::vector<Located> with_layer_pointers(std::vector<Located> pointers, const fkda_layer_step& layer);
+std::vector<Named> with_layer_rows(std::vector<Named> tensors, const fkda_layer_step& layer);
 
 }  // namespace fkda::checks
