@@ -321,17 +321,21 @@ FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
  * (initial_state, or a pool slot, unless has_initial_state is 0) and starts
  * from zeros otherwise, as does every sequence without conv states. After
  * the call, a sequence's row holds its last Wc raw inputs (from the old
- * state where it had fewer tokens): updated in place. Padding and
- * zero-length sequences touch nothing. Checkpoints to pool slots
- * (checkpoint_slots) write the convolution state at each checkpoint too;
- * checkpoints to a tensor carry the recurrent state only. fkda_decode with
- * an [N, W] slot table (speculative verify) refuses the convolution
- * (FKDA_ERROR_UNSUPPORTED): a rejected draft would need the convolution
- * state of every column.
+ * state where it had fewer tokens, zeros where it read none): updated in
+ * place, every read of a row before any write to it. Padding and
+ * zero-length sequences touch nothing (not even the row a zero-length
+ * sequence's recurrent state is written back to). Checkpoints to pool slots
+ * (checkpoint_slots) write the convolution state at each checkpoint too
+ * (the Wc raw inputs before its offset), so conv states with
+ * checkpoint_slots need state_indices; checkpoints to a tensor carry the
+ * recurrent state only. fkda_decode with an [N, W] slot table (speculative
+ * verify) refuses the convolution (FKDA_ERROR_UNSUPPORTED): a rejected
+ * draft would need the convolution state of every column.
  *
  * Output gate: out_gate (g_out) bf16 [B, T, H, V] like v (last axis
- * contiguous); out_norm_weight (w) bf16 or f32 [V], required with it;
- * out_norm_eps finite and > 0. Padding sequences' output rows stay zero.
+ * contiguous); out_norm_weight (w) bf16 or f32 [V], required with it and
+ * refused without it; out_norm_eps finite and > 0 (read only with out_gate).
+ * Padding sequences' output rows stay zero. reserved must be 0.
  *
  * fkda_fwd rounds the convolved q, k and v to bf16, as they would be
  * stored between two kernels, and gates the bf16 output of the recurrence;

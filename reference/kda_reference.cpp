@@ -17,6 +17,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 
 namespace fkda_ref {
 
@@ -186,6 +187,8 @@ Problem token_range(const Problem& p, int64_t row, int64_t begin, int64_t end) {
   part.beta = slice(p.beta, p.H);
   part.g_f32 = slice(p.g_f32, p.H * p.K);
   part.beta_f32 = slice(p.beta_f32, p.H);
+  part.layer.out_gate = slice(p.layer.out_gate, p.H * p.V);
+  for (std::vector<float>& state : part.layer.conv_state) state.clear();
   return part;
 }
 
@@ -227,15 +230,82 @@ double step_size_at(const Problem& p, int64_t row) {
   throw std::invalid_argument("reference: unknown beta_mode " + std::to_string(p.beta_mode));
 }
 
-// x / sqrt(Σ x² + 1e-6) of one token's bf16 row.
-void unit_vector(const uint16_t* bits, int64_t n, std::vector<double>& unit) {
+// x / sqrt(Σ x² + 1e-6) of one token's row.
+void unit_vector(const std::vector<double>& x, std::vector<double>& unit) {
   double sum = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    unit[i] = from_bf16(bits[i]);
-    sum += unit[i] * unit[i];
-  }
+  for (double value : x) sum += value * value;
   const double inverse_norm = 1.0 / std::sqrt(sum + 1e-6);
-  for (int64_t i = 0; i < n; ++i) unit[i] *= inverse_norm;
+  for (size_t i = 0; i < x.size(); ++i) unit[i] = x[i] * inverse_norm;
+}
+
+// The inputs of one (sequence, head) token by token: q, k and v as passed,
+// or, with the layer's convolution, silu(bias + Σ_j w[j] x[t-W+1+j]) of the
+// raw inputs, the conv state before the first token. Each channel keeps a
+// window of its last W inputs (before the first token: the conv state's last
+// W columns, zeros where it has fewer or the sequence has none).
+class LayerInputs {
+ public:
+  LayerInputs(const Problem& p, int64_t n, int64_t h) : p_(p), l_(p.layer), n_(n), h_(h) {
+    const int64_t K = p.K, W = l_.conv_width, Wc = l_.conv_state_width;
+    for (int projection = 0; projection < 3; ++projection) {
+      windows_[projection].assign(static_cast<size_t>(K * W), 0.0);
+      const std::vector<float>& state = l_.conv_state[projection];
+      if (state.empty()) continue;
+      for (int64_t i = 0; i < K; ++i)
+        for (int64_t j = 0; j < W; ++j) {
+          const int64_t column = Wc - W + j;
+          if (column >= 0) windows_[projection][static_cast<size_t>(i * W + j)] = state[state_index(i, column)];
+        }
+    }
+  }
+
+  // Token row `token` ((b·T + t)·H + h) of q, k or v (0, 1, 2) into x.
+  void next(int projection, int64_t token, std::vector<double>& x) {
+    const std::vector<uint16_t>& raw = projection == 0 ? p_.q : projection == 1 ? p_.k : p_.v;
+    const int64_t n = static_cast<int64_t>(x.size()), W = l_.conv_width;
+    for (int64_t i = 0; i < n; ++i) {
+      const double input = from_bf16(raw[static_cast<size_t>(token * n + i)]);
+      if (!l_.has_conv()) {
+        x[static_cast<size_t>(i)] = input;
+        continue;
+      }
+      double* window = &windows_[projection][static_cast<size_t>(i * W)];
+      std::copy(window + 1, window + W, window);
+      window[W - 1] = input;
+      const size_t channel = static_cast<size_t>(h_ * p_.K + i);
+      double sum = l_.conv_bias[projection].empty() ? 0.0 : l_.conv_bias[projection][channel];
+      for (int64_t j = 0; j < W; ++j) sum += double(l_.conv_weight[projection][channel * size_t(W) + size_t(j)]) * window[j];
+      x[static_cast<size_t>(i)] = sum / (1.0 + std::exp(-sum));
+    }
+  }
+
+  // The conv states the windows hold now, into this sequence's rows of `states` ([N, H*K, Wc] each).
+  void store(std::array<std::vector<double>, 3>& states) const {
+    const int64_t W = l_.conv_width, Wc = l_.conv_state_width;
+    for (int projection = 0; projection < 3; ++projection)
+      for (int64_t i = 0; i < p_.K; ++i)
+        for (int64_t j = 0; j < Wc; ++j)
+          states[projection][state_index(i, j)] = windows_[projection][static_cast<size_t>(i * W + W - Wc + j)];
+  }
+
+ private:
+  size_t state_index(int64_t i, int64_t column) const {
+    return static_cast<size_t>(((n_ * p_.H + h_) * p_.K + i) * l_.conv_state_width + column);
+  }
+  const Problem& p_;
+  const LayerStep& l_;
+  int64_t n_, h_;
+  std::vector<double> windows_[3];
+};
+
+// The output gate of one head's row of V outputs, in fp64, in place:
+// o / sqrt(mean(o²) + eps) · w · sigmoid(g_out).
+void gate_output(const LayerStep& l, const uint16_t* gate, double* o, int64_t V) {
+  double sum = 0.0;
+  for (int64_t e = 0; e < V; ++e) sum += o[e] * o[e];
+  const double inverse_rms = 1.0 / std::sqrt(sum / double(V) + double(l.out_norm_eps));
+  for (int64_t e = 0; e < V; ++e)
+    o[e] *= inverse_rms * double(l.out_norm_weight[static_cast<size_t>(e)]) * sigmoid(from_bf16(gate[e]));
 }
 
 }  // namespace
@@ -247,12 +317,20 @@ Reference reference_recurrence(const Problem& p, const std::vector<int64_t>& sta
   ref.out.assign(static_cast<size_t>(p.B * p.T * H * V), 0.0);
   ref.final_state.assign(static_cast<size_t>(N * H * V * K), 0.0);
   ref.states_after.assign(state_tokens.size(), ref.final_state);
+  const bool convolution = p.layer.has_conv();
+  std::array<std::vector<double>, 3> conv_state;
+  if (convolution) {
+    for (std::vector<double>& states : conv_state)
+      states.assign(static_cast<size_t>(N * H * K * p.layer.conv_state_width), 0.0);
+  }
+  ref.conv_states_after.assign(convolution ? state_tokens.size() : 0, conv_state);
 
   // Each (sequence, head) pair writes its own rows and states, so the pairs
   // run on threads: at long context (LM4, T = 65536) one thread takes minutes.
   auto run_pair = [&](int64_t n, int64_t h) {
     std::vector<double> state(static_cast<size_t>(V * K));  // S[e][c], V-first
-    std::vector<double> q_unit(K), k_unit(K), decay(K);
+    std::vector<double> q_in(K), k_in(K), v_in(V), q_unit(K), k_unit(K), decay(K);
+    LayerInputs inputs(p, n, h);
     const int64_t row = varlen ? 0 : n;
     const int64_t begin = varlen ? p.cu_seqlens[n] : 0;
     const int64_t end = varlen ? p.cu_seqlens[n + 1] : p.T;
@@ -261,12 +339,14 @@ Reference reference_recurrence(const Problem& p, const std::vector<int64_t>& sta
       state[i] = p.initial_state.empty() ? 0.0 : static_cast<double>(p.initial_state[state_base + i]);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t token = (row * p.T + t) * H + h;
-      unit_vector(&p.q[token * K], K, q_unit);
-      unit_vector(&p.k[token * K], K, k_unit);
+      inputs.next(0, token, q_in);
+      inputs.next(1, token, k_in);
+      inputs.next(2, token, v_in);
+      unit_vector(q_in, q_unit);
+      unit_vector(k_in, k_unit);
       // exp(-inf) = 0: total forgetting zeroes the state, never NaN.
       for (int64_t c = 0; c < K; ++c) decay[c] = std::exp(log_decay_at(p, token, h, c));
       const double b = step_size_at(p, token);
-      const uint16_t* v = &p.v[token * V];
 
       for (int64_t e = 0; e < V; ++e) {
         double* s_row = &state[e * K];
@@ -275,7 +355,7 @@ Reference reference_recurrence(const Problem& p, const std::vector<int64_t>& sta
           s_row[c] *= decay[c];
           predicted += s_row[c] * k_unit[c];
         }
-        const double correction = b * (from_bf16(v[e]) - predicted);
+        const double correction = b * (v_in[e] - predicted);
         double output = 0.0;
         for (int64_t c = 0; c < K; ++c) {
           s_row[c] += correction * k_unit[c];
@@ -283,12 +363,15 @@ Reference reference_recurrence(const Problem& p, const std::vector<int64_t>& sta
         }
         ref.out[token * V + e] = static_cast<double>(p.scale) * output;
       }
+      if (p.layer.has_out_gate()) gate_output(p.layer, &p.layer.out_gate[token * V], &ref.out[token * V], V);
       for (size_t c = 0; c < state_tokens.size(); ++c) {
         if (state_tokens[c] != t - begin + 1) continue;
         std::copy(state.begin(), state.end(), ref.states_after[c].begin() + static_cast<std::ptrdiff_t>(state_base));
+        if (convolution) inputs.store(ref.conv_states_after[c]);
       }
     }
     std::copy(state.begin(), state.end(), ref.final_state.begin() + static_cast<std::ptrdiff_t>(state_base));
+    if (convolution) inputs.store(conv_state);
   };
 
   const int64_t pairs = N * H;
@@ -313,6 +396,7 @@ Reference reference_recurrence(const Problem& p, const std::vector<int64_t>& sta
   work();
   for (std::thread& thread : pool) thread.join();
   if (failed) throw std::invalid_argument(failure);
+  for (int projection = 0; projection < 3; ++projection) ref.conv_state[projection] = std::move(conv_state[projection]);
   return ref;
 }
 

@@ -4,6 +4,7 @@
 // accuracy reference, docs/ARCHITECTURE.md section 1), and fkda_tensor builders.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -17,8 +18,27 @@ float from_bf16(uint16_t bits);
 uint16_t to_f16(float x);     // round to nearest even, saturating to ±65504
 float from_f16(uint16_t bits);
 
+// The layer step around the recurrence (flashkda.h, "The layer step around
+// the recurrence"), every part optional: a convolution when conv_width > 0,
+// an output gate when out_gate is non-empty.
+struct LayerStep {
+  int64_t conv_width = 0;        // W, 2..4
+  int64_t conv_state_width = 0;  // Wc, W - 1 or W
+  // q, k and v's weights [H*K, W] and biases [H*K] (empty: none), as the
+  // library reads them (bf16 ones as their f32 values), and each sequence's
+  // conv state before the call, [N, H*K, Wc] (empty: zeros).
+  std::vector<float> conv_weight[3], conv_bias[3], conv_state[3];
+  std::vector<uint16_t> out_gate;      // bf16 [B, T, H, V]
+  std::vector<float> out_norm_weight;  // [V]
+  float out_norm_eps = 1e-5f;
+
+  bool has_conv() const { return conv_width > 0; }
+  bool has_out_gate() const { return !out_gate.empty(); }
+};
+
 // One problem on the host. Activations are bf16 bit patterns, contiguous
-// [B, T, H, D]; with cu_seqlens, B == 1 and T is the packed total.
+// [B, T, H, D]; with cu_seqlens, B == 1 and T is the packed total. With a
+// convolution in `layer`, q, k and v are the raw projections.
 struct Problem {
   int64_t B = 1, T = 0, H = 1;
   int64_t K = 128, V = 128;
@@ -34,6 +54,7 @@ struct Problem {
   // [B, T, H] instead of their bf16 bits, which are then unused
   // (as_log_decay and as_probabilities leave them empty).
   std::vector<float> g_f32, beta_f32;
+  LayerStep layer;
 
   int64_t num_seqs() const { return cu_seqlens.empty() ? B : int64_t(cu_seqlens.size()) - 1; }
   int64_t state_elems() const { return num_seqs() * H * V * K; }
@@ -107,8 +128,8 @@ ProblemShape slow_decay(ProblemShape shape);
 
 // Tokens [begin, end) of batch row `row` (of the packed row with
 // cu_seqlens) as a problem of its own: B = 1, no cu_seqlens, and no initial
-// state, which the caller sets for the sequence it cut from. g_f32 and
-// beta_f32 are cut like g and beta.
+// state nor conv state, which the caller sets for the sequence it cut from.
+// g_f32, beta_f32 and the layer's out_gate are cut like g and beta.
 Problem token_range(const Problem& p, int64_t row, int64_t begin, int64_t end);
 
 // docs/BENCHMARKS.md's accuracy targets: the relative L2 error against the
@@ -127,10 +148,17 @@ AccuracyTargets accuracy_targets(fkda_dtype state_dtype, bool slow_decay);
 // ([N, H, V, K]) is the state of every sequence after its first
 // state_tokens[c] tokens (zeros for a sequence shorter than that): what
 // checkpoints and speculative slot tables keep.
+// With p.layer, the whole layer step in fp64: q, k and v convolved with the
+// SiLU from the raw inputs and the conv states, none of it rounded, and the
+// output gate on the fp64 output. conv_state[3] (q, k, v) is every
+// sequence's conv state after the call, [N, H*K, Wc], and
+// conv_states_after[c] after its first state_tokens[c] tokens.
 struct Reference {
   std::vector<double> out;
   std::vector<double> final_state;
   std::vector<std::vector<double>> states_after;
+  std::vector<double> conv_state[3];
+  std::vector<std::array<std::vector<double>, 3>> conv_states_after;
 };
 Reference reference_recurrence(const Problem& p, const std::vector<int64_t>& state_tokens = {});
 

@@ -11,6 +11,7 @@
 #include "validate.h"
 #include "validate_checks.h"
 #include "validate_contents.h"
+#include "validate_layer.h"
 
 namespace fkda {
 
@@ -56,23 +57,40 @@ DecodeProblem validate_decode(const Plan& plan, const fkda_decode_args* args, co
   }
   if (!std::isfinite(a.scale)) invalid("scale: must be finite, got " + std::to_string(a.scale));
 
-  // The pool is read and written; out only written; the rest only read.
-  check_no_shared_memory({Operand::tensor(a.q, "q", false), Operand::tensor(a.k, "k", false),
-                          Operand::tensor(a.v, "v", false), Operand::tensor(a.g, "g", false),
-                          Operand::tensor(a.beta, "beta", false), Operand::tensor(a.A_log, "A_log", false),
-                          Operand::tensor(a.dt_bias, "dt_bias", false),
-                          Operand::tensor(a.cu_seqlens, "cu_seqlens", false),
-                          Operand::tensor(a.state_indices, "state_indices", false),
-                          Operand::tensor(a.num_accepted_tokens, "num_accepted_tokens", false),
-                          Operand::tensor(a.state_pool, "state_pool", true), Operand::tensor(a.out, "out", true)});
+  LayerCall layer;
+  layer.batch = B;
+  layer.tokens = T;
+  layer.conv_state_rows = p.pool.slots;
+  layer.rows_are = "the pool's slots";
+  if (p.indices_are_table) {
+    layer.conv_refusal = FKDA_ERROR_UNSUPPORTED;
+    layer.conv_refusal_reason =
+        "fkda_decode with an [N, W] slot table (speculative verify) takes no convolution: a rejected draft "
+        "would need the convolution state of every column";
+  }
+  p.layer = check_layer_step(plan, a.layer, layer);
 
-  check_residency(plan, {{a.q.data, "q"}, {a.k.data, "k"}, {a.v.data, "v"}, {a.g.data, "g"},
-                         {a.beta.data, "beta"}, {a.A_log.data, "A_log"}, {a.dt_bias.data, "dt_bias"},
-                         {a.out.data, "out"}, {a.state_pool.data, "state_pool"},
-                         {a.state_indices.data, "state_indices"},
-                         {a.num_accepted_tokens.data, "num_accepted_tokens"}, {a.cu_seqlens.data, "cu_seqlens"}});
-  check_gpu_rows(plan, {{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.g, "g"}, {&a.out, "out"},
-                        {&a.dt_bias, "dt_bias"}, {&a.state_pool, "state_pool"}});
+  // The pool and the conv states are read and written; out only written;
+  // the rest only read.
+  check_no_shared_memory(with_layer_operands(
+      {Operand::tensor(a.q, "q", false), Operand::tensor(a.k, "k", false), Operand::tensor(a.v, "v", false),
+       Operand::tensor(a.g, "g", false), Operand::tensor(a.beta, "beta", false),
+       Operand::tensor(a.A_log, "A_log", false), Operand::tensor(a.dt_bias, "dt_bias", false),
+       Operand::tensor(a.cu_seqlens, "cu_seqlens", false), Operand::tensor(a.state_indices, "state_indices", false),
+       Operand::tensor(a.num_accepted_tokens, "num_accepted_tokens", false),
+       Operand::tensor(a.state_pool, "state_pool", true), Operand::tensor(a.out, "out", true)},
+      a.layer));
+
+  check_residency(plan, with_layer_pointers(
+                            {{a.q.data, "q"}, {a.k.data, "k"}, {a.v.data, "v"}, {a.g.data, "g"},
+                             {a.beta.data, "beta"}, {a.A_log.data, "A_log"}, {a.dt_bias.data, "dt_bias"},
+                             {a.out.data, "out"}, {a.state_pool.data, "state_pool"},
+                             {a.state_indices.data, "state_indices"},
+                             {a.num_accepted_tokens.data, "num_accepted_tokens"}, {a.cu_seqlens.data, "cu_seqlens"}},
+                            a.layer));
+  check_gpu_rows(plan, with_layer_rows({{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.g, "g"}, {&a.out, "out"},
+                                        {&a.dt_bias, "dt_bias"}, {&a.state_pool, "state_pool"}},
+                                       a.layer));
   // No workspace today: any pointer and size, NULL included, is accepted.
   (void)workspace;
   (void)workspace_bytes;

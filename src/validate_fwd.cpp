@@ -11,9 +11,11 @@
 #include "abi_struct.h"
 #include "dtype_name.h"
 #include "error.h"
+#include "layer_step.h"
 #include "validate.h"
 #include "validate_checks.h"
 #include "validate_contents.h"
+#include "validate_layer.h"
 
 namespace fkda {
 
@@ -69,6 +71,35 @@ void check_serving(const Plan& plan, const fkda_fwd_args& a, PrefillProblem& p) 
   }
 }
 
+// What the layer step may take in this call: the convolution only on plans
+// created for it, whose workspace holds the convolved q, k and v; conv
+// states in the rows the recurrent states have (pool slots or sequences).
+// Checkpoints into pool slots write conv states to pool slots too, so they
+// need the conv states to be rows of the pool, which only state_indices says.
+LayerCall layer_call(const Plan& plan, const fkda_fwd_args& a, const PrefillProblem& p) {
+  LayerCall call;
+  call.batch = p.batch;
+  call.tokens = p.seq_len;
+  if (present(a.state_indices)) {
+    call.conv_state_rows = p.pool.slots;
+    call.rows_are = "the pool's slots, as the call takes state_indices";
+  } else {
+    call.conv_state_rows = p.num_seqs;
+    call.rows_are = "one per sequence, as the call takes no state_indices";
+  }
+  if (!plan.layer_step) {
+    call.conv_refusal = FKDA_ERROR_INVALID_ARGUMENT;
+    call.conv_refusal_reason =
+        "the convolution needs a plan created with layer_step = 1 (its workspace holds the convolved q, k and v)";
+  }
+  if (present(a.checkpoint_slots) && !present(a.state_indices)) {
+    call.conv_state_refusal =
+        "checkpoint_slots write conv states into rows of the pool, which the conv states are only with "
+        "state_indices";
+  }
+  return call;
+}
+
 }  // namespace
 
 PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const void* workspace,
@@ -96,43 +127,48 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   p.initial_state = present(a.initial_state) ? a.initial_state.data : nullptr;
   p.final_state = present(a.final_state) ? a.final_state.data : nullptr;
   check_serving(plan, a, p);
+  p.layer = check_layer_step(plan, a.layer, layer_call(plan, a, p));
+  p.conv_staging_bytes = plan.layer_step ? conv_staging_bytes(B * T, plan.num_heads, plan.head_dim_k) : 0;
 
   const size_t required = plan.workspace_size(B * T, N);
-  // Written: out, final_state, checkpoints, the pool (read too) and the
-  // workspace, all workspace_bytes of it (the CPU backend scales its
-  // workers to what it is lent); final_state may be initial_state itself,
-  // nothing between.
+  // Written: out, final_state, checkpoints, the pool (read too), the conv
+  // states (read too) and the workspace, all workspace_bytes of it (the CPU
+  // backend scales its workers to what it is lent); final_state may be
+  // initial_state itself, nothing between.
   check_no_shared_memory(
-      {Operand::tensor(a.q, "q", false), Operand::tensor(a.k, "k", false), Operand::tensor(a.v, "v", false),
-       Operand::tensor(a.g, "g", false), Operand::tensor(a.beta, "beta", false),
-       Operand::tensor(a.A_log, "A_log", false), Operand::tensor(a.dt_bias, "dt_bias", false),
-       Operand::tensor(a.initial_state, "initial_state", false), Operand::tensor(a.cu_seqlens, "cu_seqlens", false),
-       Operand::tensor(a.state_indices, "state_indices", false),
-       Operand::tensor(a.has_initial_state, "has_initial_state", false),
-       Operand::tensor(a.checkpoint_offsets, "checkpoint_offsets", false),
-       Operand::tensor(a.checkpoint_slots, "checkpoint_slots", false),
-       Operand::tensor(a.state_pool, "state_pool", true), Operand::tensor(a.out, "out", true),
-       Operand::tensor(a.final_state, "final_state", true), Operand::tensor(a.checkpoints, "checkpoints", true),
-       Operand::bytes(workspace, workspace_bytes, "workspace", true)},
+      with_layer_operands(
+          {Operand::tensor(a.q, "q", false), Operand::tensor(a.k, "k", false), Operand::tensor(a.v, "v", false),
+           Operand::tensor(a.g, "g", false), Operand::tensor(a.beta, "beta", false),
+           Operand::tensor(a.A_log, "A_log", false), Operand::tensor(a.dt_bias, "dt_bias", false),
+           Operand::tensor(a.initial_state, "initial_state", false), Operand::tensor(a.cu_seqlens, "cu_seqlens", false),
+           Operand::tensor(a.state_indices, "state_indices", false),
+           Operand::tensor(a.has_initial_state, "has_initial_state", false),
+           Operand::tensor(a.checkpoint_offsets, "checkpoint_offsets", false),
+           Operand::tensor(a.checkpoint_slots, "checkpoint_slots", false),
+           Operand::tensor(a.state_pool, "state_pool", true), Operand::tensor(a.out, "out", true),
+           Operand::tensor(a.final_state, "final_state", true), Operand::tensor(a.checkpoints, "checkpoints", true),
+           Operand::bytes(workspace, workspace_bytes, "workspace", true)},
+          a.layer),
       {{"initial_state", "final_state"}});
 
-  std::vector<Located> located = {{a.q.data, "q"},
-                                  {a.k.data, "k"},
-                                  {a.v.data, "v"},
-                                  {a.g.data, "g"},
-                                  {a.beta.data, "beta"},
-                                  {a.A_log.data, "A_log"},
-                                  {a.dt_bias.data, "dt_bias"},
-                                  {a.out.data, "out"},
-                                  {a.initial_state.data, "initial_state"},
-                                  {a.final_state.data, "final_state"},
-                                  {a.cu_seqlens.data, "cu_seqlens"},
-                                  {a.state_pool.data, "state_pool"},
-                                  {a.state_indices.data, "state_indices"},
-                                  {a.has_initial_state.data, "has_initial_state"},
-                                  {a.checkpoint_offsets.data, "checkpoint_offsets"},
-                                  {a.checkpoints.data, "checkpoints"},
-                                  {a.checkpoint_slots.data, "checkpoint_slots"}};
+  std::vector<Located> located = with_layer_pointers({{a.q.data, "q"},
+                                                      {a.k.data, "k"},
+                                                      {a.v.data, "v"},
+                                                      {a.g.data, "g"},
+                                                      {a.beta.data, "beta"},
+                                                      {a.A_log.data, "A_log"},
+                                                      {a.dt_bias.data, "dt_bias"},
+                                                      {a.out.data, "out"},
+                                                      {a.initial_state.data, "initial_state"},
+                                                      {a.final_state.data, "final_state"},
+                                                      {a.cu_seqlens.data, "cu_seqlens"},
+                                                      {a.state_pool.data, "state_pool"},
+                                                      {a.state_indices.data, "state_indices"},
+                                                      {a.has_initial_state.data, "has_initial_state"},
+                                                      {a.checkpoint_offsets.data, "checkpoint_offsets"},
+                                                      {a.checkpoints.data, "checkpoints"},
+                                                      {a.checkpoint_slots.data, "checkpoint_slots"}},
+                                                     a.layer);
   if (required > 0 && workspace != nullptr) located.push_back({workspace, "workspace"});
   // Where the tensors live before whether the workspace suffices: a tensor
   // in the wrong memory is the first thing a caller has to fix.
@@ -142,16 +178,17 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
 
 
   // The kernels move rows of 8 bf16 (or 4 f32) in 16-byte accesses.
-  check_gpu_rows(plan, {{&a.q, "q"},
-                        {&a.k, "k"},
-                        {&a.v, "v"},
-                        {&a.g, "g"},
-                        {&a.out, "out"},
-                        {&a.dt_bias, "dt_bias"},
-                        {&a.initial_state, "initial_state"},
-                        {&a.final_state, "final_state"},
-                        {&a.state_pool, "state_pool"},
-                        {&a.checkpoints, "checkpoints"}});
+  check_gpu_rows(plan, with_layer_rows({{&a.q, "q"},
+                                        {&a.k, "k"},
+                                        {&a.v, "v"},
+                                        {&a.g, "g"},
+                                        {&a.out, "out"},
+                                        {&a.dt_bias, "dt_bias"},
+                                        {&a.initial_state, "initial_state"},
+                                        {&a.final_state, "final_state"},
+                                        {&a.state_pool, "state_pool"},
+                                        {&a.checkpoints, "checkpoints"}},
+                                       a.layer));
 
   if (plan.backend == FKDA_BACKEND_CPU) {
     if (present(a.cu_seqlens)) check_cu_seqlens_contents(a.cu_seqlens, T);

@@ -6,6 +6,7 @@
 
 #include "cpu/cpu_backend.h"
 #include "cpu/cpu_chunks.h"
+#include "cpu/cpu_layer_step.h"
 
 #include <algorithm>
 #include <atomic>
@@ -18,6 +19,7 @@
 #include "checked_arith.h"
 #include "cpu/cpu_rounding.h"
 #include "flashkda.h"
+#include "layer_step.h"
 #include "prefill_params.h"
 
 namespace fkda::cpu {
@@ -733,8 +735,10 @@ void run_on_workers(size_t count, int64_t workers, const Run& run) {
 // One (sequence, head) pair of a decode call; tokens [begin, end) of `row`.
 // The token-by-token recurrence in f32 (docs/NUMERICS.md, "Decode").
 struct DecodeScratch {
-  std::vector<float> state, q, k, decay;
-  DecodeScratch(int K, int V) : state(size_t(V) * K), q(size_t(K)), k(size_t(K)), decay(size_t(K)) {}
+  std::vector<float> state, q, k, v, decay, out;
+  DecodeConvScratch conv;  // the layer step's convolution
+  DecodeScratch(int K, int V)
+      : state(size_t(V) * K), q(size_t(K)), k(size_t(K)), v(size_t(V)), decay(size_t(K)), out(size_t(V)), conv(K) {}
 };
 
 // Slot of column `column` of sequence n's indices ([N] views have one column).
@@ -742,15 +746,17 @@ int64_t decode_slot(const DecodeProblem& p, int64_t n, int64_t column) {
   return p.state_indices.at(n, p.indices_are_table ? column : 0);
 }
 
-// Unit vector of a bf16 row, times `factor`: x · factor / sqrt(Σx² + 1e-6), f32 (step 2's norm).
-void unit_row(const uint16_t* bits, int n, float factor, float* unit) {
+// A row of f32 values made a unit vector, times `factor`, in place:
+// x · factor / sqrt(Σx² + 1e-6), f32 (step 1's norm).
+void normalize(float* x, int n, float factor) {
   float sum = 0.f;
-  for (int c = 0; c < n; ++c) {
-    unit[c] = float_of_bf16(bits[c]);
-    sum += unit[c] * unit[c];
-  }
+  for (int c = 0; c < n; ++c) sum += x[c] * x[c];
   const float inverse_norm = 1.f / std::sqrt(sum + 1e-6f) * factor;
-  for (int c = 0; c < n; ++c) unit[c] *= inverse_norm;
+  for (int c = 0; c < n; ++c) x[c] *= inverse_norm;
+}
+
+void widen_row(const uint16_t* bits, int n, float* values) {
+  for (int c = 0; c < n; ++c) values[c] = float_of_bf16(bits[c]);
 }
 
 void decode_head(const DecodeProblem& p, const HeadTask& task, DecodeScratch& s) {
@@ -767,12 +773,24 @@ void decode_head(const DecodeProblem& p, const HeadTask& task, DecodeScratch& s)
     return;
   }
   read_state(pool_slot(p.pool, p.state_dtype, start, head_offset), p.state_layout, V, K, s.state.data());
+  const bool convolution = p.layer.has_conv();
+  if (convolution) convolve_decode_head(p, task.head, task.batch_row, task.begin, length, start, s.conv);
 
   const HeadGate gate = head_gate(p, task.head);
   for (int64_t t = 0; t < length; ++t) {
     const int64_t token = task.begin + t;
-    unit_row(token_row(p.q, task, token), K, p.scale, s.q.data());
-    unit_row(token_row(p.k, task, token), K, 1.f, s.k.data());
+    // The token's q, k and v: the bf16 inputs, or their convolution kept in f32.
+    if (convolution) {
+      std::copy(s.conv.row(0, t, K), s.conv.row(0, t, K) + K, s.q.begin());
+      std::copy(s.conv.row(1, t, K), s.conv.row(1, t, K) + K, s.k.begin());
+      std::copy(s.conv.row(2, t, K), s.conv.row(2, t, K) + V, s.v.begin());
+    } else {
+      widen_row(token_row(p.q, task, token), K, s.q.data());
+      widen_row(token_row(p.k, task, token), K, s.k.data());
+      widen_row(token_row(p.v, task, token), V, s.v.data());
+    }
+    normalize(s.q.data(), K, p.scale);
+    normalize(s.k.data(), K, 1.f);
     // The token's g, widened in place of the decays it becomes.
     read_row(p.g, p.gate.g_is_f32, task, token, K, s.decay.data());
     for (int c = 0; c < K; ++c) {
@@ -781,8 +799,6 @@ void decode_head(const DecodeProblem& p, const HeadTask& task, DecodeScratch& s)
     float beta = 0.f;
     read_row(p.beta, p.gate.beta_is_f32, task, token, 1, &beta);
     const float b = step_size(p.gate.beta_mode, beta);
-    const uint16_t* v = token_row(p.v, task, token);
-    uint16_t* out = out_row(p.out, task, token);
     for (int e = 0; e < V; ++e) {
       float* row = &s.state[size_t(e) * K];
       float predicted = 0.f;
@@ -790,14 +806,20 @@ void decode_head(const DecodeProblem& p, const HeadTask& task, DecodeScratch& s)
         row[c] *= s.decay[size_t(c)];
         predicted += row[c] * s.k[size_t(c)];
       }
-      const float correction = b * (float_of_bf16(v[e]) - predicted);
+      const float correction = b * (s.v[size_t(e)] - predicted);
       float output = 0.f;
       for (int c = 0; c < K; ++c) {
         row[c] += correction * s.k[size_t(c)];
         output += row[c] * s.q[size_t(c)];
       }
-      out[e] = bf16_bits_of(output);
+      s.out[size_t(e)] = output;
     }
+    // The output gate takes the f32 outputs; they are rounded once.
+    if (p.layer.has_out_gate()) {
+      gate_output_row(p.layer, out_gate_row(p.layer, task.batch_row, token, task.head), V, s.out.data());
+    }
+    uint16_t* out = out_row(p.out, task, token);
+    for (int e = 0; e < V; ++e) out[e] = bf16_bits_of(s.out[size_t(e)]);
     // A slot table keeps the state after every token (null columns excepted).
     if (p.indices_are_table) {
       const int64_t slot = decode_slot(p, n, t);
@@ -874,12 +896,10 @@ int64_t fwd_workers(const PrefillProblem& problem, size_t workspace_bytes) {
   return std::max<int64_t>(1, std::min(wanted, affordable));
 }
 
-void fwd(const PrefillProblem& problem, const Tuning& tuning, void* workspace, size_t workspace_bytes) {
-  // Without tokens a call only carries states over; with no state to write
-  // it has no effect at all, however many sequences q's empty batch claims.
-  if (problem.batch * problem.seq_len == 0 && problem.final_state == nullptr && problem.pool.data == nullptr) {
-    return;
-  }
+namespace {
+
+// The recurrence of fkda_fwd on q, k and v as the problem holds them.
+void fwd_recurrence(const PrefillProblem& problem, const Tuning& tuning, void* workspace, size_t workspace_bytes) {
   if (use_chunk_parallel(tuning)) {
     fwd_chunk_parallel(problem, tuning, workspace, workspace_bytes);
     return;
@@ -897,6 +917,34 @@ void fwd(const PrefillProblem& problem, const Tuning& tuning, void* workspace, s
   }
   run_on_workers(tasks.size(), workers,
                  [&](int64_t worker, size_t t) { run_head(problem, tasks[t], scratch[size_t(worker)]); });
+}
+
+}  // namespace
+
+// Plans with layer_step keep the staging area at the front of the
+// workspace whether or not the call convolves; the recurrence's scratch
+// follows it. With the convolution the recurrence reads the staged, bf16
+// q, k and v; the output gate then rewrites the bf16 output rows.
+void fwd(const PrefillProblem& problem, const Tuning& tuning, void* workspace, size_t workspace_bytes) {
+  // Without tokens a call only carries states over; with no state to write
+  // it has no effect at all, however many sequences q's empty batch claims.
+  if (problem.batch * problem.seq_len == 0 && problem.final_state == nullptr && problem.pool.data == nullptr) {
+    return;
+  }
+  if (problem.conv_staging_bytes == 0) {
+    fwd_recurrence(problem, tuning, workspace, workspace_bytes);
+  } else {
+    const ConvStaging staging = conv_staging(problem, workspace, workspace_bytes);
+    PrefillProblem staged = problem;
+    if (problem.layer.has_conv()) {
+      convolve_prefill(problem, staging);
+      staged.q = staging.view_of(staging.q);
+      staged.k = staging.view_of(staging.k);
+      staged.v = staging.view_of(staging.v);
+    }
+    fwd_recurrence(staged, tuning, staging.rest, staging.rest_bytes);
+  }
+  if (problem.layer.has_out_gate()) gate_prefill_output(problem);
 }
 
 void decode(const DecodeProblem& problem) {

@@ -28,7 +28,9 @@ int64_t prefill_workers(int64_t total_tokens, int64_t num_seqs, int32_t num_head
 int64_t fwd_workers(const PrefillProblem& problem, size_t workspace_bytes);
 
 // Runs the forward pass on host memory with its scratch in `workspace`
-// (16-byte aligned, at least workspace_size() bytes: checked by the caller).
+// (16-byte aligned, at least workspace_size() bytes: checked by the caller;
+// on plans with layer_step the convolved q, k and v come first, then the
+// scratch), and the problem's layer step around it (cpu_layer_step.h).
 // The problem has been validated, cu_seqlens contents included. May use
 // several threads.
 void fwd(const PrefillProblem& problem, const Tuning& tuning, void* workspace, size_t workspace_bytes);
@@ -42,7 +44,8 @@ void transitions(const TransitionProblem& problem, void* workspace, size_t works
 void apply_transitions(const ApplyProblem& problem);
 
 // Runs the decode step on host memory, the token-by-token recurrence on the
-// pool's states in place. Indices, counts and offsets have been validated.
+// pool's states in place, with the problem's layer step around it.
+// Indices, counts and offsets have been validated.
 void decode(const DecodeProblem& problem);
 
 }  // namespace fkda::cpu

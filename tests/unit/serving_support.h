@@ -33,6 +33,9 @@ struct PlanOptions {
   int32_t debug_checks = 0;
   int32_t gate_mode = FKDA_GATE_BOUNDED;  // at lower_bound -5
   int32_t beta_mode = FKDA_BETA_LOGITS;
+  int32_t layer_step = 0;  // 1: fkda_fwd may take the layer step's convolution
+  int32_t chunk_parallel = FKDA_CHUNK_PARALLEL_AUTO;
+  int64_t segment_chunks = 0;
 };
 
 class CpuPlan {
@@ -61,6 +64,9 @@ class CpuPlan {
     d.debug_checks = o.debug_checks;
     d.gate_mode = o.gate_mode;
     d.beta_mode = o.beta_mode;
+    d.layer_step = o.layer_step;
+    d.chunk_parallel = o.chunk_parallel;
+    d.segment_chunks = o.segment_chunks;
     return d;
   }
   fkda_ref::Plan plan_;
@@ -133,6 +139,21 @@ struct Pool {
     }
     return all;
   }
+};
+
+// States in a dtype, contiguous [N, H, V, K], from f32 values.
+struct States {
+  fkda_dtype dtype;
+  std::vector<float> f32;
+  std::vector<uint16_t> bf16;
+  States(fkda_dtype d, const std::vector<float>& values) : dtype(d) {
+    if (d == FKDA_DTYPE_BF16)
+      for (float x : values) bf16.push_back(to_bf16(x));
+    else
+      f32 = values;
+  }
+  void* data() { return dtype == FKDA_DTYPE_BF16 ? static_cast<void*>(bf16.data()) : f32.data(); }
+  std::vector<float> values() const { return dtype == FKDA_DTYPE_BF16 ? bf16_to_float(bf16) : f32; }
 };
 
 // Bytes that differ between `before` and `after` outside the slots in

@@ -112,21 +112,6 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-// States in a dtype, contiguous [N, H, V, K], from f32 values.
-struct States {
-  fkda_dtype dtype;
-  std::vector<float> f32;
-  std::vector<uint16_t> bf16;
-  States(fkda_dtype d, const std::vector<float>& values) : dtype(d) {
-    if (d == FKDA_DTYPE_BF16)
-      for (float x : values) bf16.push_back(to_bf16(x));
-    else
-      f32 = values;
-  }
-  void* data() { return dtype == FKDA_DTYPE_BF16 ? static_cast<void*>(bf16.data()) : f32.data(); }
-  std::vector<float> values() const { return dtype == FKDA_DTYPE_BF16 ? bf16_to_float(bf16) : f32; }
-};
-
 double state_tolerance(fkda_dtype dtype, double f32_tolerance) {
   return dtype == FKDA_DTYPE_BF16 ? kStateBf16 : f32_tolerance;
 }

@@ -18,6 +18,7 @@
 
 #include "flashkda.h"
 #include "kda_reference.h"
+#include "layer_support.h"
 #include "serving_support.h"
 
 namespace {
@@ -30,8 +31,26 @@ Problem random_inputs(ProblemShape shape, uint64_t seed) {
   return random_problem(shape, seed);
 }
 
+// The layer step the fixtures can add: a convolution of width 3 with
+// biases and f32 conv states of width 3, and the output gate.
+layer::LayerConfig full_layer_step() {
+  layer::LayerConfig c;
+  c.width = 3;
+  c.state_width = 3;
+  c.bias = true;
+  c.out_gate = true;
+  return c;
+}
+
+PlanOptions with_layer_step() {
+  PlanOptions o;
+  o.layer_step = 1;
+  return o;
+}
+
 // A valid prefill by slot: sequences of 20, 40 and 16 tokens on slots 1, 4
-// and 6 with checkpoints into slots 2, 3, 5 and 7 (or into a tensor).
+// and 6 with checkpoints into slots 2, 3, 5 and 7 (or into a tensor); with
+// the layer step, conv states in the rows of the pool's 8 slots.
 struct PrefillFixture {
   Problem p;
   Pool pool{8, 1, FKDA_DTYPE_F32, 3};
@@ -41,6 +60,7 @@ struct PrefillFixture {
   std::vector<int64_t> offsets = {16, -1, 16, 32, 16, -1};  // [3, 2]
   std::vector<int32_t> checkpoint_slots = {2, -1, 3, 5, 7, -1};
   std::vector<float> checkpoints, initial_state, final_state;
+  layer::LayerBuffers layer{full_layer_step(), 1, 1, 76, 8, 301};
 
   PrefillFixture() {
     ProblemShape shape;
@@ -68,6 +88,11 @@ struct PrefillFixture {
     a.checkpoint_slots = tensor(checkpoint_slots.data(), FKDA_DTYPE_I32, {3, 2});
     return a;
   }
+  fkda_fwd_args by_slot_with_layer() {
+    fkda_fwd_args a = by_slot();
+    a.layer = layer.tensors();
+    return a;
+  }
   // Contiguous states, checkpoints into a tensor.
   fkda_fwd_args contiguous() {
     fkda_fwd_args a = common();
@@ -79,10 +104,12 @@ struct PrefillFixture {
 };
 
 // A valid decode: four packed sequences of 1, 3, 4 and 16 tokens (or three
-// batched rows of 2), on [N] slots or an [N, 16] table with accepted counts.
+// batched rows of 2), on [N] slots or an [N, 16] table with accepted counts;
+// with the layer step, conv states in the rows of the pool's 24 slots.
 struct DecodeFixture {
   Problem p;
   Pool pool{24, 1, FKDA_DTYPE_F32, 4};
+  layer::LayerBuffers layer{full_layer_step(), 1, 1, 24, 24, 302};
   std::vector<uint16_t> out;
   std::vector<int32_t> cu = {0, 1, 4, 8, 24};
   std::vector<int64_t> slots = {3, 0, 7, 2};
@@ -105,6 +132,11 @@ struct DecodeFixture {
     a.cu_seqlens = tensor(cu.data(), FKDA_DTYPE_I32, {5});
     a.state_pool = pool.tensor();
     a.state_indices = tensor(slots.data(), FKDA_DTYPE_I64, {4});
+    return a;
+  }
+  fkda_decode_args packed_with_layer() {
+    fkda_decode_args a = packed();
+    a.layer = layer.tensors();
     return a;
   }
   fkda_decode_args speculative() {
@@ -130,6 +162,7 @@ struct BadCall {
   std::function<Args(Fixture&)> valid;
   std::function<void(Args&, Fixture&)> break_it;
   const char* message_start;
+  fkda_status status = FKDA_ERROR_INVALID_ARGUMENT;
 };
 
 using BadPrefill = BadCall<fkda_fwd_args, PrefillFixture>;
@@ -140,6 +173,8 @@ const auto kContiguous = [](PrefillFixture& f) { return f.contiguous(); };
 const auto kPacked = [](DecodeFixture& f) { return f.packed(); };
 const auto kSpeculative = [](DecodeFixture& f) { return f.speculative(); };
 const auto kBatched = [](DecodeFixture& f) { return f.batched(3, 2); };
+const auto kBySlotWithLayer = [](PrefillFixture& f) { return f.by_slot_with_layer(); };
+const auto kPackedWithLayer = [](DecodeFixture& f) { return f.packed_with_layer(); };
 
 std::vector<BadPrefill> bad_prefill_calls() {
   using A = fkda_fwd_args;
@@ -236,12 +271,83 @@ void check_bad_calls(const std::vector<BadCall<Args, Fixture>>& calls, const Run
       REQUIRE(run(args) == FKDA_SUCCESS);  // the unbroken call is valid
       std::fill(fixture.out.begin(), fixture.out.end(), kPoisonBf16);
       const Pool before = fixture.pool;
+      const layer::LayerBuffers layer_before = fixture.layer;
       bad.break_it(args, fixture);
-      expect_invalid(run(args), bad.message_start);
+      check_failure(run(args), bad.status, bad.message_start);
       CHECK(inspect_rows(fixture.out, 1, {}).poisoned == fixture.out.size());
       CHECK(bytes_changed_outside(before, fixture.pool, {}) == 0);
+      CHECK(fixture.layer.conv_bytes_changed_outside(layer_before, {}) == 0);
     }
   }
+}
+
+// Each of the layer step's arguments broken in turn (flashkda.h, "The layer
+// step around the recurrence"); the fixtures' buffers hold W = 3, Wc = 3.
+std::vector<BadPrefill> bad_layer_prefill_calls() {
+  using A = fkda_fwd_args;
+  using F = PrefillFixture;
+  const auto L = kBySlotWithLayer;
+  return {
+      {"reserved not zero", L, [](A& a, F&) { a.layer.reserved = 1; }, "layer.reserved: must be 0, got 1"},
+      {"conv_weight_k missing", L, [](A& a, F&) { a.layer.conv_weight_k = FKDA_TENSOR_NONE; }, "layer.conv_weight_k: required tensor is missing (data NULL, rank 0): the convolution's weights come all three or none, and layer.conv_weight_q is given"},
+      {"conv_weight_q missing", L, [](A& a, F&) { a.layer.conv_weight_q = FKDA_TENSOR_NONE; }, "layer.conv_weight_q: required tensor is missing (data NULL, rank 0): the convolution's weights come all three or none, and layer.conv_weight_k is given"},
+      {"biases without weights", L, [](A& a, F&) { a.layer.conv_weight_q = a.layer.conv_weight_k = a.layer.conv_weight_v = FKDA_TENSOR_NONE; }, "layer.conv_bias_q: given without the convolution"},
+      {"a conv state without weights", L, [](A& a, F&) { a.layer.conv_weight_q = a.layer.conv_weight_k = a.layer.conv_weight_v = a.layer.conv_bias_q = a.layer.conv_bias_k = a.layer.conv_bias_v = a.layer.conv_state_q = a.layer.conv_state_v = FKDA_TENSOR_NONE; }, "layer.conv_state_k: given without the convolution"},
+      {"conv weights of width 5", L, [](A& a, F&) { a.layer.conv_weight_q.shape[1] = 5; }, "layer.conv_weight_q: expected a width W of 2, 3 or 4 on axis 1, got shape [128, 5]"},
+      {"conv weights of width 1", L, [](A& a, F&) { a.layer.conv_weight_q.shape[1] = 1; }, "layer.conv_weight_q: expected a width W of 2, 3 or 4 on axis 1, got shape [128, 1]"},
+      {"conv weights of two heads", L, [](A& a, F&) { a.layer.conv_weight_q.shape[0] = 256; }, "layer.conv_weight_q: expected shape [128, *], got [256, 3]"},
+      {"conv weights [H*K, 1, W] not viewed as [H*K, W]", L, [](A& a, F&) { auto& w = a.layer.conv_weight_q; w.rank = 3; w.shape[2] = w.shape[1]; w.shape[1] = 1; w.strides[2] = 1; }, "layer.conv_weight_q: expected rank 2, got 3"},
+      {"conv weights f16", L, [](A& a, F&) { a.layer.conv_weight_q.dtype = FKDA_DTYPE_F16; }, "layer.conv_weight_q: expected dtype bf16 or f32, got f16"},
+      {"conv_weight_v f32 beside bf16", L, [](A& a, F&) { a.layer.conv_weight_v.dtype = FKDA_DTYPE_F32; }, "layer.conv_weight_v: expected dtype bf16 (layer.conv_weight_q's), got f32"},
+      {"conv_weight_k of another width", L, [](A& a, F&) { a.layer.conv_weight_k.shape[1] = 2; }, "layer.conv_weight_k: expected shape [128, 3], got [128, 2]"},
+      {"conv weights with a negative stride", L, [](A& a, F&) { a.layer.conv_weight_q.strides[0] = -3; }, "layer.conv_weight_q: negative strides are not supported"},
+      {"conv weight data NULL", L, [](A& a, F&) { a.layer.conv_weight_v.data = nullptr; }, "layer.conv_weight_v: data is NULL"},
+      {"conv_bias_k missing", L, [](A& a, F&) { a.layer.conv_bias_k = FKDA_TENSOR_NONE; }, "layer.conv_bias_k: required tensor is missing (data NULL, rank 0): the biases come all three or none"},
+      {"conv_bias_q f32 with bf16 weights", L, [](A& a, F&) { a.layer.conv_bias_q.dtype = FKDA_DTYPE_F32; }, "layer.conv_bias_q: expected dtype bf16 (the conv weights'), got f32"},
+      {"conv_bias_v of 64 channels", L, [](A& a, F&) { a.layer.conv_bias_v.shape[0] = 64; }, "layer.conv_bias_v: expected shape [128], got [64]"},
+      {"conv_state_v missing", L, [](A& a, F&) { a.layer.conv_state_v = FKDA_TENSOR_NONE; }, "layer.conv_state_v: required tensor is missing (data NULL, rank 0): the conv states come all three or none"},
+      {"conv states of N rows with state_indices", L, [](A& a, F&) { a.layer.conv_state_q.shape[0] = 3; }, "layer.conv_state_q: expected 8 rows on axis 0 (the pool's slots, as the call takes state_indices), got shape [3, 128, 3]"},
+      {"conv states of width 1 for W 3", L, [](A& a, F&) { a.layer.conv_state_q.shape[2] = 1; }, "layer.conv_state_q: expected a width of W - 1 = 2 or W = 3 on axis 2"},
+      {"conv_state_k bf16 beside f32", L, [](A& a, F&) { a.layer.conv_state_k.dtype = FKDA_DTYPE_BF16; }, "layer.conv_state_k: expected dtype f32 (layer.conv_state_q's), got bf16"},
+      {"conv_state_k of another width", L, [](A& a, F&) { a.layer.conv_state_k.shape[2] = 2; }, "layer.conv_state_k: expected shape [8, 128, 3], got [8, 128, 2]"},
+      {"conv states i64", L, [](A& a, F&) { a.layer.conv_state_q.dtype = FKDA_DTYPE_I64; }, "layer.conv_state_q: expected dtype bf16 or f32, got i64"},
+      {"conv state columns on one address", L, [](A& a, F&) { a.layer.conv_state_q.strides[2] = 0; }, "layer.conv_state_q: strides"},
+      {"conv_state_k over conv_state_q", L, [](A& a, F&) { a.layer.conv_state_k.data = a.layer.conv_state_q.data; }, "layer.conv_state_k: overlaps layer.conv_state_q"},
+      {"conv state over out", L, [](A& a, F&) { a.layer.conv_state_q.data = a.out.data; }, "layer.conv_state_q: overlaps out"},
+      {"conv state over the pool", L, [](A& a, F&) { a.layer.conv_state_v.data = a.state_pool.data; }, "layer.conv_state_v: overlaps state_pool"},
+      {"conv weights over a conv state", L, [](A& a, F&) { a.layer.conv_weight_q.data = a.layer.conv_state_v.data; }, "layer.conv_state_v: overlaps layer.conv_weight_q"},
+      {"conv states with checkpoint_slots but no state_indices", L, [](A& a, F&) { a.state_indices = a.has_initial_state = FKDA_TENSOR_NONE; }, "layer.conv_state_q: checkpoint_slots write conv states into rows of the pool"},
+      {"out_gate f32", L, [](A& a, F&) { a.layer.out_gate.dtype = FKDA_DTYPE_F32; }, "layer.out_gate: expected dtype bf16, got f32"},
+      {"out_gate of another length", L, [](A& a, F&) { a.layer.out_gate.shape[1] = 75; }, "layer.out_gate: expected shape [1, 76, 1, 128], got [1, 75, 1, 128]"},
+      {"out_gate rows strided", L, [](A& a, F&) { a.layer.out_gate.strides[3] = 2; }, "layer.out_gate: the last axis must be contiguous"},
+      {"out_gate over out", L, [](A& a, F&) { a.layer.out_gate.data = a.out.data; }, "out: overlaps layer.out_gate"},
+      {"out_norm_weight missing", L, [](A& a, F&) { a.layer.out_norm_weight = FKDA_TENSOR_NONE; }, "layer.out_norm_weight: required tensor is missing (data NULL, rank 0): layer.out_gate is given"},
+      {"out_norm_weight without out_gate", L, [](A& a, F&) { a.layer.out_gate = FKDA_TENSOR_NONE; }, "layer.out_norm_weight: given without layer.out_gate"},
+      {"out_norm_weight of 64", L, [](A& a, F&) { a.layer.out_norm_weight.shape[0] = 64; }, "layer.out_norm_weight: expected shape [128], got [64]"},
+      {"out_norm_weight i32", L, [](A& a, F&) { a.layer.out_norm_weight.dtype = FKDA_DTYPE_I32; }, "layer.out_norm_weight: expected dtype bf16 or f32, got i32"},
+      {"out_norm_eps 0", L, [](A& a, F&) { a.layer.out_norm_eps = 0.f; }, "layer.out_norm_eps: must be finite and > 0, got 0"},
+      {"out_norm_eps negative", L, [](A& a, F&) { a.layer.out_norm_eps = -1e-5f; }, "layer.out_norm_eps: must be finite and > 0, got -0"},
+      {"out_norm_eps NaN", L, [](A& a, F&) { a.layer.out_norm_eps = std::numeric_limits<float>::quiet_NaN(); }, "layer.out_norm_eps: must be finite and > 0, got nan"},
+      {"out_norm_eps infinite", L, [](A& a, F&) { a.layer.out_norm_eps = std::numeric_limits<float>::infinity(); }, "layer.out_norm_eps: must be finite and > 0, got inf"},
+  };
+}
+
+std::vector<BadDecode> bad_layer_decode_calls() {
+  using A = fkda_decode_args;
+  using F = DecodeFixture;
+  const auto L = kPackedWithLayer;
+  return {
+      {"the convolution with a slot table", L, [](A& a, F& f) { a.state_indices = f.speculative().state_indices; a.num_accepted_tokens = f.speculative().num_accepted_tokens; }, "layer.conv_weight_q: fkda_decode with an [N, W] slot table (speculative verify) takes no convolution", FKDA_ERROR_UNSUPPORTED},
+      {"conv states of N rows", L, [](A& a, F&) { a.layer.conv_state_q.shape[0] = 4; }, "layer.conv_state_q: expected 24 rows on axis 0 (the pool's slots), got shape [4, 128, 3]"},
+      {"conv state over the pool", L, [](A& a, F&) { a.layer.conv_state_k.data = a.state_pool.data; }, "layer.conv_state_k: overlaps state_pool"},
+      {"out inside a conv state", L, [](A& a, F&) { a.out.data = a.layer.conv_state_q.data; }, "layer.conv_state_q: overlaps out"},
+      {"conv_weight_q alone", L, [](A& a, F&) { a.layer.conv_weight_k = a.layer.conv_weight_v = FKDA_TENSOR_NONE; }, "layer.conv_weight_k: required tensor is missing"},
+      {"reserved not zero", L, [](A& a, F&) { a.layer.reserved = -1; }, "layer.reserved: must be 0, got -1"},
+      {"out_gate of another length", L, [](A& a, F&) { a.layer.out_gate.shape[1] = 23; }, "layer.out_gate: expected shape [1, 24, 1, 128], got [1, 23, 1, 128]"},
+      {"out_norm_weight missing", L, [](A& a, F&) { a.layer.out_norm_weight = FKDA_TENSOR_NONE; }, "layer.out_norm_weight: required tensor is missing"},
+      {"out_norm_eps infinite", L, [](A& a, F&) { a.layer.out_norm_eps = std::numeric_limits<float>::infinity(); }, "layer.out_norm_eps: must be finite and > 0, got inf"},
+      {"out_gate over the pool", L, [](A& a, F&) { a.layer.out_gate.data = a.state_pool.data; }, "state_pool: overlaps layer.out_gate"},
+  };
 }
 
 }  // namespace
@@ -254,6 +360,59 @@ TEST_CASE("bad serving arguments of fkda_fwd are rejected with a message naming 
 TEST_CASE("bad fkda_decode calls are rejected with a message naming the argument", "[validation][serving]") {
   CpuPlan plan(1);
   check_bad_calls(bad_decode_calls(), [&](const fkda_decode_args& a) { return plan.decode(a); });
+}
+
+TEST_CASE("bad layer step arguments of fkda_fwd are rejected with a message naming them", "[validation][layer]") {
+  CpuPlan plan(1, with_layer_step());
+  check_bad_calls(bad_layer_prefill_calls(), [&](const fkda_fwd_args& a) { return plan.fwd(a); });
+}
+
+TEST_CASE("bad layer step arguments of fkda_decode are rejected with a message naming them", "[validation][layer]") {
+  CpuPlan plan(1);
+  check_bad_calls(bad_layer_decode_calls(), [&](const fkda_decode_args& a) { return plan.decode(a); });
+}
+
+TEST_CASE("the layer step: what each call takes", "[validation][layer]") {
+  SECTION("fkda_fwd's convolution needs a plan created with layer_step = 1; its output gate does not") {
+    CpuPlan plain(1);
+    PrefillFixture f;
+    const layer::LayerBuffers before = f.layer;
+    expect_invalid(plain.fwd(f.by_slot_with_layer()),
+                   "layer.conv_weight_q: the convolution needs a plan created with layer_step = 1");
+    CHECK(inspect_rows(f.out, 1, {}).poisoned == f.out.size());
+    CHECK(f.layer.conv_bytes_changed_outside(before, {}) == 0);
+    fkda_fwd_args gate_only = f.by_slot();
+    gate_only.layer.out_gate = f.layer.gate.tensor();
+    gate_only.layer.out_norm_weight = f.layer.norm_weight.tensor();
+    FKDA_REQUIRE(plain.fwd(gate_only));
+  }
+  SECTION("fkda_decode takes the convolution on any plan, and the output gate with a slot table") {
+    CpuPlan plain(1);
+    DecodeFixture f;
+    FKDA_REQUIRE(plain.decode(f.packed_with_layer()));
+    fkda_decode_args gated = f.speculative();
+    gated.layer.out_gate = f.layer.gate.tensor();
+    gated.layer.out_norm_weight = f.layer.norm_weight.tensor();
+    FKDA_REQUIRE(plain.decode(gated));
+  }
+  SECTION("contiguous states: the conv states have one row per sequence") {
+    CpuPlan plan(1, with_layer_step());
+    PrefillFixture f;
+    fkda_fwd_args a = f.contiguous();
+    a.layer = f.layer.tensors();
+    for (fkda_tensor* t : {&a.layer.conv_state_q, &a.layer.conv_state_k, &a.layer.conv_state_v}) t->shape[0] = 3;
+    FKDA_REQUIRE(plan.fwd(a));
+    a.layer.conv_state_q.shape[0] = 8;
+    expect_invalid(plan.fwd(a), "layer.conv_state_q: expected 3 rows on axis 0 (one per sequence, as the call takes no state_indices), got shape [8, 128, 3]");
+  }
+  SECTION("an older caller's struct has no layer step") {
+    CpuPlan plan(1, with_layer_step());
+    PrefillFixture f;
+    fkda_fwd_args a = f.by_slot_with_layer();
+    a.struct_size = 1920;  // 0.2's size: the layer step's bytes are not read
+    a.layer.reserved = 7;
+    FKDA_REQUIRE(plan.fwd(a));
+  }
 }
 
 TEST_CASE("null indices are padding, not errors, under either rule", "[validation][serving]") {

@@ -1,0 +1,46 @@
+/* SPDX-License-Identifier: MIT */
+// The checks of fkda_layer_step (flashkda.h, "The layer step around the
+// recurrence"), one set for fkda_fwd and fkda_decode: each call says what
+// it allows and which rows its conv states have, and adds the layer's
+// tensors to its own memory, residency and GPU row checks.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flashkda.h"
+#include "plan.h"
+#include "prefill_problem.h"
+#include "validate_checks.h"
+
+namespace fkda::checks {
+
+// What the layer step's checks need to know of the call around it.
+struct LayerCall {
+  int64_t batch = 0, tokens = 0;  // B and T of q
+  // Rows of the conv states, and what they are for messages ("the pool's
+  // slots, as the call takes state_indices", "one per sequence").
+  int64_t conv_state_rows = 0;
+  std::string rows_are;
+  // A call that cannot take the convolution: the status and why, refused
+  // naming layer.conv_weight_q (FKDA_SUCCESS: the convolution is allowed).
+  fkda_status conv_refusal = FKDA_SUCCESS;
+  std::string conv_refusal_reason;
+  // A call that cannot take conv states (refused naming layer.conv_state_q); empty: allowed.
+  std::string conv_state_refusal;
+};
+
+// Checks every field of `layer` (absent parts pass) and returns it as the
+// backends read it.
+LayerStep check_layer_step(const Plan& plan, const fkda_layer_step& layer, const LayerCall& call);
+
+// The call's own operands, pointers and GPU rows followed by the layer's:
+// for check_no_shared_memory (the conv states written, the rest read),
+// check_residency and check_gpu_rows (out_gate, whose rows the kernels move
+// like v's).
+std::vector<Operand> with_layer_operands(std::vector<Operand> operands, const fkda_layer_step& layer);
+std::vector<Located> with_layer_pointers(std::vector<Located> pointers, const fkda_layer_step& layer);
+std::vector<Named> with_layer_rows(std::vector<Named> tensors, const fkda_layer_step& layer);
+
+}  // namespace fkda::checks
