@@ -197,11 +197,6 @@ LayerStep check_layer_step(const Plan& plan, const fkda_layer_step& layer, const
   if (layer.reserved != 0) invalid("layer.reserved: must be 0, got " + str(layer.reserved));
   const ConvWidths widths = check_convolution(plan, layer, call);
   check_output_gate(plan, layer, call);
-  // The GPU backend does not read the layer step yet: refused, never ignored.
-  if (plan.backend == FKDA_BACKEND_GPU && (widths.width > 0 || present(layer.out_gate))) {
-    fail(FKDA_ERROR_UNSUPPORTED, std::string(widths.width > 0 ? "layer.conv_weight_q" : "layer.out_gate") +
-                                     ": GPU plans do not run the layer step yet (CPU plans do)");
-  }
 
   LayerStep step;
   if (widths.width > 0) {
