@@ -25,8 +25,9 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 
 # fkda_fwd rounds the convolved q, k and v to bf16 and gates the bf16 output
 # of the recurrence; the fp64 step rounds nothing. fkda_decode stays in f32.
-FWD_TOLERANCE = 1.2e-2
-DECODE_TOLERANCE = 6e-3
+FWD_TOLERANCE = 8e-3
+DECODE_TOLERANCE = 5e-3
+DECODE_POOL_TOLERANCE = 1e-5
 
 
 # ------------------------------------------------------- the fp64 step ---
@@ -279,7 +280,7 @@ def test_decode_layer_step_matches_the_fp64_step(rng, case, state_dtype):
                     problem.out, problem.A_log, problem.dt_bias, problem.lower_bound, pool,
                     slots, cu_seqlens=problem.cu_seqlens, **layer.keywords())
     assert_close("out", flashkda.from_bf16(problem.out), out, DECODE_TOLERANCE)
-    assert_close("state_pool", pool, expected_pool, DECODE_TOLERANCE)
+    assert_close("state_pool", pool, expected_pool, DECODE_POOL_TOLERANCE)
     assert_conv_states(layer, expected_conv)
 
 
@@ -320,19 +321,27 @@ def test_prefill_then_decode_carries_the_conv_state(rng):
 # ------------------------------------------------ packed and per-projection ---
 
 
-def packed(layer):
+def packed(layer, states=True):
     """The layer's weights as torch's [3*H*K, 1, W], biases [3*H*K] and conv
-    states [rows, 3*H*K, Wc], the packed forms flashkda splits."""
+    states [rows, 3*H*K, Wc] (or the three arrays), the packed forms flashkda
+    splits."""
     return dict(conv_weight=np.concatenate(layer.weights)[:, None, :],
                 conv_bias=np.concatenate(layer.biases),
-                conv_state=np.concatenate(layer.states, axis=1),
+                conv_state=(np.concatenate(layer.states, axis=1) if states
+                            else tuple(s.copy() for s in layer.states)),
                 out_gate=layer.gate, out_norm_weight=layer.norm_weight)
 
 
-def test_packed_and_per_projection_forms_give_identical_results(rng):
-    problem = make_problem(rng, seq_lens=[9, 26], heads=2)
-    layer = Layer(rng, 2, 2, batch=1, seq_len=problem.q.shape[1])
-    packed_keywords = packed(layer)
+@pytest.mark.parametrize("seq_lens", [[35], [9, 26]], ids=["one_row", "two_rows"])
+def test_packed_and_per_projection_forms_give_identical_results(rng, seq_lens):
+    """Packed weights and biases, and q, k and v as views into one buffer of
+    projections. A packed conv state's three views interleave, so the spans
+    (first to last byte) of the written states overlap unless it has one
+    row: with more rows the states stay three arrays."""
+    problem = make_problem(rng, seq_lens=seq_lens, heads=2)
+    rows = len(seq_lens)
+    layer = Layer(rng, 2, rows, batch=1, seq_len=problem.q.shape[1])
+    packed_keywords = packed(layer, states=rows == 1)
     # q, k and v as views into one [1, T, 3*H*K] buffer of projections.
     projections = np.concatenate([x.reshape(1, x.shape[1], -1)
                                   for x in (problem.q, problem.k, problem.v)], axis=2)
@@ -348,15 +357,17 @@ def test_packed_and_per_projection_forms_give_identical_results(rng):
     flashkda.fwd(**arguments, lower_bound=problem.lower_bound, **packed_keywords)
     np.testing.assert_array_equal(problem.out, separate[0])
     np.testing.assert_array_equal(problem.final_state, separate[1])
-    channels_of = np.split(packed_keywords["conv_state"], 3, axis=1)
-    for name, state, expected in zip("qkv", channels_of, separate[2]):
+    states = packed_keywords["conv_state"]
+    if rows == 1:
+        states = np.split(states, 3, axis=1)
+    for name, state, expected in zip("qkv", states, separate[2]):
         np.testing.assert_array_equal(state, expected, err_msg=f"conv_state {name}")
 
 
 def test_torch_tensors_packed_and_per_projection(rng):
-    problem = make_problem(rng, batch=2, seq_len=17, heads=2, with_initial_state=False)
-    layer = Layer(rng, 2, 2, dtype=np.uint16, state_dtype=np.uint16, norm_dtype=np.uint16,
-                  batch=2, seq_len=17)
+    problem = make_problem(rng, batch=1, seq_len=33, heads=2, with_initial_state=False)
+    layer = Layer(rng, 2, 1, dtype=np.uint16, state_dtype=np.uint16, norm_dtype=np.uint16,
+                  batch=1, seq_len=33)
     as_torch = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) \
         if a.dtype == np.uint16 else torch.from_numpy(a)  # noqa: E731
     inputs = {n: as_torch(getattr(problem, n).copy()) for n in ("q", "k", "v", "g", "beta")}
@@ -437,7 +448,7 @@ def test_opcheck_decode_with_a_layer_step(rng):
                   state_pool=torch.randn(4, 2, HEAD_DIM, HEAD_DIM) * 0.1,
                   state_indices=torch.tensor([2, -1, 0]),
                   conv_weight=[torch.cat([tensor(w) for w in layer.weights]).unsqueeze(1)],
-                  conv_state=[torch.cat([tensor(s) for s in layer.states], dim=1)],
+                  conv_state=[tensor(s) for s in layer.states],
                   out_gate=tensor(layer.gate), out_norm_weight=tensor(layer.norm_weight))
     torch.library.opcheck(torch.ops.flashkda.decode.default, (), kwargs)
 
