@@ -11,7 +11,10 @@ views (no copy, so states are still updated in place):
     conv_bias    [3*H*K]                                 channels on axis 0
     conv_state   [rows, 3*H*K, Wc]                       channels on axis 1
 
-A weight of three arrays may be [H*K, 1, W] each too.
+A weight of three arrays may be [H*K, 1, W] each too. The three views of a
+packed conv state interleave: with more than one row their spans (first to
+last byte) overlap, which the library refuses for arguments a call writes,
+so pools of several rows pass three arrays.
 """
 
 from ._abi import LAYER_TENSOR_FIELDS
