@@ -555,3 +555,57 @@ def test_the_layer_step_keys_the_argument_blocks(rng, block_builds):
         flashkda.fwd(**arguments, out_norm_eps=eps)
     assert len(block_builds) == 2
     assert [b.args.layer.out_norm_eps for b in block_builds] == pytest.approx([1e-5, 1e-3])
+
+
+def test_prepared_launches_take_the_layer_step(rng):
+    problem, layer = fwd_problem(rng, "batched_f32_bias_states")
+    states_before = [s.copy() for s in layer.states]
+    flashkda.fwd(**problem.arguments(), lower_bound=problem.lower_bound, **layer.keywords())
+    expected_out, expected_states = problem.out.copy(), [s.copy() for s in layer.states]
+    problem.poison_outputs()
+    for state, before in zip(layer.states, states_before):
+        state[...] = before
+    with flashkda.Plan(2, backend="cpu", lower_bound=problem.lower_bound,
+                       layer_step=True) as plan:
+        launch = plan.prepare(**problem.arguments(), **layer.keywords(), out_norm_eps=1e-5)
+        launch()
+    np.testing.assert_array_equal(problem.out, expected_out)
+    for state, expected in zip(layer.states, expected_states):
+        np.testing.assert_array_equal(state, expected)
+
+
+def test_decode_with_conv_states_compiles_without_graph_break(rng):
+    from torch._dynamo.utils import counters
+
+    problem = make_problem(rng, batch=3, seq_len=1, heads=2, with_initial_state=False,
+                           with_final_state=False)
+    layer = Layer(rng, 2, 4, batch=3, seq_len=1)
+    tensor = lambda a: (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)  # noqa: E731
+                        if a.dtype == np.uint16 else torch.from_numpy(a)).clone()
+    inputs = dict(q=tensor(problem.q), k=tensor(problem.k), v=tensor(problem.v),
+                  g=tensor(problem.g), beta=tensor(problem.beta), A_log=tensor(problem.A_log),
+                  dt_bias=tensor(problem.dt_bias), state_indices=torch.tensor([2, -1, 0]),
+                  conv_weight=torch.cat([tensor(w) for w in layer.weights]),
+                  out_gate=tensor(layer.gate), out_norm_weight=tensor(layer.norm_weight))
+    pool = torch.randn(4, 2, HEAD_DIM, HEAD_DIM) * 0.1
+
+    def step(state_pool, conv_q, conv_k, conv_v, conv_weight, **arguments):
+        out = torch.empty_like(arguments["v"])
+        torch.ops.flashkda.decode(scale=problem.scale, out=out, lower_bound=problem.lower_bound,
+                                  state_pool=state_pool, conv_weight=[conv_weight],
+                                  conv_state=[conv_q, conv_k, conv_v], **arguments)
+        return out.float() * 2.0
+
+    states = [tensor(s) for s in layer.states]
+    eager_pool, eager_states = pool.clone(), [s.clone() for s in states]
+    expected = step(eager_pool, *eager_states, **inputs)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    result = compiled(pool, *states, **inputs)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert torch.equal(result, expected)
+    assert torch.equal(pool, eager_pool)
+    for state, eager in zip(states, eager_states):
+        assert torch.equal(state, eager)
+    assert not torch.equal(states[0], tensor(layer.states[0]))
