@@ -51,7 +51,7 @@ from .bf16 import from_bf16, to_bf16
 if importlib.util.find_spec("torch") is not None:
     from . import _torch_op  # noqa: F401  (registers torch.ops.flashkda.fwd and .decode)
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "Backend",

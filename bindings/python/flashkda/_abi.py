@@ -105,6 +105,7 @@ class FkdaPlanDesc(ctypes.Structure):
         ("chunk_parallel", ctypes.c_int32),
         ("window_slots", ctypes.c_int64),
         ("segment_chunks", ctypes.c_int64),
+        ("layer_step", ctypes.c_int32),
     ]
 
     @classmethod
@@ -127,10 +128,12 @@ class FkdaPlanDesc(ctypes.Structure):
             chunk_parallel=ChunkParallel.AUTO,
             window_slots=0,
             segment_chunks=0,
+            layer_step=0,
         )
 
 
 DEFAULT_SCALE = 0.08838834764831845  # 128^-0.5, the _INIT macros' scale
+DEFAULT_OUT_NORM_EPS = 1e-5  # FKDA_LAYER_STEP_INIT's out_norm_eps
 
 # Tensor fields before and after `scale` (the 0.2 pool fields follow it).
 FWD_TENSOR_FIELDS = (
@@ -149,10 +152,29 @@ TRANSITION_TENSOR_FIELDS = (
     "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "transition_m", "transition_e",
 )
 APPLY_TENSOR_FIELDS = ("transition_m", "transition_e", "initial_state", "final_state")
+# The tensors of fkda_layer_step (0.5), the member `layer` of the fwd and decode args.
+LAYER_TENSOR_FIELDS = (
+    "conv_weight_q", "conv_weight_k", "conv_weight_v",
+    "conv_bias_q", "conv_bias_k", "conv_bias_v",
+    "conv_state_q", "conv_state_k", "conv_state_v",
+    "out_gate", "out_norm_weight",
+)
 
 
 def _tensor_fields(names):
     return [(name, FkdaTensor) for name in names]
+
+
+class FkdaLayerStep(ctypes.Structure):
+    _fields_ = _tensor_fields(LAYER_TENSOR_FIELDS) + [
+        ("out_norm_eps", ctypes.c_float),
+        ("reserved", ctypes.c_int32),
+    ]
+
+    @classmethod
+    def initialized(cls):
+        """The values of FKDA_LAYER_STEP_INIT: every tensor absent."""
+        return cls(out_norm_eps=DEFAULT_OUT_NORM_EPS)
 
 
 class FkdaFwdArgs(ctypes.Structure):
@@ -161,25 +183,41 @@ class FkdaFwdArgs(ctypes.Structure):
         + _tensor_fields(FWD_TENSOR_FIELDS)
         + [("scale", ctypes.c_float)]
         + _tensor_fields(FWD_POOL_TENSOR_FIELDS)
+        + [("layer", FkdaLayerStep)]
     )
 
     @classmethod
     def initialized(cls):
         """The values of FKDA_FWD_ARGS_INIT: every tensor absent."""
-        return cls(struct_size=ctypes.sizeof(cls), scale=DEFAULT_SCALE)
+        return cls(struct_size=ctypes.sizeof(cls), scale=DEFAULT_SCALE,
+                   layer=FkdaLayerStep.initialized())
 
 
 class FkdaDecodeArgs(ctypes.Structure):
     _fields_ = (
         [("struct_size", ctypes.c_size_t)]
         + _tensor_fields(DECODE_TENSOR_FIELDS)
-        + [("scale", ctypes.c_float)]
+        + [("scale", ctypes.c_float), ("layer", FkdaLayerStep)]
     )
 
     @classmethod
     def initialized(cls):
         """The values of FKDA_DECODE_ARGS_INIT: every tensor absent."""
-        return cls(struct_size=ctypes.sizeof(cls), scale=DEFAULT_SCALE)
+        return cls(struct_size=ctypes.sizeof(cls), scale=DEFAULT_SCALE,
+                   layer=FkdaLayerStep.initialized())
+
+
+def tensor_offset(struct, name):
+    """Byte offset in `struct` of the fkda_tensor field `name`, also one of
+    the member `layer` (LAYER_TENSOR_FIELDS)."""
+    if name in LAYER_TENSOR_FIELDS:
+        return struct.layer.offset + getattr(FkdaLayerStep, name).offset
+    return getattr(struct, name).offset
+
+
+def set_tensor(args, name, tensor):
+    """Sets the fkda_tensor field `name` of an argument struct (see tensor_offset)."""
+    setattr(args.layer if name in LAYER_TENSOR_FIELDS else args, name, tensor)
 
 
 class FkdaTransitionArgs(ctypes.Structure):

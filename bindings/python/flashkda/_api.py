@@ -5,10 +5,12 @@ import ctypes
 import threading
 from dataclasses import dataclass
 
-from . import _arrays, _launch, _plans
+from . import _arrays, _launch, _layer, _plans
 from ._abi import (
     APPLY_TENSOR_FIELDS,
     DECODE_TENSOR_FIELDS,
+    DEFAULT_OUT_NORM_EPS,
+    LAYER_TENSOR_FIELDS,
     TRANSITION_TENSOR_FIELDS,
     FWD_POOL_TENSOR_FIELDS,
     FWD_TENSOR_FIELDS,
@@ -131,13 +133,17 @@ def _shaped_by(states):
     return plan_shape
 
 
+# The layer step's convolution states are updated in place.
+_CONV_STATES = ("conv_state_q", "conv_state_k", "conv_state_v")
+
 FWD = _launch.EntryPoint(
     function="fkda_fwd",
     struct=FkdaFwdArgs,
-    tensors=FWD_TENSOR_FIELDS + FWD_POOL_TENSOR_FIELDS,
-    outputs=("out", "final_state", "state_pool", "checkpoints"),
+    tensors=FWD_TENSOR_FIELDS + FWD_POOL_TENSOR_FIELDS + LAYER_TENSOR_FIELDS,
+    outputs=("out", "final_state", "state_pool", "checkpoints") + _CONV_STATES,
     workspace=_sized_by("workspace_size"),
     plan_shape=_shaped_by(("initial_state", "final_state", "state_pool")),
+    convolution_plan=True,
 )
 
 def _transitions_workspace(plan, views):
@@ -191,8 +197,8 @@ APPLY = _launch.EntryPoint(
 DECODE = _launch.EntryPoint(
     function="fkda_decode",
     struct=FkdaDecodeArgs,
-    tensors=DECODE_TENSOR_FIELDS,
-    outputs=("out", "state_pool"),
+    tensors=DECODE_TENSOR_FIELDS + LAYER_TENSOR_FIELDS,
+    outputs=("out", "state_pool") + _CONV_STATES,
     workspace=_sized_by("decode_workspace_size"),
     plan_shape=_shaped_by(("state_pool",)),
 )
@@ -223,7 +229,9 @@ class Plan:
     bounded gate: other gates leave it at -5 (None means -5). chunk_parallel
     ("auto", "off", "on" or ChunkParallel) and segment_chunks choose how long
     sequences are cut into segments that run in parallel (0: automatic; CPU
-    plans only cut them when it is "on").
+    plans only cut them when it is "on"). layer_step=True lets fwd take the
+    layer step's convolution (conv_weight; its workspace is larger); decode
+    and the output gate need no flag.
 
     Use as a context manager or call close(); a plan that is garbage collected
     while open is destroyed then. fwd and decode may run on one plan from
@@ -249,6 +257,7 @@ class Plan:
         beta_mode=BetaMode.LOGITS,
         chunk_parallel=ChunkParallel.AUTO,
         segment_chunks=0,
+        layer_step=False,
         library_path=None,
         library=None,
     ):
@@ -275,12 +284,14 @@ class Plan:
         desc.beta_mode = _enum_value("beta_mode", beta_mode, _BETA_MODE_NAMES)
         desc.chunk_parallel = _enum_value("chunk_parallel", chunk_parallel, _CHUNK_PARALLEL_NAMES)
         desc.segment_chunks = _int64("segment_chunks", segment_chunks)
+        desc.layer_step = 1 if layer_step else 0
         handle = ctypes.c_void_p()
         self._library.check(self._library.cdll.fkda_plan_create(ctypes.byref(desc), ctypes.byref(handle)))
         self._handle = handle
         # The library accepted them, so they are members.
         self._gate_mode = GateMode(desc.gate_mode)
         self._beta_mode = BetaMode(desc.beta_mode)
+        self._layer_step = bool(desc.layer_step)
 
     # ------------------------------------------------------------ lifetime
 
@@ -341,6 +352,11 @@ class Plan:
         """The BetaMode the plan was created with."""
         return self._beta_mode
 
+    @property
+    def layer_step(self):
+        """Whether the plan was created with layer_step (fwd may take the convolution)."""
+        return self._layer_step
+
     def _backend_memory(self):
         return _arrays.HOST if self.backend == Backend.CPU else _arrays.CUDA
 
@@ -392,7 +408,9 @@ class Plan:
     def fwd(self, q, k, v, g, beta, scale, out, A_log, dt_bias, initial_state=None,
             final_state=None, cu_seqlens=None, workspace=None, stream=None, *,
             state_pool=None, state_indices=None, has_initial_state=None,
-            checkpoint_offsets=None, checkpoints=None, checkpoint_slots=None):
+            checkpoint_offsets=None, checkpoints=None, checkpoint_slots=None,
+            conv_weight=None, conv_bias=None, conv_state=None, out_gate=None,
+            out_norm_weight=None, out_norm_eps=DEFAULT_OUT_NORM_EPS):
         """Runs fkda_fwd, writing `out` (and `final_state`) in place.
 
         workspace: None allocates one of workspace_size() bytes in the arrays'
@@ -404,22 +422,28 @@ class Plan:
         state_pool ... checkpoint_slots: states in a pool and checkpoints, as
         for flashkda.fwd; the pool and the checkpoints are written in place.
         A_log and dt_bias may be None where the plan's gate_mode allows it.
+        conv_weight ... out_norm_eps: the layer step, as for flashkda.fwd;
+        the convolution needs a plan created with layer_step=True.
         """
         self._run(FWD, (q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state,
                         cu_seqlens, state_pool, state_indices, has_initial_state,
-                        checkpoint_offsets, checkpoints, checkpoint_slots),
-                  scale, workspace, stream)
+                        checkpoint_offsets, checkpoints, checkpoint_slots)
+                  + _layer.arrays(conv_weight, conv_bias, conv_state, out_gate, out_norm_weight),
+                  scale, workspace, stream, out_norm_eps)
 
     def decode(self, q, k, v, g, beta, scale, out, A_log, dt_bias, state_pool, state_indices,
-               num_accepted_tokens=None, cu_seqlens=None, workspace=None, stream=None):
+               num_accepted_tokens=None, cu_seqlens=None, workspace=None, stream=None, *,
+               conv_weight=None, conv_bias=None, conv_state=None, out_gate=None,
+               out_norm_weight=None, out_norm_eps=DEFAULT_OUT_NORM_EPS):
         """Runs fkda_decode: 1 to 16 tokens per sequence on states in a pool.
 
-        Writes `out` and updates `state_pool` in place; workspace and stream
-        as for fwd (see flashkda.decode for the arguments).
+        Writes `out` and updates `state_pool` (and `conv_state`) in place;
+        workspace and stream as for fwd (see flashkda.decode for the arguments).
         """
         self._run(DECODE, (q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_indices,
-                           num_accepted_tokens, cu_seqlens),
-                  scale, workspace, stream)
+                           num_accepted_tokens, cu_seqlens)
+                  + _layer.arrays(conv_weight, conv_bias, conv_state, out_gate, out_norm_weight),
+                  scale, workspace, stream, out_norm_eps)
 
     def transitions(self, k, v, g, beta, A_log, dt_bias, transition_m, transition_e,
                     cu_seqlens=None, workspace=None, stream=None):
@@ -437,7 +461,7 @@ class Plan:
         self._run(APPLY, (transition_m, transition_e, initial_state, final_state), 0.0, None,
                   stream)
 
-    def _run(self, entry, arrays, scale, workspace, stream):
+    def _run(self, entry, arrays, scale, workspace, stream, out_norm_eps=None):
         """Launches `entry` on `arrays` (in entry.tensors' order) through this
         thread's argument block for their layout."""
         device, signature, pointers, keep = _launch.describe(
@@ -448,10 +472,11 @@ class Plan:
             views = _launch.views_by_name(entry, arrays)
             # Cached in the plan: holding it back would be a cycle.
             return _launch.ArgumentBlock(entry, self, views, scale, _launch.placement_of(views),
-                                         hold_plan=False)
+                                         hold_plan=False, out_norm_eps=out_norm_eps)
 
         blocks = _launch.thread_blocks(self._blocks)
-        block = _cached_block(blocks, (entry.function, device, scale, signature), build)
+        block = _cached_block(blocks, (entry.function, device, scale, out_norm_eps, signature),
+                              build)
         block.launch(pointers, workspace, stream)
         # `keep` holds DLPack capsules (and the like) alive up to here.
         del keep
@@ -461,7 +486,9 @@ class Plan:
     def prepare(self, q, k, v, g, beta, scale, out, A_log, dt_bias, initial_state=None,
                 final_state=None, cu_seqlens=None, workspace=None, stream=None, *,
                 state_pool=None, state_indices=None, has_initial_state=None,
-                checkpoint_offsets=None, checkpoints=None, checkpoint_slots=None):
+                checkpoint_offsets=None, checkpoints=None, checkpoint_slots=None,
+                conv_weight=None, conv_bias=None, conv_state=None, out_gate=None,
+                out_norm_weight=None, out_norm_eps=DEFAULT_OUT_NORM_EPS):
         """Binds fwd's arguments once and returns a callable that launches
         fkda_fwd on them with no Python work beyond the ctypes call.
 
@@ -475,22 +502,28 @@ class Plan:
         return self._prepare(FWD, (q, k, v, g, beta, A_log, dt_bias, out, initial_state,
                                    final_state, cu_seqlens, state_pool, state_indices,
                                    has_initial_state, checkpoint_offsets, checkpoints,
-                                   checkpoint_slots),
-                             scale, workspace, stream)
+                                   checkpoint_slots)
+                             + _layer.arrays(conv_weight, conv_bias, conv_state, out_gate,
+                                             out_norm_weight),
+                             scale, workspace, stream, out_norm_eps)
 
     def prepare_decode(self, q, k, v, g, beta, scale, out, A_log, dt_bias, state_pool,
                        state_indices, num_accepted_tokens=None, cu_seqlens=None,
-                       workspace=None, stream=None):
+                       workspace=None, stream=None, *, conv_weight=None, conv_bias=None,
+                       conv_state=None, out_gate=None, out_norm_weight=None,
+                       out_norm_eps=DEFAULT_OUT_NORM_EPS):
         """prepare() for decode: a callable launching fkda_decode on bound arrays."""
         return self._prepare(DECODE, (q, k, v, g, beta, A_log, dt_bias, out, state_pool,
-                                      state_indices, num_accepted_tokens, cu_seqlens),
-                             scale, workspace, stream)
+                                      state_indices, num_accepted_tokens, cu_seqlens)
+                             + _layer.arrays(conv_weight, conv_bias, conv_state, out_gate,
+                                             out_norm_weight),
+                             scale, workspace, stream, out_norm_eps)
 
-    def _prepare(self, entry, arrays, scale, workspace, stream):
+    def _prepare(self, entry, arrays, scale, workspace, stream, out_norm_eps):
         self._live_handle()
         views = _launch.views_by_name(entry, arrays)
         block = _launch.ArgumentBlock(entry, self, views, scale, _launch.placement_of(views),
-                                      hold_plan=True)
+                                      hold_plan=True, out_norm_eps=out_norm_eps)
         pointers = [view.ptr for view in views.values() if view is not None]
         return _launch.Prepared(block, pointers, views, workspace, stream)
 
@@ -501,10 +534,12 @@ _derived_blocks = threading.local()
 
 
 def run_derived(entry, arrays, scale, lower_bound, null_slot_rule, gate_mode, beta_mode,
-                check=None):
+                check=None, out_norm_eps=None):
     """Launches `entry` on a shared plan derived from the arguments: the backend
-    follows where the arrays live, heads and state dtype entry.plan_shape; the
-    rest of the plan's description is given.
+    follows where the arrays live, heads and state dtype entry.plan_shape,
+    layer_step whether the call convolves (entry.layer_step); the rest of the
+    plan's description is given. out_norm_eps: the layer step's (None: the
+    _INIT value).
 
     check: None, or a function of (arrays, scale, lower_bound) that raises for
     arguments its caller refuses. It runs when an argument block is built, so
@@ -534,12 +569,13 @@ def run_derived(entry, arrays, scale, lower_bound, null_slot_rule, gate_mode, be
             null_slot_rule=_enum_value("null_slot_rule", null_slot_rule, _NULL_SLOT_RULE_NAMES),
             gate_mode=_enum_value("gate_mode", gate_mode, _GATE_MODE_NAMES),
             beta_mode=_enum_value("beta_mode", beta_mode, _BETA_MODE_NAMES),
+            layer_step=entry.layer_step(views),
         )
         return _launch.ArgumentBlock(entry, _plans.cached_plan(descriptor), views, scale,
-                                     placement, hold_plan=True)
+                                     placement, hold_plan=True, out_norm_eps=out_norm_eps)
 
     key = (entry.function, library, device, scale, lower_bound, null_slot_rule, gate_mode, beta_mode,
-           signature, check)
+           out_norm_eps, signature, check)
     block = _cached_block(_launch.thread_blocks(_derived_blocks), key, build)
     block.launch(pointers)
     del keep
@@ -549,7 +585,9 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
         final_state=None, cu_seqlens=None, *, state_pool=None, state_indices=None,
         has_initial_state=None, checkpoint_offsets=None, checkpoints=None,
         checkpoint_slots=None, null_slot_rule=NullSlotRule.NEGATIVE,
-        gate_mode=GateMode.BOUNDED, beta_mode=BetaMode.LOGITS):
+        gate_mode=GateMode.BOUNDED, beta_mode=BetaMode.LOGITS, conv_weight=None,
+        conv_bias=None, conv_state=None, out_gate=None, out_norm_weight=None,
+        out_norm_eps=DEFAULT_OUT_NORM_EPS):
     """The KDA forward pass with the arguments of FlashKDA's flash_kda.fwd.
 
     Writes `out` (and `final_state` when given) in place. Host arrays run on
@@ -583,15 +621,40 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
                          to checkpoints [N, C, H, 128, 128] (bf16 or f32) or
                          to the pool slots checkpoint_slots [N, C]
 
+    The layer step around the recurrence (fkda_layer_step), every part optional:
+      conv_weight        q, k and v are then the raw projections, convolved
+                         (causal, depthwise, width W in 2..4) and passed
+                         through SiLU before the recurrence: (wq, wk, wv),
+                         each [H*128, W] (or torch's [H*128, 1, W]), bf16 or
+                         f32, or one packed [3*H*128, W] (or [3*H*128, 1, W])
+                         split into the three
+      conv_bias          (bq, bk, bv) [H*128] each, or one packed [3*H*128],
+                         the weights' dtype
+      conv_state         (sq, sk, sv) [rows, H*128, Wc] each (Wc = W - 1 or
+                         W; rows: sequences, or pool slots with
+                         state_indices), or one packed [rows, 3*H*128, Wc];
+                         bf16 or f32; the raw inputs before a sequence's
+                         first token, read where the sequence reads a
+                         recurrent state and updated in place to its last
+                         Wc inputs (packed: one row only, as the views of
+                         more rows overlap)
+      out_gate           bf16 [B, T, H, 128]: out = RMSNorm(out) *
+                         out_norm_weight * sigmoid(out_gate) per head
+      out_norm_weight    [128] bf16 or f32, with out_gate
+      out_norm_eps       the RMSNorm's epsilon (1e-5)
+    A call with conv_weight runs on a plan created with layer_step = 1.
+
     Plans and argument blocks are cached by the arguments' layout (shapes,
-    strides, dtypes, device), scale, lower_bound, null_slot_rule, gate_mode
-    and beta_mode, so a repeated call costs reading the data pointers, a workspace from the
-    producer's allocator and the C call.
+    strides, dtypes, device), scale, lower_bound, null_slot_rule, gate_mode,
+    beta_mode and out_norm_eps, so a repeated call costs reading the data
+    pointers, a workspace from the producer's allocator and the C call.
     """
     run_derived(FWD, (q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state,
                       cu_seqlens, state_pool, state_indices, has_initial_state,
-                      checkpoint_offsets, checkpoints, checkpoint_slots),
-                scale, lower_bound, null_slot_rule, gate_mode, beta_mode)
+                      checkpoint_offsets, checkpoints, checkpoint_slots)
+                + _layer.arrays(conv_weight, conv_bias, conv_state, out_gate, out_norm_weight),
+                scale, lower_bound, null_slot_rule, gate_mode, beta_mode,
+                out_norm_eps=out_norm_eps)
 
 
 def transitions(k, v, g, beta, A_log, dt_bias, lower_bound, transition_m, transition_e,

@@ -2,7 +2,8 @@
 """The decode step as serving runtimes call it: a few tokens per sequence,
 states in a pool updated in place."""
 
-from ._abi import BetaMode, GateMode, NullSlotRule
+from . import _layer
+from ._abi import DEFAULT_OUT_NORM_EPS, BetaMode, GateMode, NullSlotRule
 from ._api import DECODE, run_derived
 
 
@@ -25,6 +26,12 @@ def decode(
     null_slot_rule=NullSlotRule.NEGATIVE,
     gate_mode=GateMode.BOUNDED,
     beta_mode=BetaMode.LOGITS,
+    conv_weight=None,
+    conv_bias=None,
+    conv_state=None,
+    out_gate=None,
+    out_norm_weight=None,
+    out_norm_eps=DEFAULT_OUT_NORM_EPS,
 ):
     """fkda_decode on a plan shared by every call of the same descriptor
     (flashkda.Plan.decode runs on a plan of your own).
@@ -49,9 +56,16 @@ def decode(
                          (index <= 0 is padding, slot 0 reserved)
       gate_mode, beta_mode  as for flashkda.fwd ("bounded", "softplus" or
                          "log_decay"; "logits" or "probabilities")
+      conv_weight, conv_bias, conv_state, out_gate, out_norm_weight,
+      out_norm_eps       the layer step, as for flashkda.fwd (no plan flag
+                         needed); conv_state rows are pool slots, read and
+                         updated in place with the recurrent state. Slot
+                         tables [N, W] take no convolution.
     A sequence whose starting slot is null is padding: its output rows are
     zero and no state is read or written.
     """
     run_derived(DECODE, (q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_indices,
-                         num_accepted_tokens, cu_seqlens),
-                scale, lower_bound, null_slot_rule, gate_mode, beta_mode)
+                         num_accepted_tokens, cu_seqlens)
+                + _layer.arrays(conv_weight, conv_bias, conv_state, out_gate, out_norm_weight),
+                scale, lower_bound, null_slot_rule, gate_mode, beta_mode,
+                out_norm_eps=out_norm_eps)

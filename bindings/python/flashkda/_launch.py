@@ -34,6 +34,8 @@ class EntryPoint:
     malformed to size it (the C function then names what is wrong).
     plan_shape: views by name -> (num_heads, state dtype) for plans derived
     from the arguments.
+    convolution_plan: whether a call given the layer step's convolution
+    (conv_weight_q) needs a plan created with layer_step = 1.
     """
 
     function: str
@@ -42,16 +44,21 @@ class EntryPoint:
     outputs: Tuple[str, ...]
     workspace: Callable
     plan_shape: Callable
+    convolution_plan: bool = False
 
     @functools.cached_property
     def data_slots(self):
         """Index of each tensor's data pointer in the block seen as 64-bit words."""
-        from ._abi import FkdaTensor
+        from ._abi import FkdaTensor, tensor_offset
 
         return tuple(
-            (getattr(self.struct, name).offset + FkdaTensor.data.offset) // 8
+            (tensor_offset(self.struct, name) + FkdaTensor.data.offset) // 8
             for name in self.tensors
         )
+
+    def layer_step(self, views):
+        """fkda_plan_desc.layer_step for a plan derived from these arguments."""
+        return int(self.convolution_plan and views.get("conv_weight_q") is not None)
 
 
 # ------------------------------------------------------------ producers ---
@@ -230,7 +237,10 @@ class ArgumentBlock:
     elsewhere must, since they hold its raw handle.
     """
 
-    def __init__(self, entry, plan, views, scale, placement, hold_plan):
+    def __init__(self, entry, plan, views, scale, placement, hold_plan, out_norm_eps=None):
+        """out_norm_eps: the layer step's (fwd and decode); None keeps the
+        _INIT value."""
+        from ._abi import set_tensor
         from ._api import _float
 
         self.entry = entry
@@ -239,11 +249,14 @@ class ArgumentBlock:
         self.handle = plan._live_handle()
         self.library = plan._library
         self.function = getattr(plan._library.cdll, entry.function)
-        args = entry.struct(struct_size=ctypes.sizeof(entry.struct))
+        args = entry.struct.initialized()
         for name, view in views.items():
             if view is not None:
-                setattr(args, name, _arrays.tensor_of(name, view, writable=name in entry.outputs))
-        args.scale = _float("scale", scale)
+                set_tensor(args, name, _arrays.tensor_of(name, view, writable=name in entry.outputs))
+        if hasattr(entry.struct, "scale"):
+            args.scale = _float("scale", scale)
+        if out_norm_eps is not None:
+            args.layer.out_norm_eps = _float("out_norm_eps", out_norm_eps)
         self.args = args
         self.args_ref = ctypes.byref(args)
         self.words = memoryview(args).cast("B").cast("Q")

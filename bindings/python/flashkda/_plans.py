@@ -33,6 +33,7 @@ class Descriptor:
     null_slot_rule: int
     gate_mode: int
     beta_mode: int
+    layer_step: int = 0
 
 
 def cached_plan(descriptor):
@@ -57,6 +58,7 @@ def cached_plan(descriptor):
                 null_slot_rule=descriptor.null_slot_rule,
                 gate_mode=descriptor.gate_mode,
                 beta_mode=descriptor.beta_mode,
+                layer_step=descriptor.layer_step,
                 library=descriptor.library,
             )
             if len(_plans) >= _MAX_PLANS:

@@ -152,10 +152,10 @@ def _check(arrays, scale, lower_bound):
 
 
 # fwd's arrays in the order of flashkda.fwd's launch path, which also takes
-# the pool and checkpoint arguments (absent here).
+# the pool and checkpoint arguments and the layer step's (absent here).
 _FWD_ARRAYS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "out", "initial_state",
                "final_state", "cu_seqlens")
-_NO_POOL = (None,) * 6
+_NO_POOL = (None,) * (len(_api.FWD.tensors) - len(_FWD_ARRAYS))
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None,

@@ -29,6 +29,7 @@ _CTYPES_CANONICAL = {
 _STRUCTS = {
     "fkda_tensor": _abi.FkdaTensor,
     "fkda_plan_desc": _abi.FkdaPlanDesc,
+    "fkda_layer_step": _abi.FkdaLayerStep,
     "fkda_fwd_args": _abi.FkdaFwdArgs,
     "fkda_decode_args": _abi.FkdaDecodeArgs,
     "fkda_transition_args": _abi.FkdaTransitionArgs,

@@ -51,7 +51,7 @@ def test_same_descriptor_same_plan():
     dict(state_layout=int(flashkda.StateLayout.KV)), dict(backend=int(flashkda.Backend.AUTO)),
     dict(lower_bound=-1.0), dict(null_slot_rule=int(flashkda.NullSlotRule.NONPOSITIVE)),
     dict(gate_mode=int(flashkda.GateMode.SOFTPLUS), lower_bound=-5.0),
-    dict(beta_mode=int(flashkda.BetaMode.PROBABILITIES)),
+    dict(beta_mode=int(flashkda.BetaMode.PROBABILITIES)), dict(layer_step=1),
 ], ids=lambda change: next(iter(change)))
 def test_any_other_field_another_plan(change):
     assert _plans.cached_plan(descriptor(**change)) is not _plans.cached_plan(descriptor())

@@ -79,8 +79,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("op, written", [
-    ("fwd", {"out", "final_state", "state_pool", "checkpoints"}),
-    ("decode", {"out", "state_pool"}),
+    ("fwd", {"out", "final_state", "state_pool", "checkpoints", "conv_state"}),
+    ("decode", {"out", "state_pool", "conv_state"}),
 ])
 def test_schema_declares_exactly_the_written_arguments(op, written):
     schema = getattr(torch.ops.flashkda, op).default._schema

@@ -22,7 +22,8 @@ module FlashKDA
 
 using Libdl
 
-export FlashKDAError, Plan, fwd!, fwd_raw!, decode!, transitions!, apply_transitions!, tensor, workspace_size,
+export FlashKDAError, Plan, fwd!, fwd_raw!, decode!, transitions!, apply_transitions!, tensor, raw_layer_step,
+       workspace_size,
        decode_workspace_size, transitions_workspace_size,
        backend, lower_bound, set_lower_bound!, query_device, build_info, version, version_string, to_bf16,
        from_bf16, load_library, library_path
@@ -32,7 +33,7 @@ export FlashKDAError, Plan, fwd!, fwd_raw!, decode!, transitions!, apply_transit
 # ------------------------------------------------------------------------
 
 const FKDA_VERSION_MAJOR = 0
-const FKDA_VERSION_MINOR = 4
+const FKDA_VERSION_MINOR = 5
 const FKDA_VERSION_PATCH = 0
 const FKDA_VERSION_NUMBER = FKDA_VERSION_MAJOR * 10000 + FKDA_VERSION_MINOR * 100 + FKDA_VERSION_PATCH
 
@@ -120,7 +121,33 @@ struct fkda_plan_desc
     chunk_parallel::Int32
     window_slots::Int64
     segment_chunks::Int64
+    layer_step::Int32
 end
+
+# The layer step around the recurrence (appended in 0.5): a member of the
+# fwd and decode args.
+struct fkda_layer_step
+    conv_weight_q::fkda_tensor
+    conv_weight_k::fkda_tensor
+    conv_weight_v::fkda_tensor
+    conv_bias_q::fkda_tensor
+    conv_bias_k::fkda_tensor
+    conv_bias_v::fkda_tensor
+    conv_state_q::fkda_tensor
+    conv_state_k::fkda_tensor
+    conv_state_v::fkda_tensor
+    out_gate::fkda_tensor
+    out_norm_weight::fkda_tensor
+    out_norm_eps::Cfloat
+    reserved::Int32
+end
+
+const DEFAULT_OUT_NORM_EPS = 1.0f-5
+const FKDA_LAYER_STEP_INIT = fkda_layer_step(FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,
+                                             FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,
+                                             FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE,
+                                             FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, DEFAULT_OUT_NORM_EPS,
+                                             Int32(0))
 
 struct fkda_fwd_args
     struct_size::Csize_t
@@ -142,6 +169,7 @@ struct fkda_fwd_args
     checkpoint_offsets::fkda_tensor
     checkpoints::fkda_tensor
     checkpoint_slots::fkda_tensor
+    layer::fkda_layer_step
 end
 
 struct fkda_decode_args
@@ -159,6 +187,7 @@ struct fkda_decode_args
     num_accepted_tokens::fkda_tensor
     cu_seqlens::fkda_tensor
     scale::Cfloat
+    layer::fkda_layer_step
 end
 
 struct fkda_transition_args
@@ -542,6 +571,10 @@ required, dt_bias optional) or `:log_decay` (`g`, `UInt16` bf16 or
 `Float32`. Absent tensors are `nothing`. `lower_bound` belongs to the
 bounded gate: other gates leave it at -5 (`nothing` means -5) and
 `lower_bound(plan)` throws on them.
+
+`layer_step=true` lets `fwd!` take the layer step's convolution
+(`conv_weight`; the workspace sizes count what it needs). `decode!` and the
+output gate need no flag.
 """
 mutable struct Plan
     handle::fkda_plan_t
@@ -549,7 +582,7 @@ mutable struct Plan
     function Plan(num_heads; head_dim_k=128, head_dim_v=128, state_dtype=Float32,
                   state_layout=:VK, backend=:auto, lower_bound=-5.0f0,
                   null_slot_rule=:negative, debug_checks=false, gate_mode=:bounded,
-                  beta_mode=:logits, chunk_parallel=:auto, segment_chunks=0)
+                  beta_mode=:logits, chunk_parallel=:auto, segment_chunks=0, layer_step=false)
         desc = fkda_plan_desc(
             Csize_t(sizeof(fkda_plan_desc)),
             to_int32("num_heads", num_heads),
@@ -571,6 +604,7 @@ mutable struct Plan
                                                       on=FKDA_CHUNK_PARALLEL_ON)),
             Int64(0),
             Int64(segment_chunks),
+            Int32(to_bool("layer_step", layer_step)),
         )
         handle = Ref{fkda_plan_t}(C_NULL)
         check(fkda_plan_create(Ref(desc), handle))
@@ -670,7 +704,8 @@ end
          initial_state=nothing, final_state=nothing, cu_seqlens=nothing,
          state_pool=nothing, state_indices=nothing, has_initial_state=nothing,
          checkpoint_offsets=nothing, checkpoints=nothing, checkpoint_slots=nothing,
-         workspace=nothing, stream=nothing)
+         conv_weight=nothing, conv_bias=nothing, conv_state=nothing, out_gate=nothing,
+         out_norm_weight=nothing, out_norm_eps=1f-5, workspace=nothing, stream=nothing)
 
 `fkda_fwd`: writes `out` (and `final_state`) in place. Sizes are the C shapes
 reversed: q, k, g `(K, H, T, B)`; v, out `(V, H, T, B)`; beta `(H, T, B)`;
@@ -684,26 +719,48 @@ token counts `checkpoint_offsets` `(C, N)` go to `checkpoints`
 memory; `stream = nothing` uses CUDA.jl's current stream for CuArrays.
 `g` and `beta` may be `Float32` where the plan's gate and beta modes take
 them, `A_log` and `dt_bias` `nothing` (see `Plan`).
+
+The layer step around the recurrence (`fkda_layer_step`), every part optional:
+- `conv_weight`: q, k and v are then the raw projections, convolved (causal,
+  depthwise, width W in 2..4) and passed through SiLU before the recurrence.
+  `(wq, wk, wv)`, each `(W, H*K)` (torch's `(W, 1, H*K)` too), `UInt16` bf16
+  or `Float32`, or one packed `(W, 3*H*K)` (or `(W, 1, 3*H*K)`) split into
+  three views. Needs a plan created with `layer_step=true`.
+- `conv_bias`: `(bq, bk, bv)`, `(H*K,)` each, or one packed `(3*H*K,)`.
+- `conv_state`: `(sq, sk, sv)`, `(Wc, H*K, rows)` each (Wc = W - 1 or W; rows
+  are the sequences, or the pool's slots with `state_indices`), or one packed
+  `(Wc, 3*H*K, 1)` (the views of more rows overlap, which the library refuses
+  for written arguments): the raw inputs before a sequence's first token,
+  read where the sequence reads a recurrent state, updated in place.
+- `out_gate` `(V, H, T, B)` bf16 with `out_norm_weight` `(V,)`: the output
+  becomes `RMSNorm(o) * out_norm_weight * sigmoid(out_gate)` per head, with
+  `out_norm_eps`.
 """
 function fwd!(plan::Plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
               initial_state=nothing, final_state=nothing, cu_seqlens=nothing,
               state_pool=nothing, state_indices=nothing, has_initial_state=nothing,
               checkpoint_offsets=nothing, checkpoints=nothing, checkpoint_slots=nothing,
+              conv_weight=nothing, conv_bias=nothing, conv_state=nothing, out_gate=nothing,
+              out_norm_weight=nothing, out_norm_eps=DEFAULT_OUT_NORM_EPS,
               workspace=nothing, stream=nothing)
     arrays = (q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, out=out,
               initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens)
     pool = (state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
             checkpoint_offsets=checkpoint_offsets, checkpoints=checkpoints,
             checkpoint_slots=checkpoint_slots)
+    layer = layer_arrays(conv_weight, conv_bias, conv_state, out_gate, out_norm_weight)
     args = fkda_fwd_args(Csize_t(sizeof(fkda_fwd_args)), tensors_of(arrays)...,
-                         to_float32("scale", scale), tensors_of(pool)...)
-    enqueue!(fkda_fwd, args, workspace_size, plan, merge(arrays, pool), workspace, stream)
+                         to_float32("scale", scale), tensors_of(pool)...,
+                         layer_step_of(layer, out_norm_eps))
+    enqueue!(fkda_fwd, args, workspace_size, plan, merge(arrays, pool, layer), workspace, stream)
     return out
 end
 
 """
     decode!(plan, q, k, v, g, beta, scale, out, A_log, dt_bias, state_pool, state_indices;
-            num_accepted_tokens=nothing, cu_seqlens=nothing, workspace=nothing, stream=nothing)
+            num_accepted_tokens=nothing, cu_seqlens=nothing, conv_weight=nothing,
+            conv_bias=nothing, conv_state=nothing, out_gate=nothing, out_norm_weight=nothing,
+            out_norm_eps=1f-5, workspace=nothing, stream=nothing)
 
 `fkda_decode`: 1 to 16 tokens per sequence on states in a pool, writing `out`
 and updating `state_pool` `(K, V, H, slots)` in place. q, k, g, v, out
@@ -712,20 +769,87 @@ and updating `state_pool` `(K, V, H, slots)` in place. q, k, g, v, out
 per sequence; `(W, N)` (speculative verify) starts from row
 `num_accepted_tokens[n]` and writes the state after token t to row t + 1.
 A sequence whose starting index is null (the plan's `null_slot_rule`) is
-padding: zero output, no state touched.
+padding: zero output, no state touched. The layer step's keywords are those
+of `fwd!` (no plan flag needed); the conv states' rows are pool slots, read
+and updated with the recurrent state (an `(W, N)` slot table takes no
+convolution).
 """
 function decode!(plan::Plan, q, k, v, g, beta, scale, out, A_log, dt_bias, state_pool, state_indices;
-                 num_accepted_tokens=nothing, cu_seqlens=nothing, workspace=nothing, stream=nothing)
+                 num_accepted_tokens=nothing, cu_seqlens=nothing, conv_weight=nothing,
+                 conv_bias=nothing, conv_state=nothing, out_gate=nothing, out_norm_weight=nothing,
+                 out_norm_eps=DEFAULT_OUT_NORM_EPS, workspace=nothing, stream=nothing)
     arrays = (q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, out=out,
               state_pool=state_pool, state_indices=state_indices,
               num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens)
+    layer = layer_arrays(conv_weight, conv_bias, conv_state, out_gate, out_norm_weight)
     args = fkda_decode_args(Csize_t(sizeof(fkda_decode_args)), tensors_of(arrays)...,
-                            to_float32("scale", scale))
-    enqueue!(fkda_decode, args, decode_workspace_size, plan, arrays, workspace, stream)
+                            to_float32("scale", scale), layer_step_of(layer, out_norm_eps))
+    enqueue!(fkda_decode, args, decode_workspace_size, plan, merge(arrays, layer), workspace, stream)
     return out
 end
 
 tensors_of(arrays::NamedTuple) = map(name -> tensor_of(String(name), arrays[name]), keys(arrays))
+
+# The layer step's arrays by the names of fkda_layer_step's tensors. The
+# convolution's arguments come per projection, `(q, k, v)`, or packed: one
+# array of 3*H*K channels split into three views (so packed states are still
+# updated in place).
+function layer_arrays(conv_weight, conv_bias, conv_state, out_gate, out_norm_weight)
+    wq, wk, wv = map(as_matrix, projections("conv_weight", as_matrix(conv_weight), 2))
+    bq, bk, bv = projections("conv_bias", conv_bias, 1)
+    sq, sk, sv = projections("conv_state", conv_state, 2)
+    return (conv_weight_q=wq, conv_weight_k=wk, conv_weight_v=wv, conv_bias_q=bq, conv_bias_k=bk,
+            conv_bias_v=bv, conv_state_q=sq, conv_state_k=sk, conv_state_v=sv, out_gate=out_gate,
+            out_norm_weight=out_norm_weight)
+end
+
+layer_step_of(layer::NamedTuple, out_norm_eps) =
+    fkda_layer_step(tensors_of(layer)..., to_float32("out_norm_eps", out_norm_eps), Int32(0))
+
+# torch's (W, 1, C) convolution weight (its [C, 1, W] in Julia order) as the (W, C) the library takes.
+as_matrix(weight::AbstractArray) = ndims(weight) == 3 && size(weight, 2) == 1 ? view(weight, :, 1, :) : weight
+as_matrix(weight) = weight
+
+# (q, k, v) of a convolution argument: nothing, three arrays, or one packed
+# array whose channels (dimension `dim`) split into thirds.
+projections(name, ::Nothing, dim) = (nothing, nothing, nothing)
+function projections(name, arrays::Union{Tuple,AbstractVector{<:AbstractArray}}, dim)
+    length(arrays) == 3 && return (arrays[1], arrays[2], arrays[3])
+    length(arrays) == 1 && return projections(name, only(arrays), dim)
+    throw(invalid_argument("$name: expected three arrays (q, k, v) or one packed array, got $(length(arrays))"))
+end
+function projections(name, packed::AbstractArray, dim)
+    ndims(packed) >= dim || throw(invalid_argument(
+        "$name: a packed array of $(ndims(packed)) dimensions has no channel dimension $dim"))
+    channels = size(packed, dim)
+    channels % 3 == 0 || throw(invalid_argument(
+        "$name: $channels channels in dimension $dim do not split into q, k and v (expected 3*H*K)"))
+    third = channels ÷ 3
+    return ntuple(i -> selectdim(packed, dim, (i - 1) * third + 1:i * third), 3)
+end
+projections(name, value, dim) =
+    throw(invalid_argument("$name: expected three arrays (q, k, v) or one packed array, got $(typeof(value))"))
+
+"""
+    raw_layer_step(; conv_weight=nothing, conv_bias=nothing, conv_state=nothing,
+                   out_gate=FKDA_TENSOR_NONE, out_norm_weight=FKDA_TENSOR_NONE,
+                   out_norm_eps=1f-5) -> fkda_layer_step
+
+The layer step for `fwd_raw!` from `fkda_tensor` descriptors (`tensor`):
+`conv_weight`, `conv_bias` and `conv_state` are tuples `(q, k, v)` of them.
+"""
+function raw_layer_step(; conv_weight=nothing, conv_bias=nothing, conv_state=nothing,
+                        out_gate::fkda_tensor=FKDA_TENSOR_NONE,
+                        out_norm_weight::fkda_tensor=FKDA_TENSOR_NONE,
+                        out_norm_eps=DEFAULT_OUT_NORM_EPS)
+    three(::Nothing) = (FKDA_TENSOR_NONE, FKDA_TENSOR_NONE, FKDA_TENSOR_NONE)
+    three(tensors::NTuple{3,fkda_tensor}) = tensors
+    wq, wk, wv = three(conv_weight)
+    bq, bk, bv = three(conv_bias)
+    sq, sk, sv = three(conv_state)
+    return fkda_layer_step(wq, wk, wv, bq, bk, bv, sq, sk, sv, out_gate, out_norm_weight,
+                           to_float32("out_norm_eps", out_norm_eps), Int32(0))
+end
 
 # Calls `c_function` (fkda_fwd or fkda_decode) with `args`, a workspace sized
 # by `size_query` unless one is given, on the arrays' device and stream.
@@ -811,11 +935,12 @@ end
     fwd_raw!(plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
              initial_state=FKDA_TENSOR_NONE, final_state=FKDA_TENSOR_NONE,
              cu_seqlens=FKDA_TENSOR_NONE, workspace=C_NULL, workspace_bytes=0,
-             stream=C_NULL, state_pool=FKDA_TENSOR_NONE, ...)
+             stream=C_NULL, state_pool=FKDA_TENSOR_NONE, ..., layer=FKDA_LAYER_STEP_INIT)
 
 `fkda_fwd` with `fkda_tensor` descriptors from `tensor(pointer, dims)`; the
 pool keywords (state_pool, state_indices, has_initial_state,
-checkpoint_offsets, checkpoints, checkpoint_slots) are descriptors too.
+checkpoint_offsets, checkpoints, checkpoint_slots) are descriptors too, and
+`layer` the layer step (`raw_layer_step`).
 `A_log` and `dt_bias` are `FKDA_TENSOR_NONE` where the plan's gate takes them absent.
 Unsafe: nothing here can check that the pointers are valid for the shapes
 they are described with, readable, and (for `out`, `final_state`, the pool
@@ -830,11 +955,12 @@ function fwd_raw!(plan::Plan, q::fkda_tensor, k::fkda_tensor, v::fkda_tensor, g:
                   has_initial_state::fkda_tensor=FKDA_TENSOR_NONE,
                   checkpoint_offsets::fkda_tensor=FKDA_TENSOR_NONE,
                   checkpoints::fkda_tensor=FKDA_TENSOR_NONE,
-                  checkpoint_slots::fkda_tensor=FKDA_TENSOR_NONE)
+                  checkpoint_slots::fkda_tensor=FKDA_TENSOR_NONE,
+                  layer::fkda_layer_step=FKDA_LAYER_STEP_INIT)
     args = fkda_fwd_args(Csize_t(sizeof(fkda_fwd_args)), q, k, v, g, beta, A_log, dt_bias, out,
                          initial_state, final_state, cu_seqlens, to_float32("scale", scale),
                          state_pool, state_indices, has_initial_state, checkpoint_offsets,
-                         checkpoints, checkpoint_slots)
+                         checkpoints, checkpoint_slots, layer)
     check(fkda_fwd(live_handle(plan), Ref(args), raw_pointer(workspace), Csize_t(workspace_bytes),
                    stream_handle(stream)))
     return nothing
@@ -845,26 +971,34 @@ end
          initial_state=nothing, final_state=nothing, cu_seqlens=nothing,
          state_pool=nothing, state_indices=nothing, has_initial_state=nothing,
          checkpoint_offsets=nothing, checkpoints=nothing, checkpoint_slots=nothing,
-         null_slot_rule=:negative, gate_mode=:bounded, beta_mode=:logits)
+         null_slot_rule=:negative, gate_mode=:bounded, beta_mode=:logits,
+         conv_weight=nothing, conv_bias=nothing, conv_state=nothing, out_gate=nothing,
+         out_norm_weight=nothing, out_norm_eps=1f-5)
 
 The forward pass with the arguments of FlashKDA's `flash_kda.fwd`, through a
 temporary plan: host arrays run on the CPU backend, CuArrays on the GPU; the
-state dtype follows the states given (Float32 when none). The pool arguments
-are those of `fwd!(plan, ...)`; `gate_mode` and `beta_mode` those of `Plan`
-(`lower_bound`, `A_log` and `dt_bias` may then be `nothing`).
+state dtype follows the states given (Float32 when none). The pool and layer
+step arguments are those of `fwd!(plan, ...)` (the plan is created with
+`layer_step` when `conv_weight` is given); `gate_mode` and `beta_mode` those
+of `Plan` (`lower_bound`, `A_log` and `dt_bias` may then be `nothing`).
 """
 function fwd!(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound;
               initial_state=nothing, final_state=nothing, cu_seqlens=nothing,
               state_pool=nothing, state_indices=nothing, has_initial_state=nothing,
               checkpoint_offsets=nothing, checkpoints=nothing, checkpoint_slots=nothing,
-              null_slot_rule=:negative, gate_mode=:bounded, beta_mode=:logits)
+              null_slot_rule=:negative, gate_mode=:bounded, beta_mode=:logits,
+              conv_weight=nothing, conv_bias=nothing, conv_state=nothing, out_gate=nothing,
+              out_norm_weight=nothing, out_norm_eps=DEFAULT_OUT_NORM_EPS)
     with_temporary_plan(q, A_log, something(initial_state, final_state, state_pool, missing),
-                        lower_bound, null_slot_rule, gate_mode, beta_mode) do plan
+                        lower_bound, null_slot_rule, gate_mode, beta_mode;
+                        layer_step=conv_weight !== nothing) do plan
         fwd!(plan, q, k, v, g, beta, scale, out, A_log, dt_bias;
              initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens,
              state_pool=state_pool, state_indices=state_indices, has_initial_state=has_initial_state,
              checkpoint_offsets=checkpoint_offsets, checkpoints=checkpoints,
-             checkpoint_slots=checkpoint_slots)
+             checkpoint_slots=checkpoint_slots, conv_weight=conv_weight, conv_bias=conv_bias,
+             conv_state=conv_state, out_gate=out_gate, out_norm_weight=out_norm_weight,
+             out_norm_eps=out_norm_eps)
     end
     return out
 end
@@ -872,24 +1006,30 @@ end
 """
     decode!(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, state_pool, state_indices;
             num_accepted_tokens=nothing, cu_seqlens=nothing, null_slot_rule=:negative,
-            gate_mode=:bounded, beta_mode=:logits)
+            gate_mode=:bounded, beta_mode=:logits, conv_weight=nothing, conv_bias=nothing,
+            conv_state=nothing, out_gate=nothing, out_norm_weight=nothing, out_norm_eps=1f-5)
 
 `decode!(plan, ...)` through a temporary plan whose state dtype is the pool's.
 """
 function decode!(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, state_pool, state_indices;
                  num_accepted_tokens=nothing, cu_seqlens=nothing, null_slot_rule=:negative,
-                 gate_mode=:bounded, beta_mode=:logits)
+                 gate_mode=:bounded, beta_mode=:logits, conv_weight=nothing, conv_bias=nothing,
+                 conv_state=nothing, out_gate=nothing, out_norm_weight=nothing,
+                 out_norm_eps=DEFAULT_OUT_NORM_EPS)
     with_temporary_plan(q, A_log, something(state_pool, missing), lower_bound, null_slot_rule,
                         gate_mode, beta_mode) do plan
         decode!(plan, q, k, v, g, beta, scale, out, A_log, dt_bias, state_pool, state_indices;
-                num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens)
+                num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens,
+                conv_weight=conv_weight, conv_bias=conv_bias, conv_state=conv_state,
+                out_gate=out_gate, out_norm_weight=out_norm_weight, out_norm_eps=out_norm_eps)
     end
     return out
 end
 
 # Runs f(plan) on a plan made for q's memory, q's (or A_log's) head count and
 # the state's dtype, closed afterwards.
-function with_temporary_plan(f, q, A_log, state, lower_bound, null_slot_rule, gate_mode, beta_mode)
+function with_temporary_plan(f, q, A_log, state, lower_bound, null_slot_rule, gate_mode, beta_mode;
+                             layer_step=false)
     lead = something(q, A_log, missing)
     kind = lead === missing ? :host : something(memory_kind(lead), :host)
     num_heads = q isa AbstractArray && ndims(q) == 4 ? size(q, 2) :
@@ -898,7 +1038,7 @@ function with_temporary_plan(f, q, A_log, state, lower_bound, null_slot_rule, ga
                   dtype_of(eltype(state)) in (FKDA_DTYPE_BF16, FKDA_DTYPE_F32) ? eltype(state) : Float32
     plan = Plan(num_heads; state_dtype=state_dtype, backend=kind == :device ? :gpu : :cpu,
                 lower_bound=lower_bound, null_slot_rule=null_slot_rule, gate_mode=gate_mode,
-                beta_mode=beta_mode)
+                beta_mode=beta_mode, layer_step=layer_step)
     try
         f(plan)
     finally

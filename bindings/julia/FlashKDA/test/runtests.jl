@@ -158,6 +158,43 @@ function check_accuracy(p::Problem, out, final_state)
     @test rel_l2(final_state, expected_state) <= 5e-3
 end
 
+# The layer step's convolution of one projection in Float64, every sequence
+# starting from its row of `state`: raw (K, H, T, B) bf16, weight (W, H*K),
+# bias (H*K,), state (Wc, H*K, N). Returns the convolved inputs rounded to
+# bf16, as fwd! stages them, and the conv states after the call.
+function convolve(p::Problem, raw, weight, bias, state)
+    _, heads, seq_len, batch = size(raw)
+    width, state_width = size(weight, 1), size(state, 1)
+    sequences = p.cu_seqlens === nothing ? [(b, 1, seq_len) for b in 1:batch] :
+                [(1, p.cu_seqlens[n] + 1, p.cu_seqlens[n+1]) for n in 1:length(p.cu_seqlens)-1]
+    convolved = copy(raw)
+    after = copy(state)
+    for (n, (b, start_t, stop_t)) in enumerate(sequences)
+        stop_t < start_t && continue
+        for h in 1:heads, i in 1:DIM
+            c = (h - 1) * DIM + i
+            window = vcat(Float64.(state[:, c, n]), [Float64(from_bf16(raw[i, h, t, b])) for t in start_t:stop_t])
+            for (j, t) in enumerate(start_t:stop_t)
+                taps = window[state_width+j-width+1:state_width+j]
+                pre = bias[c] + sum(Float64.(weight[:, c]) .* taps)
+                convolved[i, h, t, b] = to_bf16(Float32(pre * sigmoid(pre)))
+            end
+            after[:, c, n] = window[end-state_width+1:end]
+        end
+    end
+    return convolved, after
+end
+
+# RMSNorm(o) * w * sigmoid(g_out) over each head's V values, in place.
+function gate_output!(out, gate, norm_weight)
+    for index in CartesianIndices(size(out)[2:end])
+        o = out[:, index]
+        inverse_rms = 1 / sqrt(sum(abs2, o) / length(o) + 1e-5)
+        out[:, index] = o .* inverse_rms .* Float64.(norm_weight) .* sigmoid.(Float64.(from_bf16(gate[:, index])))
+    end
+    return out
+end
+
 function expect_error(f, argument; status=FKDA_ERROR_INVALID_ARGUMENT)
     caught = try
         f()
@@ -481,6 +518,65 @@ end
         @test outside isa FlashKDAError && startswith(outside.message, "state_indices")
         @test decode_workspace_size(plan, 6, 3) >= 0
         close(plan)
+    end
+
+    @testset "layer step" begin
+        p = make_problem(rng; seq_lens=[13, 0, 30], heads=2)
+        width, state_width, channels = 4, 3, 2 * DIM
+        weights = [0.5f0 .* randn(rng, Float32, width, channels) for _ in 1:3]
+        biases = [0.2f0 .* randn(rng, Float32, channels) for _ in 1:3]
+        # Raw inputs are bf16: states holding bf16 values compare exactly.
+        states = [from_bf16(to_bf16(randn(rng, Float32, state_width, channels, 3))) for _ in 1:3]
+        gate = to_bf16(randn(rng, Float32, size(p.v)))
+        norm_weight = 1 .+ 0.3f0 .* randn(rng, Float32, DIM)
+        convolved = [convolve(p, raw, weights[i], biases[i], states[i]) for (i, raw) in enumerate((p.q, p.k, p.v))]
+        inputs = Problem(convolved[1][1], convolved[2][1], convolved[3][1], p.g, p.beta, p.A_log, p.dt_bias,
+                         p.scale, p.lower_bound, p.initial_state, p.cu_seqlens)
+        expected_out, expected_state = reference(inputs)
+        gate_output!(expected_out, gate, norm_weight)
+
+        # Per projection, through a temporary plan created with layer_step.
+        conv_state = copy.(states)
+        out = fill(BF16_NAN, size(p.v))
+        final_state = fill(NaN32, DIM, DIM, 2, 3)
+        fwd!(p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias, p.lower_bound;
+             initial_state=p.initial_state, final_state=final_state, cu_seqlens=p.cu_seqlens,
+             conv_weight=Tuple(weights), conv_bias=Tuple(biases), conv_state=Tuple(conv_state),
+             out_gate=gate, out_norm_weight=norm_weight)
+        @test !any(isnan, from_bf16(out))
+        @test rel_l2(from_bf16(out), expected_out) <= 1e-2
+        @test rel_l2(final_state, expected_state) <= 1e-2
+        for i in 1:3
+            @test conv_state[i] == convolved[i][2]
+        end
+
+        # Packed: torch's (W, 1, 3*H*K) weight and a (3*H*K,) bias, split into
+        # views: the same bits. (A packed state of 3 rows would overlap itself.)
+        packed_states = copy.(states)
+        packed_out = fill(BF16_NAN, size(p.v))
+        packed_final = fill(NaN32, DIM, DIM, 2, 3)
+        plan = Plan(2; backend=:cpu, layer_step=true)
+        fwd!(plan, p.q, p.k, p.v, p.g, p.beta, p.scale, packed_out, p.A_log, p.dt_bias;
+             initial_state=p.initial_state, final_state=packed_final, cu_seqlens=p.cu_seqlens,
+             conv_weight=reshape(hcat(weights...), width, 1, 3 * channels), conv_bias=vcat(biases...),
+             conv_state=Tuple(packed_states), out_gate=gate, out_norm_weight=norm_weight)
+        @test packed_out == out
+        @test packed_final == final_state
+        @test packed_states == conv_state
+        @test workspace_size(plan, 43, 3) > 0
+        close(plan)
+
+        plain = Plan(2; backend=:cpu)
+        call(plan; keywords...) =
+            fwd!(plan, p.q, p.k, p.v, p.g, p.beta, p.scale, out, p.A_log, p.dt_bias;
+                 cu_seqlens=p.cu_seqlens, keywords...)
+        expect_error(() -> call(plain; conv_weight=Tuple(weights)), "layer.conv_weight_q")
+        expect_error(() -> call(plain; conv_weight=weights[1:2]), "conv_weight")
+        expect_error(() -> call(plain; conv_bias=zeros(Float32, 3 * channels + 1)), "conv_bias")
+        expect_error(() -> call(plain; out_gate=gate), "layer.out_norm_weight")
+        expect_error(() -> call(plain; out_gate=gate, out_norm_weight=norm_weight, out_norm_eps=0),
+                     "layer.out_norm_eps")
+        close(plain)
     end
 
     @testset "finding the library" begin

@@ -18,7 +18,7 @@ use core::mem::size_of;
 use core::ptr::null_mut;
 
 pub const FKDA_VERSION_MAJOR: u32 = 0;
-pub const FKDA_VERSION_MINOR: u32 = 4;
+pub const FKDA_VERSION_MINOR: u32 = 5;
 pub const FKDA_VERSION_PATCH: u32 = 0;
 pub const FKDA_VERSION_NUMBER: u32 =
     FKDA_VERSION_MAJOR * 10000 + FKDA_VERSION_MINOR * 100 + FKDA_VERSION_PATCH;
@@ -133,6 +133,7 @@ pub struct fkda_plan_desc {
     pub chunk_parallel: i32,
     pub window_slots: i64,
     pub segment_chunks: i64,
+    pub layer_step: i32,
 }
 
 /// FKDA_PLAN_DESC_INIT.
@@ -153,6 +154,44 @@ pub const FKDA_PLAN_DESC_INIT: fkda_plan_desc = fkda_plan_desc {
     chunk_parallel: FKDA_CHUNK_PARALLEL_AUTO,
     window_slots: 0,
     segment_chunks: 0,
+    layer_step: 0,
+};
+
+// -------------------------------------------------------------- layer step
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct fkda_layer_step {
+    pub conv_weight_q: fkda_tensor,
+    pub conv_weight_k: fkda_tensor,
+    pub conv_weight_v: fkda_tensor,
+    pub conv_bias_q: fkda_tensor,
+    pub conv_bias_k: fkda_tensor,
+    pub conv_bias_v: fkda_tensor,
+    pub conv_state_q: fkda_tensor,
+    pub conv_state_k: fkda_tensor,
+    pub conv_state_v: fkda_tensor,
+    pub out_gate: fkda_tensor,
+    pub out_norm_weight: fkda_tensor,
+    pub out_norm_eps: f32,
+    pub reserved: i32,
+}
+
+/// FKDA_LAYER_STEP_INIT: every tensor absent, out_norm_eps 1e-5.
+pub const FKDA_LAYER_STEP_INIT: fkda_layer_step = fkda_layer_step {
+    conv_weight_q: FKDA_TENSOR_NONE,
+    conv_weight_k: FKDA_TENSOR_NONE,
+    conv_weight_v: FKDA_TENSOR_NONE,
+    conv_bias_q: FKDA_TENSOR_NONE,
+    conv_bias_k: FKDA_TENSOR_NONE,
+    conv_bias_v: FKDA_TENSOR_NONE,
+    conv_state_q: FKDA_TENSOR_NONE,
+    conv_state_k: FKDA_TENSOR_NONE,
+    conv_state_v: FKDA_TENSOR_NONE,
+    out_gate: FKDA_TENSOR_NONE,
+    out_norm_weight: FKDA_TENSOR_NONE,
+    out_norm_eps: 1e-5,
+    reserved: 0,
 };
 
 // ----------------------------------------------------------------- forward
@@ -179,6 +218,7 @@ pub struct fkda_fwd_args {
     pub checkpoint_offsets: fkda_tensor,
     pub checkpoints: fkda_tensor,
     pub checkpoint_slots: fkda_tensor,
+    pub layer: fkda_layer_step,
 }
 
 /// FKDA_FWD_ARGS_INIT: every tensor absent, scale 128^-0.5.
@@ -202,6 +242,7 @@ pub const FKDA_FWD_ARGS_INIT: fkda_fwd_args = fkda_fwd_args {
     checkpoint_offsets: FKDA_TENSOR_NONE,
     checkpoints: FKDA_TENSOR_NONE,
     checkpoint_slots: FKDA_TENSOR_NONE,
+    layer: FKDA_LAYER_STEP_INIT,
 };
 
 // ------------------------------------------------------------------ decode
@@ -223,6 +264,7 @@ pub struct fkda_decode_args {
     pub num_accepted_tokens: fkda_tensor,
     pub cu_seqlens: fkda_tensor,
     pub scale: f32,
+    pub layer: fkda_layer_step,
 }
 
 /// FKDA_DECODE_ARGS_INIT: every tensor absent, scale 128^-0.5.
@@ -241,6 +283,7 @@ pub const FKDA_DECODE_ARGS_INIT: fkda_decode_args = fkda_decode_args {
     num_accepted_tokens: FKDA_TENSOR_NONE,
     cu_seqlens: FKDA_TENSOR_NONE,
     scale: 0.088_388_347_648_318_45,
+    layer: FKDA_LAYER_STEP_INIT,
 };
 
 // ------------------------------------------------------------- transitions

@@ -598,16 +598,21 @@ mirrors! {
     fkda_plan_desc = FKDA_PLAN_DESC_INIT {
         struct_size, num_heads, head_dim_k, head_dim_v, state_dtype, state_layout, backend,
         lower_bound, null_slot_rule, debug_checks, gate_mode, beta_mode, vsplit, chunk_parallel,
-        window_slots, segment_chunks,
+        window_slots, segment_chunks, layer_step,
+    }
+    fkda_layer_step = FKDA_LAYER_STEP_INIT {
+        conv_weight_q, conv_weight_k, conv_weight_v, conv_bias_q, conv_bias_k, conv_bias_v,
+        conv_state_q, conv_state_k, conv_state_v, out_gate, out_norm_weight, out_norm_eps,
+        reserved,
     }
     fkda_fwd_args = FKDA_FWD_ARGS_INIT {
         struct_size, q, k, v, g, beta, A_log, dt_bias, out, initial_state, final_state,
         cu_seqlens, scale, state_pool, state_indices, has_initial_state, checkpoint_offsets,
-        checkpoints, checkpoint_slots,
+        checkpoints, checkpoint_slots, layer,
     }
     fkda_decode_args = FKDA_DECODE_ARGS_INIT {
         struct_size, q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_indices,
-        num_accepted_tokens, cu_seqlens, scale,
+        num_accepted_tokens, cu_seqlens, scale, layer,
     }
     fkda_transition_args = FKDA_TRANSITION_ARGS_INIT {
         struct_size, k, v, g, beta, A_log, dt_bias, cu_seqlens, transition_m, transition_e,

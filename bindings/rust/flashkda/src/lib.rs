@@ -16,6 +16,12 @@
 //! `g` and `beta` are [`Values`]: bf16 or f32 (f32 `g` with
 //! [`GateMode::LogDecay`] only).
 //!
+//! The layer step around the recurrence (the convolution of q, k and v from
+//! their raw projections, the gated RMSNorm of the output) is a
+//! [`LayerStep`] passed to [`Plan::fwd_host_layer`],
+//! [`Plan::fwd_host_pool_layer`] and [`Plan::decode_host_layer`], or a
+//! [`RawLayerStep`] in the raw calls' arguments.
+//!
 //! ```no_run
 //! use flashkda::{HostFwd, Plan, PlanDesc, Backend, StateMut, Values, to_bf16};
 //!
@@ -293,6 +299,10 @@ pub struct PlanDesc {
     pub gate_mode: GateMode,
     /// Whether `beta` holds logits or probabilities.
     pub beta_mode: BetaMode,
+    /// Forward calls may take the layer step's convolution ([`Conv`],
+    /// [`RawLayerStep::conv_weight`]); the workspace sizes count what it
+    /// needs. Decode and the output gate need no flag.
+    pub layer_step: bool,
 }
 
 impl PlanDesc {
@@ -310,6 +320,7 @@ impl PlanDesc {
             debug_checks: false,
             gate_mode: GateMode::Bounded,
             beta_mode: BetaMode::Logits,
+            layer_step: false,
         }
     }
 
@@ -332,6 +343,7 @@ impl PlanDesc {
             debug_checks: self.debug_checks as i32,
             gate_mode: self.gate_mode.raw(),
             beta_mode: self.beta_mode.raw(),
+            layer_step: self.layer_step as i32,
             ..sys::FKDA_PLAN_DESC_INIT
         }
     }
@@ -525,7 +537,37 @@ impl Plan {
     /// written back there (see [`HostPool`]). `args.initial_state` and
     /// `args.final_state` stay `None`.
     pub fn fwd_host_pool(&self, args: HostFwd<'_>, pool: HostPool<'_>, workspace: Option<&mut [u8]>) -> Result<()> {
+        let (raw, sizes) = self.host_pool_args(&args, &pool)?;
+        self.run_host(Entry::Fwd(&raw), sizes, workspace)
+    }
+
+    /// [`Plan::fwd_host`] with the layer step around the recurrence: q, k
+    /// and v are the raw projections when `layer.conv` is given (a plan
+    /// with [`PlanDesc::layer_step`]); its conv states have a row per
+    /// sequence.
+    pub fn fwd_host_layer(&self, args: HostFwd<'_>, layer: LayerStep<'_>, workspace: Option<&mut [u8]>) -> Result<()> {
         let (mut raw, sizes) = self.host_fwd_args(&args)?;
+        raw.layer = self.layer_tensors(&layer, &args, sizes.1 as usize)?;
+        self.run_host(Entry::Fwd(&raw), sizes, workspace)
+    }
+
+    /// [`Plan::fwd_host_pool`] with the layer step: the conv states have a
+    /// row per pool slot, read and written with the slot's state.
+    pub fn fwd_host_pool_layer(
+        &self,
+        args: HostFwd<'_>,
+        pool: HostPool<'_>,
+        layer: LayerStep<'_>,
+        workspace: Option<&mut [u8]>,
+    ) -> Result<()> {
+        let (mut raw, sizes) = self.host_pool_args(&args, &pool)?;
+        raw.layer = self.layer_tensors(&layer, &args, pool.slots)?;
+        self.run_host(Entry::Fwd(&raw), sizes, workspace)
+    }
+
+    /// fkda_fwd_args of a host forward call on a pool and its (total_tokens, num_seqs).
+    fn host_pool_args(&self, args: &HostFwd<'_>, pool: &HostPool<'_>) -> Result<(sys::fkda_fwd_args, (i64, i64))> {
+        let (mut raw, sizes) = self.host_fwd_args(args)?;
         let num_seqs = sizes.1 as usize;
         let slot_shape = self.slot_shape(pool.slots);
         raw.state_pool = state_tensor("state_pool", &pool.pool, &slot_shape)?;
@@ -547,7 +589,7 @@ impl Plan {
                 }
             }
         }
-        self.run_host(Entry::Fwd(&raw), sizes, workspace)
+        Ok((raw, sizes))
     }
 
     /// The decode step on host memory (a CPU plan): 1 to 16 tokens per
@@ -557,12 +599,33 @@ impl Plan {
     /// `None`. `workspace: None` allocates one of
     /// [`Plan::decode_workspace_size`] bytes.
     pub fn decode_host(&self, args: HostFwd<'_>, pool: DecodePool<'_>, workspace: Option<&mut [u8]>) -> Result<()> {
+        let (raw, sizes) = self.host_decode_args(&args, &pool)?;
+        self.run_host(Entry::Decode(&raw), sizes, workspace)
+    }
+
+    /// [`Plan::decode_host`] with the layer step: the conv states have a row
+    /// per pool slot, read and written with the slot's state (an `[N, W]`
+    /// slot table takes no convolution).
+    pub fn decode_host_layer(
+        &self,
+        args: HostFwd<'_>,
+        pool: DecodePool<'_>,
+        layer: LayerStep<'_>,
+        workspace: Option<&mut [u8]>,
+    ) -> Result<()> {
+        let (mut raw, sizes) = self.host_decode_args(&args, &pool)?;
+        raw.layer = self.layer_tensors(&layer, &args, pool.slots)?;
+        self.run_host(Entry::Decode(&raw), sizes, workspace)
+    }
+
+    /// fkda_decode_args of a host decode call and its (total_tokens, num_seqs).
+    fn host_decode_args(&self, args: &HostFwd<'_>, pool: &DecodePool<'_>) -> Result<(sys::fkda_decode_args, (i64, i64))> {
         for (name, given) in [("initial_state", args.initial_state.is_some()), ("final_state", args.final_state.is_some())] {
             if given {
                 return Err(Error::invalid(format!("{name}: decode reads and writes its states in the pool")));
             }
         }
-        let activations = self.host_activations(&args)?;
+        let activations = self.host_activations(args)?;
         let num_seqs = activations.num_seqs;
         let mut raw = sys::FKDA_DECODE_ARGS_INIT;
         raw.q = activations.q;
@@ -583,7 +646,41 @@ impl Plan {
         if let Some(accepted) = &pool.num_accepted_tokens {
             raw.num_accepted_tokens = accepted.tensor("num_accepted_tokens", &[num_seqs])?;
         }
-        self.run_host(Entry::Decode(&raw), activations.sizes(), workspace)
+        Ok((raw, activations.sizes()))
+    }
+
+    /// The layer step's descriptors, each slice checked against its shape;
+    /// the conv states have `rows` rows.
+    fn layer_tensors(&self, layer: &LayerStep<'_>, args: &HostFwd<'_>, rows: usize) -> Result<sys::fkda_layer_step> {
+        let heads = self.desc.num_heads.max(0) as usize;
+        let channels = heads * self.desc.head_dim_k.max(0) as usize;
+        let dim_v = self.desc.head_dim_v.max(0) as usize;
+        let mut raw = sys::FKDA_LAYER_STEP_INIT;
+        if let Some(conv) = &layer.conv {
+            let [q, k, v] = &conv.weights;
+            let shape = [channels, conv.width];
+            raw.conv_weight_q = q.tensor("layer.conv_weight_q", &shape)?;
+            raw.conv_weight_k = k.tensor("layer.conv_weight_k", &shape)?;
+            raw.conv_weight_v = v.tensor("layer.conv_weight_v", &shape)?;
+            if let Some([q, k, v]) = &conv.biases {
+                raw.conv_bias_q = q.tensor("layer.conv_bias_q", &[channels])?;
+                raw.conv_bias_k = k.tensor("layer.conv_bias_k", &[channels])?;
+                raw.conv_bias_v = v.tensor("layer.conv_bias_v", &[channels])?;
+            }
+            if let Some(states) = &conv.states {
+                let shape = [rows, channels, states.width];
+                raw.conv_state_q = state_tensor("layer.conv_state_q", &states.q, &shape)?;
+                raw.conv_state_k = state_tensor("layer.conv_state_k", &states.k, &shape)?;
+                raw.conv_state_v = state_tensor("layer.conv_state_v", &states.v, &shape)?;
+            }
+        }
+        if let Some(gate) = &layer.out_gate {
+            let shape = [args.batch, args.seq_len, heads, dim_v];
+            raw.out_gate = host_tensor("layer.out_gate", gate.gate, Dtype::Bf16, &shape)?;
+            raw.out_norm_weight = gate.norm_weight.tensor("layer.out_norm_weight", &[dim_v])?;
+            raw.out_norm_eps = gate.eps;
+        }
+        Ok(raw)
     }
 
     /// `[slots, H, V, K]` (or `[slots, H, K, V]`) in this plan's layout.
@@ -914,6 +1011,101 @@ pub struct DecodePool<'a> {
     pub num_accepted_tokens: Option<Indices<'a>>,
 }
 
+/// The layer step around the recurrence (`fkda_layer_step`) of the host
+/// calls: the convolution of q, k and v from their raw projections and the
+/// gated RMSNorm of the output, each optional ([`LayerStep::new`] has
+/// neither):
+///
+/// ```text
+/// x'[t][c] = silu(bias[c] + sum_{j<W} weight[c][j] x[t-W+1+j][c])   each channel c of H*K
+/// o'[v]    = o[v] / sqrt(mean_v(o^2) + eps) * w[v] * sigmoid(g_out[v])  each head
+/// ```
+#[derive(Default)]
+pub struct LayerStep<'a> {
+    pub conv: Option<Conv<'a>>,
+    pub out_gate: Option<OutGate<'a>>,
+}
+
+impl<'a> LayerStep<'a> {
+    pub fn new() -> LayerStep<'a> {
+        LayerStep::default()
+    }
+
+    pub fn conv(mut self, conv: Conv<'a>) -> LayerStep<'a> {
+        self.conv = Some(conv);
+        self
+    }
+
+    pub fn out_gate(mut self, out_gate: OutGate<'a>) -> LayerStep<'a> {
+        self.out_gate = Some(out_gate);
+        self
+    }
+}
+
+/// The causal depthwise convolution of width `width` (2 to 4) with SiLU: the
+/// call's q, k and v are then the raw projections, and the convolved ones
+/// enter the recurrence. Forward calls need a plan with
+/// [`PlanDesc::layer_step`].
+pub struct Conv<'a> {
+    pub width: usize,
+    /// q's, k's and v's weights, `[H*K, W]` each, bf16 or f32 (one dtype).
+    pub weights: [Values<'a>; 3],
+    /// q's, k's and v's biases, `[H*K]` each, in the weights' dtype.
+    pub biases: Option<[Values<'a>; 3]>,
+    /// Without states every sequence starts from zeros.
+    pub states: Option<ConvStates<'a>>,
+}
+
+impl<'a> Conv<'a> {
+    /// The convolution of width `width` with these weights, without biases
+    /// and states.
+    pub fn new(width: usize, weights: [Values<'a>; 3]) -> Conv<'a> {
+        Conv { width, weights, biases: None, states: None }
+    }
+
+    pub fn biases(mut self, biases: [Values<'a>; 3]) -> Conv<'a> {
+        self.biases = Some(biases);
+        self
+    }
+
+    pub fn states(mut self, states: ConvStates<'a>) -> Conv<'a> {
+        self.states = Some(states);
+        self
+    }
+}
+
+/// The conv states of q, k and v, `[rows, H*K, Wc]` each, bf16 or f32 (one
+/// dtype): a row per sequence ([`Plan::fwd_host_layer`]) or per pool slot
+/// (the pool and decode calls). A row holds the raw inputs before its
+/// sequence's first token, oldest first, read where the sequence reads a
+/// recurrent state (zeros otherwise), and its last Wc raw inputs after the
+/// call.
+pub struct ConvStates<'a> {
+    /// Wc: W - 1 or W columns.
+    pub width: usize,
+    pub q: StateMut<'a>,
+    pub k: StateMut<'a>,
+    pub v: StateMut<'a>,
+}
+
+/// The output gate: `o = RMSNorm(o) * norm_weight * sigmoid(gate)` over each
+/// head's V values.
+pub struct OutGate<'a> {
+    /// bf16 `[B, T, H, V]`, like `out`.
+    pub gate: &'a [u16],
+    /// `[V]`, bf16 or f32.
+    pub norm_weight: Values<'a>,
+    /// The RMSNorm's epsilon, finite and > 0.
+    pub eps: f32,
+}
+
+impl<'a> OutGate<'a> {
+    /// The gate with the default epsilon, 1e-5.
+    pub fn new(gate: &'a [u16], norm_weight: Values<'a>) -> OutGate<'a> {
+        OutGate { gate, norm_weight, eps: sys::FKDA_LAYER_STEP_INIT.out_norm_eps }
+    }
+}
+
 /// The checked descriptors every call has.
 struct HostActivations {
     num_seqs: usize,
@@ -1036,6 +1228,71 @@ impl RawTensor {
     }
 }
 
+/// The layer step of [`RawFwdArgs`] and [`RawDecodeArgs`]: `fkda_layer_step`
+/// over caller-described tensors, shapes and dtypes as in the header (see
+/// [`LayerStep`]). The arrays hold q's, k's and v's tensors; they may be
+/// views into one packed buffer (any strides).
+#[derive(Clone, Copy, Debug)]
+pub struct RawLayerStep {
+    /// `[H*K, W]` each: the convolution (a forward call needs a plan with
+    /// [`PlanDesc::layer_step`]).
+    pub conv_weight: Option<[RawTensor; 3]>,
+    /// `[H*K]` each.
+    pub conv_bias: Option<[RawTensor; 3]>,
+    /// `[rows, H*K, Wc]` each, written.
+    pub conv_state: Option<[RawTensor; 3]>,
+    /// bf16 `[B, T, H, V]`: the output gate.
+    pub out_gate: Option<RawTensor>,
+    /// `[V]`, with `out_gate`.
+    pub out_norm_weight: Option<RawTensor>,
+    pub out_norm_eps: f32,
+}
+
+impl Default for RawLayerStep {
+    /// Nothing given, `out_norm_eps` 1e-5: `FKDA_LAYER_STEP_INIT`.
+    fn default() -> RawLayerStep {
+        RawLayerStep {
+            conv_weight: None,
+            conv_bias: None,
+            conv_state: None,
+            out_gate: None,
+            out_norm_weight: None,
+            out_norm_eps: sys::FKDA_LAYER_STEP_INIT.out_norm_eps,
+        }
+    }
+}
+
+impl RawLayerStep {
+    pub fn to_sys(&self) -> sys::fkda_layer_step {
+        let three = |tensors: &Option<[RawTensor; 3]>| match tensors {
+            Some([q, k, v]) => [q.to_sys(), k.to_sys(), v.to_sys()],
+            None => [sys::FKDA_TENSOR_NONE; 3],
+        };
+        let [conv_weight_q, conv_weight_k, conv_weight_v] = three(&self.conv_weight);
+        let [conv_bias_q, conv_bias_k, conv_bias_v] = three(&self.conv_bias);
+        let [conv_state_q, conv_state_k, conv_state_v] = three(&self.conv_state);
+        sys::fkda_layer_step {
+            conv_weight_q,
+            conv_weight_k,
+            conv_weight_v,
+            conv_bias_q,
+            conv_bias_k,
+            conv_bias_v,
+            conv_state_q,
+            conv_state_k,
+            conv_state_v,
+            out_gate: optional_tensor(&self.out_gate),
+            out_norm_weight: optional_tensor(&self.out_norm_weight),
+            out_norm_eps: self.out_norm_eps,
+            ..sys::FKDA_LAYER_STEP_INIT
+        }
+    }
+}
+
+fn optional_layer(layer: &Option<RawLayerStep>) -> sys::fkda_layer_step {
+    layer.map_or(sys::FKDA_LAYER_STEP_INIT, |l| l.to_sys())
+}
+
 /// Arguments of [`Plan::fwd_raw`]; the shapes are those of `fkda_fwd_args`.
 #[derive(Clone, Copy, Debug)]
 pub struct RawFwdArgs {
@@ -1054,6 +1311,8 @@ pub struct RawFwdArgs {
     pub scale: f32,
     /// States in a pool and checkpoints, as in `fkda_fwd_args`.
     pub pool: Option<RawPoolArgs>,
+    /// The layer step around the recurrence.
+    pub layer: Option<RawLayerStep>,
 }
 
 /// The pool fields of `fkda_fwd_args`.
@@ -1095,6 +1354,7 @@ impl RawFwdArgs {
             checkpoint_offsets: pool_field(|p| p.checkpoint_offsets),
             checkpoints: pool_field(|p| p.checkpoints),
             checkpoint_slots: pool_field(|p| p.checkpoint_slots),
+            layer: optional_layer(&self.layer),
             ..sys::FKDA_FWD_ARGS_INIT
         }
     }
@@ -1117,6 +1377,8 @@ pub struct RawDecodeArgs {
     pub num_accepted_tokens: Option<RawTensor>,
     pub cu_seqlens: Option<RawTensor>,
     pub scale: f32,
+    /// The layer step around the recurrence (conv state rows are pool slots).
+    pub layer: Option<RawLayerStep>,
 }
 
 impl RawDecodeArgs {
@@ -1135,6 +1397,7 @@ impl RawDecodeArgs {
             num_accepted_tokens: optional_tensor(&self.num_accepted_tokens),
             cu_seqlens: optional_tensor(&self.cu_seqlens),
             scale: self.scale,
+            layer: optional_layer(&self.layer),
             ..sys::FKDA_DECODE_ARGS_INIT
         }
     }

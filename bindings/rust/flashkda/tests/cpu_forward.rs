@@ -3,10 +3,12 @@
 //! recurrence on random inputs, plan reuse, and the error paths.
 
 use flashkda::{
-    build_info, from_bf16, query_device, to_bf16, version, version_string, Backend, BetaMode, CheckpointDestination,
-    DecodePool, Dtype, Error, GateMode, HostCheckpoints, HostFwd, HostPool, HostTransitions, Indices, NullSlotRule, Plan, PlanDesc,
-    RawDecodeArgs, RawFwdArgs, RawTensor, SeqLens, StateMut, StateRef, Status, Values,
+    build_info, from_bf16, query_device, to_bf16, version, version_string, Backend, BetaMode, CheckpointDestination, Conv,
+    ConvStates, DecodePool, Dtype, Error, GateMode, HostCheckpoints, HostFwd, HostPool, HostTransitions, Indices, LayerStep,
+    NullSlotRule, OutGate, Plan, PlanDesc, RawDecodeArgs, RawFwdArgs, RawLayerStep, RawTensor, SeqLens, StateMut, StateRef,
+    Status, Values,
 };
+use flashkda_sys as sys;
 use std::ffi::c_void;
 use std::ptr::null_mut;
 
@@ -479,6 +481,7 @@ fn raw_forward_on_host_pointers_matches_fwd_host() {
         cu_seqlens: None,
         scale: problem.scale,
         pool: None,
+        layer: None,
     };
     let mut workspace = vec![0u8; plan.workspace_size(24, 1).unwrap()];
     // SAFETY: every pointer is a live host buffer of the described shape.
@@ -989,6 +992,7 @@ fn raw_decode_takes_absent_gate_parameters() {
         num_accepted_tokens: None,
         cu_seqlens: None,
         scale: problem.scale,
+        layer: None,
     };
     // SAFETY: every pointer is a live host buffer of the described shape;
     // decode needs no workspace.
@@ -1088,4 +1092,290 @@ fn transitions_of_pieces_compose_to_the_forward_pass() {
     // A missing final state is named.
     let error = plan.apply_transitions_host(2, 1, &m, &e, None, StateMut::F32(&mut state[..10])).unwrap_err();
     assert!(error.message.starts_with("final_state"), "{}", error.message);
+}
+
+// -------------------------------------------------------------- layer step
+
+#[test]
+fn layer_step_structs_have_the_header_sizes() {
+    // The LP64 sizes flashkda.h lists for 0.5.
+    assert_eq!(std::mem::size_of::<sys::fkda_plan_desc>(), 88);
+    assert_eq!(std::mem::size_of::<sys::fkda_layer_step>(), 1240);
+    assert_eq!(std::mem::size_of::<sys::fkda_fwd_args>(), 3160);
+    assert_eq!(std::mem::size_of::<sys::fkda_decode_args>(), 2600);
+    assert_eq!(sys::FKDA_FWD_ARGS_INIT.struct_size, 3160);
+    assert_eq!(sys::FKDA_DECODE_ARGS_INIT.struct_size, 2600);
+    assert_eq!(sys::FKDA_PLAN_DESC_INIT.struct_size, 88);
+    assert_eq!(sys::FKDA_VERSION_NUMBER, 500);
+    assert_eq!(version(), sys::FKDA_VERSION_NUMBER);
+}
+
+#[test]
+fn raw_layer_step_fills_the_layer_member() {
+    // Only addresses matter here: nothing is called.
+    let mut buffers = vec![0f32; 16];
+    let base_ptr = buffers.as_mut_ptr();
+    let tensor =
+        |offset: usize, shape: &[i64]| RawTensor::new(base_ptr.wrapping_add(offset).cast(), Dtype::F32, shape, None).unwrap();
+    let weights = [tensor(0, &[256, 4]), tensor(1, &[256, 4]), tensor(2, &[256, 4])];
+    let states = [tensor(3, &[2, 256, 3]), tensor(4, &[2, 256, 3]), tensor(5, &[2, 256, 3])];
+    let layer = RawLayerStep {
+        conv_weight: Some(weights),
+        conv_state: Some(states),
+        out_gate: Some(tensor(6, &[1, 5, 2, 128])),
+        out_norm_weight: Some(tensor(7, &[128])),
+        out_norm_eps: 1e-3,
+        ..RawLayerStep::default()
+    };
+    let raw = layer.to_sys();
+    let data = |t: &sys::fkda_tensor| t.data as usize;
+    let base = base_ptr as usize;
+    let at = |i: usize| base + 4 * i;
+    assert_eq!(
+        [&raw.conv_weight_q, &raw.conv_weight_k, &raw.conv_weight_v, &raw.conv_state_q, &raw.conv_state_k, &raw.conv_state_v]
+            .map(data),
+        [at(0), at(1), at(2), at(3), at(4), at(5)]
+    );
+    assert_eq!((data(&raw.out_gate), data(&raw.out_norm_weight)), (at(6), at(7)));
+    assert_eq!(raw.conv_weight_q.shape[..2], [256, 4]);
+    assert_eq!(raw.conv_state_v.rank, 3);
+    assert!(raw.conv_bias_q.data.is_null() && raw.conv_bias_v.rank == 0);
+    assert_eq!((raw.out_norm_eps, raw.reserved), (1e-3, 0));
+
+    // Absent: FKDA_LAYER_STEP_INIT, in fwd and decode args alike.
+    let none = RawLayerStep::default().to_sys();
+    assert!(none.conv_weight_q.data.is_null() && none.out_gate.data.is_null());
+    assert_eq!(none.out_norm_eps, sys::FKDA_LAYER_STEP_INIT.out_norm_eps);
+    let activation = tensor(0, &[1, 5, 2, 128]);
+    let decode = RawDecodeArgs {
+        q: activation,
+        k: activation,
+        v: activation,
+        g: activation,
+        beta: tensor(0, &[1, 5, 2]),
+        a_log: None,
+        dt_bias: None,
+        out: activation,
+        state_pool: tensor(0, &[2, 2, 128, 128]),
+        state_indices: tensor(0, &[1]),
+        num_accepted_tokens: None,
+        cu_seqlens: None,
+        scale: 0.5,
+        layer: Some(layer),
+    };
+    let decode_raw = decode.to_sys();
+    assert_eq!(data(&decode_raw.layer.conv_state_k), at(4));
+    assert_eq!(decode_raw.layer.out_norm_eps, 1e-3);
+    assert!(RawDecodeArgs { layer: None, ..decode }.to_sys().layer.conv_weight_q.data.is_null());
+}
+
+#[test]
+fn layer_step_plans_count_the_convolution_in_the_workspace() {
+    let plain = cpu_plan(2);
+    let layer = Plan::new(&PlanDesc { backend: Backend::Cpu, layer_step: true, ..PlanDesc::new(2) }).unwrap();
+    assert!(layer.desc().layer_step && !plain.desc().layer_step);
+    assert!(layer.workspace_size(64, 2).unwrap() > plain.workspace_size(64, 2).unwrap());
+}
+
+/// A layer step's inputs: f32 weights, biases and conv states of q, k and v,
+/// an output gate and its RMSNorm weight.
+struct Layer {
+    width: usize,
+    state_width: usize,
+    weights: [Vec<f32>; 3],
+    biases: [Vec<f32>; 3],
+    states: [Vec<f32>; 3],
+    gate: Vec<u16>,
+    norm_weight: Vec<f32>,
+}
+
+impl Layer {
+    fn random(seed: u64, problem: &Problem, rows: usize, width: usize, state_width: usize) -> Layer {
+        let mut rng = Rng(seed);
+        let channels = problem.heads * DIM;
+        let mut draw = |n: usize, scale: f64, mean: f64| -> Vec<f32> { (0..n).map(|_| (mean + scale * rng.normal()) as f32).collect() };
+        let weights = [draw(channels * width, 0.5, 0.0), draw(channels * width, 0.5, 0.0), draw(channels * width, 0.5, 0.0)];
+        let biases = [draw(channels, 0.2, 0.0), draw(channels, 0.2, 0.0), draw(channels, 0.2, 0.0)];
+        // Raw inputs are bf16: states hold bf16 values, so they compare exactly.
+        let mut state = || -> Vec<f32> { draw(rows * channels * state_width, 1.0, 0.0).iter().map(|&x| from_bf16(to_bf16(x))).collect() };
+        let states = [state(), state(), state()];
+        let gate = draw(problem.q.len(), 1.0, 0.0).iter().map(|&x| to_bf16(x)).collect();
+        let norm_weight = draw(DIM, 0.3, 1.0);
+        Layer { width, state_width, weights, biases, states, gate, norm_weight }
+    }
+
+    /// The layer step of a call, over `states` (copies of self.states, written).
+    fn step<'a>(&'a self, states: &'a mut [Vec<f32>; 3]) -> LayerStep<'a> {
+        let [q, k, v] = states;
+        let values = |x: &'a [Vec<f32>; 3]| [Values::F32(&x[0]), Values::F32(&x[1]), Values::F32(&x[2])];
+        LayerStep::new()
+            .conv(Conv::new(self.width, values(&self.weights)).biases(values(&self.biases)).states(ConvStates {
+                width: self.state_width,
+                q: StateMut::F32(q),
+                k: StateMut::F32(k),
+                v: StateMut::F32(v),
+            }))
+            .out_gate(OutGate::new(&self.gate, Values::F32(&self.norm_weight)))
+    }
+
+    /// The problem with q, k and v convolved in f64 (SiLU, bias, each
+    /// sequence n from row rows[n] of the states, None: padding) and rounded
+    /// to bf16, and the conv states after the call.
+    fn convolved(&self, problem: &Problem, rows: &[Option<usize>]) -> (Problem, [Vec<f32>; 3]) {
+        let (channels, width, wc) = (problem.heads * DIM, self.width, self.state_width);
+        let sequences: Vec<(usize, usize, usize)> = match &problem.cu_seqlens {
+            Some(o) => (0..o.len() - 1).map(|n| (0, o[n] as usize, o[n + 1] as usize)).collect(),
+            None => (0..problem.batch).map(|b| (b, 0, problem.seq_len)).collect(),
+        };
+        let mut result = problem.clone();
+        let mut states = self.states.clone();
+        for (projection, (raw, out)) in [(&problem.q, &mut result.q), (&problem.k, &mut result.k), (&problem.v, &mut result.v)]
+            .into_iter()
+            .enumerate()
+        {
+            let state = &mut states[projection];
+            for (n, &(b, begin, end)) in sequences.iter().enumerate() {
+                let Some(row) = rows[n] else { continue };
+                if end == begin {
+                    continue;
+                }
+                for c in 0..channels {
+                    let at = (row * channels + c) * wc;
+                    // The state's columns, then the sequence's raw inputs.
+                    let mut window: Vec<f64> = state[at..at + wc].iter().map(|&x| x as f64).collect();
+                    window.extend((begin..end).map(|t| from_bf16(raw[(b * problem.seq_len + t) * channels + c]) as f64));
+                    for t in 0..end - begin {
+                        let taps = &window[wc - (width - 1) + t..wc + 1 + t];
+                        let pre: f64 = self.biases[projection][c] as f64
+                            + (0..width).map(|j| self.weights[projection][c * width + j] as f64 * taps[j]).sum::<f64>();
+                        out[(b * problem.seq_len + begin + t) * channels + c] = to_bf16((pre / (1.0 + (-pre).exp())) as f32);
+                    }
+                    let last = window.len() - wc;
+                    for (j, value) in window[last..].iter().enumerate() {
+                        state[at + j] = *value as f32;
+                    }
+                }
+            }
+        }
+        (result, states)
+    }
+
+    /// RMSNorm(o) * w * sigmoid(g_out) per head, in f64.
+    fn gated(&self, out: &[f64]) -> Vec<f64> {
+        let mut gated = out.to_vec();
+        for (row, values) in gated.chunks_mut(DIM).enumerate() {
+            let inverse_rms = 1.0 / (values.iter().map(|x| x * x).sum::<f64>() / DIM as f64 + 1e-5).sqrt();
+            for (e, value) in values.iter_mut().enumerate() {
+                let gate = from_bf16(self.gate[row * DIM + e]) as f64;
+                *value *= inverse_rms * self.norm_weight[e] as f64 / (1.0 + (-gate).exp());
+            }
+        }
+        gated
+    }
+}
+
+fn layer_plan(heads: usize) -> Plan {
+    Plan::new(&PlanDesc { backend: Backend::Cpu, layer_step: true, ..PlanDesc::new(heads as i32) }).unwrap()
+}
+
+#[test]
+fn fwd_layer_step_matches_the_convolution_recurrence_and_gate() {
+    let problem = Problem::random(41, 1, 0, 2, Some(&[13, 0, 30]), true);
+    let layer = Layer::random(42, &problem, 3, 4, 3);
+    let (convolved, expected_states) = layer.convolved(&problem, &[Some(0), Some(1), Some(2)]);
+    let (expected_out, expected_state) = convolved.reference();
+    let expected_out = layer.gated(&expected_out);
+
+    let mut states = layer.states.clone();
+    let mut out = vec![BF16_NAN; problem.q.len()];
+    let mut state = vec![f32::NAN; problem.state_len()];
+    layer_plan(2)
+        .fwd_host_layer(
+            HostFwd {
+                initial_state: problem.initial_state.as_deref().map(StateRef::F32),
+                final_state: Some(StateMut::F32(&mut state)),
+                cu_seqlens: problem.cu_seqlens.as_deref().map(SeqLens::I64),
+                ..problem.inputs(&mut out)
+            },
+            layer.step(&mut states),
+            None,
+        )
+        .unwrap();
+    let out_error = rel_l2(out.iter().map(|&x| from_bf16(x) as f64), &expected_out);
+    let state_error = rel_l2(state.iter().map(|&x| x as f64), &expected_state);
+    assert!(out_error <= 1e-2, "out: relative L2 error {out_error:.3e}");
+    assert!(state_error <= 1e-2, "final_state: relative L2 error {state_error:.3e}");
+    assert_eq!(states, expected_states, "conv states");
+}
+
+#[test]
+fn decode_layer_step_on_a_pool_matches_the_convolution_recurrence_and_gate() {
+    let problem = Problem::random(43, 3, 2, 2, None, true);
+    let pool_slots = [4i64, -1, 1];
+    let layer = Layer::random(44, &problem, POOL_SLOTS, 3, 3);
+    let (convolved, expected_states) = layer.convolved(&problem, &[Some(4), None, Some(1)]);
+    let (expected_out, expected_final) = convolved.reference();
+    let mut expected_out = layer.gated(&expected_out);
+    expected_out[2 * 2 * DIM * 1..2 * 2 * DIM * 2].iter_mut().for_each(|x| *x = 0.0); // padding
+
+    let mut pool = pool_holding(&problem, &pool_slots, 45);
+    let before = pool.clone();
+    let mut states = layer.states.clone();
+    let mut out = vec![BF16_NAN; problem.q.len()];
+    cpu_plan(2)
+        .decode_host_layer(
+            problem.inputs(&mut out),
+            DecodePool {
+                pool: StateMut::F32(&mut pool),
+                slots: POOL_SLOTS,
+                state_indices: Indices::I64(&pool_slots),
+                verify_columns: None,
+                num_accepted_tokens: None,
+            },
+            layer.step(&mut states),
+            None,
+        )
+        .unwrap();
+    let out_error = rel_l2(out.iter().map(|&x| from_bf16(x) as f64), &expected_out);
+    assert!(out_error <= 1e-2, "out: relative L2 error {out_error:.3e}");
+    let slot_len = 2 * DIM * DIM;
+    for (n, slot) in [(0usize, 4usize), (2, 1)] {
+        let error = rel_l2(pool[slot * slot_len..(slot + 1) * slot_len].iter().map(|&x| x as f64),
+                           &expected_final[n * slot_len..(n + 1) * slot_len]);
+        assert!(error <= 1e-2, "pool slot {slot}: relative L2 error {error:.3e}");
+    }
+    assert_eq!(pool[0..slot_len], before[0..slot_len], "pool slot 0 was touched");
+    assert_eq!(states, expected_states, "conv states");
+}
+
+#[test]
+fn layer_step_errors_name_the_argument() {
+    let problem = Problem::random(46, 1, 8, 2, None, false);
+    let layer = Layer::random(47, &problem, 1, 4, 3);
+    let mut out = vec![0u16; problem.q.len()];
+    let short = &layer.weights[0][1..];
+    let (w, b) = (&layer.weights, &layer.biases);
+    let cases: Vec<(Plan, LayerStep, &str)> = vec![
+        // Slice lengths, checked here.
+        (layer_plan(2), LayerStep::new().conv(Conv::new(4, [Values::F32(short), Values::F32(&w[1]), Values::F32(&w[2])])),
+         "layer.conv_weight_q"),
+        (layer_plan(2), LayerStep::new().out_gate(OutGate::new(&layer.gate[1..], Values::F32(&layer.norm_weight))),
+         "layer.out_gate"),
+        // What the library refuses.
+        (cpu_plan(2), LayerStep::new().conv(Conv::new(4, [Values::F32(&w[0]), Values::F32(&w[1]), Values::F32(&w[2])])),
+         "layer.conv_weight_q"),
+        (layer_plan(2),
+         LayerStep::new().conv(Conv::new(4, [Values::F32(&w[0]), Values::F32(&w[1]), Values::F32(&w[2])]).biases([
+             Values::F32(&b[0]),
+             Values::Bf16(&layer.gate[..2 * DIM]),
+             Values::F32(&b[2]),
+         ])),
+         "layer.conv_bias_k"),
+        (layer_plan(2),
+         LayerStep::new().out_gate(OutGate { eps: -1.0, ..OutGate::new(&layer.gate, Values::F32(&layer.norm_weight)) }),
+         "layer.out_norm_eps"),
+    ];
+    for (plan, step, argument) in cases {
+        expect_invalid(plan.fwd_host_layer(problem.inputs(&mut out), step, None), argument);
+    }
 }
