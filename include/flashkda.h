@@ -317,7 +317,10 @@ FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
  * (one dtype), [rows, H*K, Wc] with Wc = W - 1 or W (the last W - 1
  * columns are read; any strides, so channel-last pools work), rows being
  * the pool's slots when the call takes state_indices and the sequences
- * otherwise. A sequence reads it when it reads a recurrent state
+ * otherwise. They are written, so they share memory with nothing, with one
+ * exception: the three may be the q, k and v channel blocks of one
+ * [rows, 3*H*K, Wc] tensor (the same strides, k's data H*K channels after
+ * q's and v's 2*H*K after), as a runtime keeps one conv pool. A sequence reads it when it reads a recurrent state
  * (initial_state, or a pool slot, unless has_initial_state is 0) and starts
  * from zeros otherwise, as does every sequence without conv states. After
  * the call, a sequence's row holds its last Wc raw inputs (from the old

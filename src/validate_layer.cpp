@@ -218,8 +218,45 @@ LayerStep check_layer_step(const Plan& plan, const fkda_layer_step& layer, const
   return step;
 }
 
+namespace {
+
+// Whether the three conv states are the q, k and v channel blocks of one
+// [rows, 3*H*K, Wc] tensor, as a runtime keeps them: the same dtype, shape
+// and strides, k's data H*K channels after q's and v's 2*H*K after. `whole`
+// is then that tensor. Such views interleave in memory without sharing an
+// element when the whole tensor maps no two elements to one address.
+bool conv_states_of_one_tensor(const fkda_layer_step& layer, fkda_tensor* whole) {
+  const fkda_tensor &q = layer.conv_state_q, &k = layer.conv_state_k, &v = layer.conv_state_v;
+  if (!present(q) || is_empty(q)) return false;
+  for (const fkda_tensor* t : {&k, &v}) {
+    if (t->dtype != q.dtype || t->rank != 3) return false;
+    for (int a = 0; a < 3; ++a)
+      if (t->shape[a] != q.shape[a] || t->strides[a] != q.strides[a]) return false;
+  }
+  const intptr_t block = intptr_t(q.shape[1] * q.strides[1] * int64_t(element_bytes(q.dtype)));
+  const intptr_t base = reinterpret_cast<intptr_t>(q.data);
+  if (reinterpret_cast<intptr_t>(k.data) - base != block || reinterpret_cast<intptr_t>(v.data) - base != 2 * block) {
+    return false;
+  }
+  *whole = q;
+  whole->shape[1] = 3 * q.shape[1];
+  check_no_overlap(*whole, "layer.conv_state_q");
+  return true;
+}
+
+}  // namespace
+
 std::vector<Operand> with_layer_operands(std::vector<Operand> operands, const fkda_layer_step& layer) {
-  for (const LayerTensor& t : kLayerTensors) operands.push_back(Operand::tensor(layer.*t.member, t.name, t.written));
+  fkda_tensor whole_states = FKDA_TENSOR_NONE;
+  const bool one_state_tensor = conv_states_of_one_tensor(layer, &whole_states);
+  for (const LayerTensor& t : kLayerTensors) {
+    const bool state = &(layer.*t.member) == &layer.conv_state_q || &(layer.*t.member) == &layer.conv_state_k ||
+                       &(layer.*t.member) == &layer.conv_state_v;
+    if (one_state_tensor && state) continue;
+    operands.push_back(Operand::tensor(layer.*t.member, t.name, t.written));
+  }
+  // The three views as the one tensor they share, checked against the rest.
+  if (one_state_tensor) operands.push_back(Operand::tensor(whole_states, "layer.conv_state_q", true));
   return operands;
 }
 

@@ -685,6 +685,69 @@ TEST_CASE("CPU layer step: q, k and v as views into one packed projection buffer
   CHECK(views_layer.conv_bytes_changed_outside(separate_layer, {}) == 0);
 }
 
+TEST_CASE("CPU layer step: the three conv states as channel blocks of one pool tensor", "[cpu][layer]") {
+  const Problem p = slow_inputs(kPrefillLengths, 651);
+  LayerConfig config = layer_configs()[4];
+  REQUIRE(config.state_width > 0);
+  PlanOptions options;
+  options.layer_step = 1;
+  const CpuPlan plan(p.H, options);
+  const int64_t N = p.num_seqs(), channels = p.H * kD, Wc = config.state_width, rows = 12;
+  const std::vector<int32_t> slots = {3, 7, 9, 1, -1, 0, 5};
+  LayerBuffers separate(config, p.H, p.B, p.T, rows, 652);
+  // One [rows, 3 * H * K, Wc] f32 pool holding the same values, channel-last
+  // as well as channel-first.
+  for (bool channel_last : {false, true}) {
+    DYNAMIC_SECTION((channel_last ? "channel-last" : "channel-first")) {
+      REQUIRE(config.state_dtype == FKDA_DTYPE_F32);
+      std::vector<float> whole(size_t(rows * 3 * channels * Wc));
+      const int64_t stride_c = channel_last ? 1 : Wc, stride_w = channel_last ? 3 * channels : 1;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int i = 0; i < 3; ++i)
+          for (int64_t c = 0; c < channels; ++c)
+            for (int64_t j = 0; j < Wc; ++j)
+              whole[size_t(r * 3 * channels * Wc + (i * channels + c) * stride_c + j * stride_w)] =
+                  separate.states[i].at({r, c, j});
+      auto run = [&](LayerBuffers& layer, bool packed, Pool& pool) {
+        Problem inputs = p;
+        std::vector<uint16_t> out = poisoned_out(p);
+        fkda_fwd_args args = make_args(inputs, host_buffers(inputs, out.data()), FKDA_DTYPE_F32);
+        args.state_pool = pool.tensor();
+        args.state_indices = tensor(const_cast<int32_t*>(slots.data()), FKDA_DTYPE_I32, {N});
+        args.layer = layer.tensors();
+        if (packed) {
+          fkda_tensor* views[] = {&args.layer.conv_state_q, &args.layer.conv_state_k, &args.layer.conv_state_v};
+          for (int i = 0; i < 3; ++i) {
+            *views[i] = tensor(whole.data() + i * channels * stride_c, FKDA_DTYPE_F32, {rows, channels, Wc});
+            views[i]->strides[0] = 3 * channels * Wc;
+            views[i]->strides[1] = stride_c;
+            views[i]->strides[2] = stride_w;
+          }
+          FKDA_REQUIRE(plan.fwd(args));
+          // One channel off: k's block overlaps q's and is refused.
+          views[1]->data = whole.data() + (channels - 1) * stride_c;
+          expect_invalid(plan.fwd(args), "layer.conv_state_k");
+        } else {
+          FKDA_REQUIRE(plan.fwd(args));
+        }
+        return out;
+      };
+      LayerBuffers reference_layer = separate, packed_layer = separate;
+      Pool reference_pool(rows, p.H, FKDA_DTYPE_F32, 653), packed_pool = reference_pool;
+      const std::vector<uint16_t> reference_out = run(reference_layer, false, reference_pool);
+      const std::vector<uint16_t> packed_out = run(packed_layer, true, packed_pool);
+      CHECK(reference_out == packed_out);
+      CHECK(bytes_changed_outside(reference_pool, packed_pool, {}) == 0);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int i = 0; i < 3; ++i)
+          for (int64_t c = 0; c < channels; ++c)
+            for (int64_t j = 0; j < Wc; ++j)
+              REQUIRE(whole[size_t(r * 3 * channels * Wc + (i * channels + c) * stride_c + j * stride_w)] ==
+                      reference_layer.states[i].at({r, c, j}));
+    }
+  }
+}
+
 TEST_CASE("CPU layer step: plans with layer_step compute the plain recurrence and the output gate unchanged",
           "[cpu][layer]") {
   const Problem p = slow_inputs(kPrefillLengths, 701);
