@@ -260,12 +260,518 @@ __device__ __forceinline__ bool is_right(int r, int half) {
   return r % (2 << kLevel) >= (1 << kLevel);
 }
 
+// -------------------------------------------- the steps of a chunk's record ---
+// The functions below are the steps of prepare_chunks, in its order; each is
+// called by every thread of the block unless its comment names the threads.
+
+// The chunk of one workspace slot: its sequence and its tokens [t0, t0 + len).
+struct ChunkTokens {
+  Sequence seq;
+  int64_t t0;
+  int len;
+};
+
+// Finds the sequence owning `slot`: the last one whose slots start at or
+// before it. False for a slot between sequences, which holds no chunk.
+__device__ __forceinline__ bool locate_chunk(const FkdaPrefillParams& p, int64_t slot, ChunkTokens& chunk) {
+  int64_t lo = 0, hi = p.call.num_seqs - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (slot_base_of(p, mid) <= slot) lo = mid; else hi = mid - 1;
+  }
+  chunk.seq = sequence_of(p, lo);
+  const int64_t index = slot - chunk.seq.slot_base;
+  if (index < 0 || index >= num_chunks(chunk.seq)) return false;
+  chunk.t0 = chunk.seq.begin + index * FKDA_CHUNK;
+  chunk.len = int(chunk.seq.end - chunk.t0 < FKDA_CHUNK ? chunk.seq.end - chunk.t0 : FKDA_CHUNK);
+  return true;
+}
+
+// A thread's place in the block: the channels 2 pair, 2 pair + 1 of the
+// tokens first .. first + 7 (first = 8 half), of which those below rows are
+// in the chunk; g = lane / 4 and t = lane % 4 place it in the mma
+// fragments of steps 4 and 5 (prepare_chunks sets them before those steps).
+struct PrepareThread {
+  int tid, lane, warp;
+  int pair, half, first, rows;
+  int g, t;
+};
+
+__device__ __forceinline__ PrepareThread prepare_thread(int tid, int len) {
+  PrepareThread th;
+  th.tid = tid;
+  th.lane = tid & 31;
+  th.warp = tid >> 5;
+  th.pair = tid & 63;
+  th.half = tid >> 6;
+  th.first = 8 * th.half;
+  th.rows = len - th.first;
+  return th;
+}
+
+// Element offset of the thread's first token and channel pair in an activation.
+__device__ __forceinline__ int64_t token_offset(const FkdaActivation& a, const ChunkTokens& chunk, int head,
+                                                const PrepareThread& th) {
+  return chunk.seq.row * a.stride_b + int64_t(head) * a.stride_h + (chunk.t0 + th.first) * a.stride_t + 2 * th.pair;
+}
+
+// The thread's q, k and g of its 8 tokens as stored: bf16 pairs, or for g
+// f32 pairs (g32) with kGF32. g stays in its stored form until the gate
+// (bf16 pairs take half the registers). Tokens past the chunk read as 0.
+struct TokenPairs {
+  uint32_t q[8], k[8], g[8];
+  float2 g32[8];
+};
+
+// Step 1, 2's loads. The addresses step along the tokens whether or not a
+// token is loaded, so the loads are predicated, not branched around, and all
+// issue at once.
+template <bool kGF32>
+__device__ __forceinline__ void load_token_pairs(const FkdaPrefillParams& p, const ChunkTokens& chunk, int head,
+                                                 const PrepareThread& th, TokenPairs& in) {
+  const uint16_t* q = static_cast<const uint16_t*>(p.call.q.data) + token_offset(p.call.q, chunk, head, th);
+  const uint16_t* k = static_cast<const uint16_t*>(p.call.k.data) + token_offset(p.call.k, chunk, head, th);
+  const uint16_t* g = static_cast<const uint16_t*>(p.call.g.data) + token_offset(p.call.g, chunk, head, th);
+  const float* g32 = static_cast<const float*>(p.call.g.data) + token_offset(p.call.g, chunk, head, th);
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    in.q[r] = in.k[r] = in.g[r] = 0u;
+    in.g32[r] = make_float2(0.f, 0.f);
+    if (r < th.rows) {
+      in.q[r] = __ldg(reinterpret_cast<const unsigned int*>(q));
+      in.k[r] = __ldg(reinterpret_cast<const unsigned int*>(k));
+      if constexpr (kGF32) in.g32[r] = __ldg(reinterpret_cast<const float2*>(g32));
+      else in.g[r] = __ldg(reinterpret_cast<const unsigned int*>(g));
+    }
+    q += p.call.q.stride_t;
+    k += p.call.k.stride_t;
+    g += p.call.g.stride_t;
+    g32 += p.call.g.stride_t;
+  }
+}
+
+// g of token r, channel 2 pair + e, widened to f32.
+template <bool kGF32>
+__device__ __forceinline__ float gate_input(const TokenPairs& in, int r, int e) {
+  if constexpr (kGF32) return e ? in.g32[r].y : in.g32[r].x;
+  else return e ? bf16_hi(in.g[r]) : bf16_lo(in.g[r]);
+}
+
+// Step 2's b of the block's threads tid < 16, one token each (0 past the
+// chunk's end), into b_of.
+__device__ __forceinline__ void store_step_size(const FkdaPrefillParams& p, const ChunkTokens& chunk, int head,
+                                                int tid, float* b_of) {
+  float b = 0.f;
+  if (tid < chunk.len) {
+    const int64_t at = chunk.seq.row * p.call.beta.stride_b + int64_t(head) * p.call.beta.stride_h +
+                       (chunk.t0 + tid) * p.call.beta.stride_t;
+    b = step_size(p.call.gate, load_beta(p.call.gate, p.call.beta.data, at), false);
+  }
+  b_of[tid] = b;
+}
+
+// Step 2's sums of squares of q and k per token, each warp's part of them
+// into norm_parts[0 (q), 1 (k)][half][warp of the half][token]; with an
+// unbounded gate also q.k (the diagonal of B, which no level holds) into
+// norm_parts[2].
+template <bool kAnyDecay>
+__device__ __forceinline__ void store_norm_parts(const TokenPairs& in, const PrepareThread& th,
+                                                 float (*norm_parts)[2][2][8]) {
+  const int lane = th.lane;
+  float q_sq[8], k_sq[8];
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    q_sq[r] = fmaf(bf16_hi(in.q[r]), bf16_hi(in.q[r]), bf16_lo(in.q[r]) * bf16_lo(in.q[r]));
+    k_sq[r] = fmaf(bf16_hi(in.k[r]), bf16_hi(in.k[r]), bf16_lo(in.k[r]) * bf16_lo(in.k[r]));
+  }
+  const float q_part = warp_sum_rows8(q_sq, lane);
+  const float k_part = warp_sum_rows8(k_sq, lane);
+  if ((lane & 3) == 0) {
+    norm_parts[0][th.half][th.warp & 1][(lane >> 2) & 7] = q_part;
+    norm_parts[1][th.half][th.warp & 1][(lane >> 2) & 7] = k_part;
+  }
+  if constexpr (kAnyDecay) {
+    float qk[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) qk[r] = fmaf(bf16_hi(in.q[r]), bf16_hi(in.k[r]), bf16_lo(in.q[r]) * bf16_lo(in.k[r]));
+    const float qk_part = warp_sum_rows8(qk, lane);
+    if ((lane & 3) == 0) norm_parts[2][th.half][th.warp & 1][(lane >> 2) & 7] = qk_part;
+  }
+}
+
+// Step 1: the gate's base-2 log-decays a2 of the thread's tokens into c;
+// with an unbounded gate also the per-token decays d = 2^a2.
+template <int32_t kGate, bool kGF32>
+__device__ __forceinline__ void gate_log2_decays(const FkdaPrefillParams& p, int head, const PrepareThread& th,
+                                                 const TokenPairs& in, float (&c)[8][2], float (&d)[8][2]) {
+  constexpr bool kAnyDecay = kGate != FKDA_KERNEL_GATE_BOUNDED;
+  const float rate = gate_rate(p.call.A_log, head, false);
+  float2 dt = make_float2(0.f, 0.f);
+  if (p.call.dt_bias != nullptr) {
+    dt = __ldg(reinterpret_cast<const float2*>(p.call.dt_bias + int64_t(head) * FKDA_HEAD_DIM) + th.pair);
+  }
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    if constexpr (kAnyDecay) {
+      // dt is 0 with LOG_DECAY (validation rejects dt_bias there), so x = g.
+      c[r][0] = unbounded_log2_decay_fast<kGate>(gate_input<kGF32>(in, r, 0) + dt.x, rate);
+      c[r][1] = unbounded_log2_decay_fast<kGate>(gate_input<kGF32>(in, r, 1) + dt.y, rate);
+    } else {
+      c[r][0] = p.call.gate_scale * sigmoid_fast(rate * (gate_input<kGF32>(in, r, 0) + dt.x));
+      c[r][1] = p.call.gate_scale * sigmoid_fast(rate * (gate_input<kGF32>(in, r, 1) + dt.y));
+    }
+  }
+  // Tokens past the chunk's end (g read as 0) decay nothing. Zeroed apart,
+  // in a sequence's last chunk only, rather than tested per element.
+  if (th.rows < 8) {
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      if (r >= th.rows) c[r][0] = c[r][1] = 0.f;
+    }
+  }
+  if constexpr (kAnyDecay) {
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      d[r][0] = exp2_fast(c[r][0]);
+      d[r][1] = exp2_fast(c[r][1]);
+    }
+  }
+}
+
+// Step 1's running sums: c becomes the cumulative log-decay, in token order
+// (the second half continues from the first half's total, passed through
+// `carry` across a block barrier). The second half returns c_last and
+// leaves it in last_sum for the first; the first half returns zeros.
+__device__ __forceinline__ float2 cumulative_log2_decays(float (&c)[8][2], const PrepareThread& th, float2* carry,
+                                                         float2* last_sum) {
+  if (th.half == 0) {
+#pragma unroll
+    for (int r = 1; r < 8; ++r) {
+      c[r][0] += c[r - 1][0];
+      c[r][1] += c[r - 1][1];
+    }
+    carry[th.pair] = make_float2(c[7][0], c[7][1]);
+  }
+  __syncthreads();
+
+  float2 c_last = make_float2(0.f, 0.f);
+  if (th.half == 1) {
+    const float2 before = carry[th.pair];
+    c[0][0] += before.x;
+    c[0][1] += before.y;
+#pragma unroll
+    for (int r = 1; r < 8; ++r) {
+      c[r][0] += c[r - 1][0];
+      c[r][1] += c[r - 1][1];
+    }
+    c_last = make_float2(c[7][0], c[7][1]);
+    last_sum[th.pair] = c_last;
+  }
+  return c_last;
+}
+
+// Step 3's decay row, 2^c_last, of the thread's channel pair (by the second
+// half, which holds c_last).
+__device__ __forceinline__ void write_decay_row(unsigned char* record, int pair, float2 c_last) {
+  reinterpret_cast<float2*>(record + FKDA_WS_DECAY_OFFSET)[pair] =
+      make_float2(exp2_fast(c_last.x), exp2_fast(c_last.y));
+}
+
+// Step 2's inverse norms: lane l finishes one (token l % 8 of this half; q
+// for lanes 0-7, k for 8-15) and the others fetch theirs from it by shuffle
+// (rq of token first + r from lane r, rk from lane 8 + r). With an unbounded
+// gate the first warp of each half also keeps them in inverse_norms, for
+// B's diagonal.
+template <bool kAnyDecay>
+__device__ __forceinline__ float inverse_norm_of(const float (*norm_parts)[2][2][8], float (*inverse_norms)[FKDA_CHUNK],
+                                                 const PrepareThread& th) {
+  const int which = (th.lane >> 3) & 1, r = th.lane & 7;
+  const float inverse_norm =
+      1.0f / sqrtf(norm_parts[which][th.half][0][r] + norm_parts[which][th.half][1][r] + 1e-6f);
+  if (kAnyDecay && (th.warp & 1) == 0 && th.lane < 16) inverse_norms[which][th.first + r] = inverse_norm;
+  return inverse_norm;
+}
+
+// Row first + r of a wide tile: the thread's 4 bytes sit in 16-byte piece
+// (pair / 4) ^ r (prefill_params.h), at the same offset in Kd, Qd and Kr.
+__device__ __forceinline__ int wide_at(const PrepareThread& th, int r) {
+  return wide_tile_offset(th.first + r, 2 * th.pair);
+}
+
+// Step 3's decayed keys and queries: Kd = f16(k rk 2^c) and Qd = f16(q rq
+// scale 2^c) into the record; bounded, also their bf16 forms and Ki_b =
+// bf16(k rk 2^-c) into the tiles of step 4. Leaves the normalised keys
+// kn = k rk for Kr and the level tiles.
+template <bool kAnyDecay>
+__device__ __forceinline__ void write_decayed_operands(const FkdaPrefillParams& p, unsigned char* record,
+                                                       uint16_t (*tiles)[kBf16TilePitch], const TokenPairs& in,
+                                                       const float (&c)[8][2], const float (&d)[8][2],
+                                                       float inverse_norm, const PrepareThread& th,
+                                                       float (&kn)[8][2]) {
+  // Unbounded gates: 2^c as a running product of the per-token decays (each
+  // <= 1), one exp2 per half instead of one per element.
+  float up_run[2];
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    const int i = th.first + r;
+    const float rq = __shfl_sync(0xffffffffu, inverse_norm, r);
+    const float rk = __shfl_sync(0xffffffffu, inverse_norm, 8 + r);
+    float kd[2], qd[2], ki[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      kn[r][e] = (e ? bf16_hi(in.k[r]) : bf16_lo(in.k[r])) * rk;
+      const float qn = (e ? bf16_hi(in.q[r]) : bf16_lo(in.q[r])) * rq;
+      float up;
+      if constexpr (kAnyDecay) {
+        up_run[e] = r == 0 ? exp2_fast(c[0][e]) : up_run[e] * d[r][e];
+        up = up_run[e];
+      } else {
+        up = exp2_fast(c[r][e]);
+      }
+      kd[e] = kn[r][e] * up;
+      qd[e] = qn * p.call.scale * up;
+      if constexpr (!kAnyDecay) ki[e] = kn[r][e] * exp2_fast(-c[r][e]);
+    }
+    unsigned char* at = record + wide_at(th, r);
+    *reinterpret_cast<uint32_t*>(at + FKDA_WS_KD_OFFSET) = pack_f16x2(kd[0], kd[1]);
+    *reinterpret_cast<uint32_t*>(at + FKDA_WS_QD_OFFSET) = pack_f16x2(qd[0], qd[1]);
+    if constexpr (!kAnyDecay) {
+      *reinterpret_cast<uint32_t*>(&tiles[i][2 * th.pair]) = pack_bf16x2(kd[0], kd[1]);
+      *reinterpret_cast<uint32_t*>(&tiles[16 + i][2 * th.pair]) = pack_bf16x2(ki[0], ki[1]);
+      *reinterpret_cast<uint32_t*>(&tiles[32 + i][2 * th.pair]) = pack_bf16x2(qd[0], qd[1]);
+    }
+  }
+}
+
+// Step 3's keys decayed to the chunk's end, Kr = f16(k rk 2^(c_last - c)),
+// into the record.
+template <bool kAnyDecay>
+__device__ __forceinline__ void write_keys_to_chunk_end(unsigned char* record, const float (&kn)[8][2],
+                                                        const float (&c)[8][2], const float (&d)[8][2], float2 last,
+                                                        const PrepareThread& th) {
+  if constexpr (kAnyDecay) {
+    // 2^(c_last - c) downward from the half's last token, as a running
+    // product of the decays after each token.
+    float2 after = make_float2(exp2_fast(last.x - c[7][0]), exp2_fast(last.y - c[7][1]));
+#pragma unroll
+    for (int r = 7; r >= 0; --r) {
+      const uint32_t kr = pack_f16x2(kn[r][0] * after.x, kn[r][1] * after.y);
+      *reinterpret_cast<uint32_t*>(record + FKDA_WS_KR_OFFSET + wide_at(th, r)) = kr;
+      after.x *= d[r][0];
+      after.y *= d[r][1];
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const uint32_t kr =
+          pack_f16x2(kn[r][0] * exp2_fast(last.x - c[r][0]), kn[r][1] * exp2_fast(last.y - c[r][1]));
+      *reinterpret_cast<uint32_t*>(record + FKDA_WS_KR_OFFSET + wide_at(th, r)) = kr;
+    }
+  }
+}
+
+// "Any decay" step 3: level l's tile (rows [24 l, 24 l + 24)): rows 0-7
+// hold f16(kn rho) and rows 8-15 f16(qn rho) of the level's right tokens,
+// rows 16-23 f16(kn lambda) of its left tokens, each in token order. One
+// m16n8 product of the two parts gives the level's pairs of A (rows 0-7)
+// and of B (rows 8-15) at once.
+template <int l>
+__device__ __forceinline__ void write_level_tile(uint16_t (*tiles)[kBf16TilePitch], const TokenPairs& in,
+                                                 const float (&kn)[8][2], const float (&d)[8][2],
+                                                 float inverse_norm, const PrepareThread& th) {
+  constexpr int side = 1 << l;  // tokens per side of a block
+  float f0[8], f1[8], d0[8], d1[8];
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    d0[r] = d[r][0];
+    d1[r] = d[r][1];
+  }
+  level_factors<l>(d0, th.half, f0);
+  level_factors<l>(d1, th.half, f1);
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    // Block and position of token first + r at this level (first is a multiple of 8).
+    const int block = l == 3 ? 0 : th.half * (4 >> l) + (r >> (l + 1));
+    const int position = l == 3 ? th.first + r : (r & (2 * side - 1));
+    if (is_right<l>(r, th.half)) {
+      const int at = 24 * l + block * side + position - side;
+      // q * rq again (as in Kd, Qd above) rather than kept: registers are short.
+      const float rq = __shfl_sync(0xffffffffu, inverse_norm, r);
+      *reinterpret_cast<uint32_t*>(&tiles[at][2 * th.pair]) = pack_f16x2(kn[r][0] * f0[r], kn[r][1] * f1[r]);
+      *reinterpret_cast<uint32_t*>(&tiles[at + 8][2 * th.pair]) =
+          pack_f16x2(bf16_lo(in.q[r]) * rq * f0[r], bf16_hi(in.q[r]) * rq * f1[r]);
+    } else {
+      const int at = 24 * l + 16 + block * side + position;
+      *reinterpret_cast<uint32_t*>(&tiles[at][2 * th.pair]) = pack_f16x2(kn[r][0] * f0[r], kn[r][1] * f1[r]);
+    }
+  }
+}
+
+// "Any decay" step 4: warp w forms level w's pairs of A and B (B scaled)
+// into `pairs`; warp 0 also B's diagonal, scale rq rk q.k, which no level
+// holds.
+__device__ __forceinline__ void level_pair_products(const uint16_t (*tiles)[kBf16TilePitch],
+                                                    float (*pairs)[FKDA_CHUNK][FKDA_CHUNK + 1],
+                                                    const float (*norm_parts)[2][2][8],
+                                                    const float (*inverse_norms)[FKDA_CHUNK],
+                                                    const FkdaPrefillParams& p, const PrepareThread& th) {
+  const int lane = th.lane, g = th.g, t = th.t;
+  const int l = th.warp, side = 1 << l;
+  float level_acc[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint32_t a_base = smem_address(&tiles[24 * l + ((lane >> 3) & 1) * 8 + (lane & 7)][(lane >> 4) * 8]);
+  const uint32_t b_base = smem_address(&tiles[24 * l + 16 + (lane & 7)][(lane >> 3) * 8]);
+#pragma unroll
+  for (int step2 = 0; step2 < 4; ++step2) {
+    uint32_t b[4];
+    ldmatrix_x4(b, b_base + step2 * 64);
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, a_base + (step2 * 2 + kk) * 32);
+      mma_f16(level_acc, a, b[2 * kk], b[2 * kk + 1]);
+    }
+  }
+  // Right token g, left tokens 2t and 2t + 1 (indices among the level's
+  // sides): a pair where both lie in one block of the level.
+  const int right = (g / side) * 2 * side + side + g % side;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int c = 2 * t + e;
+    if (c / side != g / side) continue;
+    const int left = (c / side) * 2 * side + c % side;
+    pairs[0][right][left] = level_acc[e];
+    pairs[1][right][left] = p.call.scale * level_acc[2 + e];
+  }
+  if (th.warp == 0 && lane < FKDA_CHUNK) {
+    const float qk = norm_parts[2][lane >> 3][0][lane & 7] + norm_parts[2][lane >> 3][1][lane & 7];
+    pairs[1][lane][lane] = p.call.scale * inverse_norms[0][lane] * inverse_norms[1][lane] * qk;
+  }
+}
+
+// "Any decay" step 4's Mqk = f16(B) on and below the diagonal, by the
+// threads tid < 64.
+__device__ __forceinline__ void write_mqk_from_pairs(unsigned char* record,
+                                                     const float (*pairs)[FKDA_CHUNK][FKDA_CHUNK + 1], int tid) {
+  for (int q = tid; q < FKDA_CHUNK * FKDA_CHUNK / 2; q += 64) {
+    const int row = q >> 3, col = 2 * (q & 7);
+    const uint32_t mqk = pack_f16x2(col <= row ? pairs[1][row][col] : 0.f, col + 1 <= row ? pairs[1][row][col + 1] : 0.f);
+    *reinterpret_cast<uint32_t*>(record + FKDA_WS_MQK_OFFSET + small_tile_offset(row, col)) = mqk;
+  }
+}
+
+// "Any decay": A from `pairs` in the accumulator layout (WarpTile's), for
+// the inverse.
+__device__ __forceinline__ void a_from_pairs(const float (*pairs)[FKDA_CHUNK][FKDA_CHUNK + 1], const PrepareThread& th,
+                                             float (&acc)[2][4]) {
+  const int g = th.g, t = th.t;
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = pairs[0][g + 8 * (e >> 1)][8 * j + 2 * t + (e & 1)];
+}
+
+// Bounded step 4, in the warps of the second half: A = Kd_b Ki_b^T in the
+// inverse's warp (2), B = Qd_b Ki_b^T in the other (3), one code for both.
+__device__ __forceinline__ void bounded_chunk_products(const uint16_t (*tiles)[kBf16TilePitch], bool inverse_warp,
+                                                       int lane, float (&acc)[2][4]) {
+  const uint32_t a_base =
+      smem_address(&tiles[(inverse_warp ? 0 : 32) + ((lane >> 3) & 1) * 8 + (lane & 7)][(lane >> 4) * 8]);
+  const uint32_t b_base = smem_address(&tiles[16 + (lane & 7)][(lane >> 3) * 8]);
+  constexpr uint32_t kSecondEight = 8 * kBf16TilePitch * 2;  // bytes to Ki_b's rows 8-15
+#pragma unroll
+  for (int step2 = 0; step2 < 4; ++step2) {
+    uint32_t b0[4], b1[4];
+    ldmatrix_x4(b0, b_base + step2 * 64);
+    ldmatrix_x4(b1, b_base + kSecondEight + step2 * 64);
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, a_base + (step2 * 2 + kk) * 32);
+      mma_bf16(acc[0], a, b0[2 * kk], b0[2 * kk + 1]);
+      mma_bf16(acc[1], a, b1[2 * kk], b1[2 * kk + 1]);
+    }
+  }
+}
+
+// Bounded step 4's Mqk = f16(B) on and below the diagonal, from the
+// accumulators of one warp.
+__device__ __forceinline__ void write_mqk(unsigned char* record, const float (&acc)[2][4], const PrepareThread& th) {
+  const int g = th.g, t = th.t;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int col = 8 * j + 2 * t;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = g + 8 * h;
+      const uint32_t mqk = pack_f16x2(col <= row ? acc[j][2 * h] : 0.f, col + 1 <= row ? acc[j][2 * h + 1] : 0.f);
+      *reinterpret_cast<uint32_t*>(record + FKDA_WS_MQK_OFFSET + small_tile_offset(row, col)) = mqk;
+    }
+  }
+}
+
+// Step 5's L (row i scaled by b[i], strictly lower) from A's accumulators,
+// and L^T from A's columns, read back through shared memory (a_tile), in
+// one warp.
+__device__ __forceinline__ void strict_lower_and_transpose(const float (&acc)[2][4],
+                                                           float (*a_tile)[kTransposePitch], const float* b_of,
+                                                           const PrepareThread& th, WarpTile& L, WarpTile& LT) {
+  const int g = th.g, t = th.t;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    *reinterpret_cast<float2*>(&a_tile[g][8 * j + 2 * t]) = make_float2(acc[j][0], acc[j][1]);
+    *reinterpret_cast<float2*>(&a_tile[g + 8][8 * j + 2 * t]) = make_float2(acc[j][2], acc[j][3]);
+  }
+  __syncwarp();
+  const float b_g = b_of[g], b_g8 = b_of[g + 8];
+  const float2 b_c0 = *reinterpret_cast<const float2*>(&b_of[2 * t]);      // b of columns 2t, 2t + 1
+  const float2 b_c1 = *reinterpret_cast<const float2*>(&b_of[8 + 2 * t]);  // and 8 + 2t, 9 + 2t
+  L.m[0][0] = 2 * t < g ? b_g * acc[0][0] : 0.f;
+  L.m[0][1] = 2 * t + 1 < g ? b_g * acc[0][1] : 0.f;
+  L.m[0][2] = b_g8 * acc[0][2];
+  L.m[0][3] = b_g8 * acc[0][3];
+  L.m[1][0] = 0.f;
+  L.m[1][1] = 0.f;
+  L.m[1][2] = 2 * t < g ? b_g8 * acc[1][2] : 0.f;
+  L.m[1][3] = 2 * t + 1 < g ? b_g8 * acc[1][3] : 0.f;
+  // L^T[r][col] = L[col][r] = b[col] A[col][r] for r < col: the same
+  // products as L's, so L^T is exactly L's transpose.
+  LT.m[0][0] = g < 2 * t ? b_c0.x * a_tile[2 * t][g] : 0.f;
+  LT.m[0][1] = g < 2 * t + 1 ? b_c0.y * a_tile[2 * t + 1][g] : 0.f;
+  LT.m[0][2] = 0.f;
+  LT.m[0][3] = 0.f;
+  LT.m[1][0] = b_c1.x * a_tile[8 + 2 * t][g];
+  LT.m[1][1] = b_c1.y * a_tile[9 + 2 * t][g];
+  LT.m[1][2] = g < 2 * t ? b_c1.x * a_tile[8 + 2 * t][g + 8] : 0.f;
+  LT.m[1][3] = g < 2 * t + 1 ? b_c1.y * a_tile[9 + 2 * t][g + 8] : 0.f;
+}
+
+// Step 5's W = f16(INV diag(b)) into the record, from -INV, in one warp. b
+// and the record's address are fetched again rather than kept: the inverse
+// needs every register it can get.
+__device__ __forceinline__ void write_w(const FkdaPrefillParams& p, const WarpTile& minus_inv, const float* b_of,
+                                        const PrepareThread& th) {
+  const int g = th.g, t = th.t;
+  __syncwarp();
+  unsigned char* w_tile = record_of(p, blockIdx.x, blockIdx.y) + FKDA_WS_W_OFFSET;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int col = 8 * j + 2 * t;
+    const float2 b = *reinterpret_cast<const float2*>(&b_of[col]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t w = pack_f16x2(minus_inv.m[j][2 * h] * -b.x, minus_inv.m[j][2 * h + 1] * -b.y);
+      *reinterpret_cast<uint32_t*>(w_tile + small_tile_offset(g + 8 * h, col)) = w;
+    }
+  }
+}
+
 }  // namespace fkda_dev
 
 // The preparation kernel's body for the gate form kGate (FKDA_KERNEL_GATE_*):
 // an unbounded gate (SOFTPLUS or LOG_DECAY) takes the chunk products of the
 // levels above, the bounded gate the 2^(+-c) factors. kGF32: g is f32
-// (LOG_DECAY only), else bf16.
+// (LOG_DECAY only), else bf16. Steps 1-3 run in every thread; steps 4 and 5
+// by warp role, at the end.
 template <int32_t kGate, bool kGF32>
 __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
   using namespace fkda_dev;
@@ -285,397 +791,73 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
   __shared__ float pairs[kAnyDecay ? 2 : 1][FKDA_CHUNK][FKDA_CHUNK + 1];
   __shared__ __align__(8) float b_of[FKDA_CHUNK];
 
-  const int64_t slot = p.window_first + blockIdx.x;  // one block per slot of the window
+  // One block per slot of the window.
   const int head = blockIdx.y;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-
-  // The owner of this slot: the last sequence whose slots start at or before it.
-  int64_t lo = 0, hi = p.call.num_seqs - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) >> 1;
-    if (slot_base_of(p, mid) <= slot) lo = mid; else hi = mid - 1;
-  }
-  const Sequence seq = sequence_of(p, lo);
-  const int64_t chunk = slot - seq.slot_base;
-  if (chunk < 0 || chunk >= num_chunks(seq)) return;  // a slot between sequences
-  const int64_t t0 = seq.begin + chunk * FKDA_CHUNK;
-  const int len = int(seq.end - t0 < FKDA_CHUNK ? seq.end - t0 : FKDA_CHUNK);
+  ChunkTokens chunk;
+  if (!locate_chunk(p, p.window_first + blockIdx.x, chunk)) return;  // a slot between sequences
+  PrepareThread th = prepare_thread(threadIdx.x, chunk.len);
   unsigned char* record = record_of(p, blockIdx.x, head);
 
-  const int pair = tid & 63;  // channels 2 pair, 2 pair + 1
-  const int half = tid >> 6;  // tokens 8 half .. 8 half + 7
-  const int first = 8 * half;
-  const int rows = len - first;  // of this thread's 8 tokens, those below rows are in the chunk
-  auto token_offset = [&](const FkdaActivation& a) {
-    return seq.row * a.stride_b + int64_t(head) * a.stride_h + (t0 + first) * a.stride_t + 2 * pair;
-  };
-  auto token_pointer = [&](const FkdaActivation& a) {
-    return static_cast<const uint16_t*>(a.data) + token_offset(a);
-  };
-
-  // ---- step 1, 2: loads, gate, norm partial sums, beta ----------------------
-  // The addresses step along the tokens whether or not a token is loaded, so
-  // the loads are predicated, not branched around, and all issue at once.
-  // g stays in its stored form until the gate (bf16 pairs take half the registers).
-  uint32_t qv[8], kv[8], gv[8];
-  float2 gv32[8];
-  {
-    const uint16_t* q = token_pointer(p.call.q);
-    const uint16_t* k = token_pointer(p.call.k);
-    const uint16_t* g = token_pointer(p.call.g);
-    const float* g32 = static_cast<const float*>(p.call.g.data) + token_offset(p.call.g);
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      qv[r] = kv[r] = gv[r] = 0u;
-      gv32[r] = make_float2(0.f, 0.f);
-      if (r < rows) {
-        qv[r] = __ldg(reinterpret_cast<const unsigned int*>(q));
-        kv[r] = __ldg(reinterpret_cast<const unsigned int*>(k));
-        if constexpr (kGF32) gv32[r] = __ldg(reinterpret_cast<const float2*>(g32));
-        else gv[r] = __ldg(reinterpret_cast<const unsigned int*>(g));
-      }
-      q += p.call.q.stride_t;
-      k += p.call.k.stride_t;
-      g += p.call.g.stride_t;
-      g32 += p.call.g.stride_t;
-    }
-  }
-  auto g_of = [&](int r, int e) {
-    if constexpr (kGF32) return e ? gv32[r].y : gv32[r].x;
-    else return e ? bf16_hi(gv[r]) : bf16_lo(gv[r]);
-  };
-  if (tid < FKDA_CHUNK) {
-    float b = 0.f;
-    if (tid < len) {
-      const int64_t at = seq.row * p.call.beta.stride_b + int64_t(head) * p.call.beta.stride_h + (t0 + tid) * p.call.beta.stride_t;
-      b = step_size(p.call.gate, load_beta(p.call.gate, p.call.beta.data, at), false);
-    }
-    b_of[tid] = b;
-  }
-  {
-    float q_sq[8], k_sq[8];
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      q_sq[r] = fmaf(bf16_hi(qv[r]), bf16_hi(qv[r]), bf16_lo(qv[r]) * bf16_lo(qv[r]));
-      k_sq[r] = fmaf(bf16_hi(kv[r]), bf16_hi(kv[r]), bf16_lo(kv[r]) * bf16_lo(kv[r]));
-    }
-    const float q_part = warp_sum_rows8(q_sq, lane);
-    const float k_part = warp_sum_rows8(k_sq, lane);
-    if ((lane & 3) == 0) {
-      norm_parts[0][half][warp & 1][(lane >> 2) & 7] = q_part;
-      norm_parts[1][half][warp & 1][(lane >> 2) & 7] = k_part;
-    }
-    if constexpr (kAnyDecay) {
-      // q.k of each token: the diagonal of B, which no level holds.
-      float qk[8];
-#pragma unroll
-      for (int r = 0; r < 8; ++r) qk[r] = fmaf(bf16_hi(qv[r]), bf16_hi(kv[r]), bf16_lo(qv[r]) * bf16_lo(kv[r]));
-      const float qk_part = warp_sum_rows8(qk, lane);
-      if ((lane & 3) == 0) norm_parts[kAnyDecay ? 2 : 0][half][warp & 1][(lane >> 2) & 7] = qk_part;
-    }
-  }
+  // ---- steps 1, 2: loads, beta, norm partial sums, gate --------------------
+  TokenPairs in;
+  load_token_pairs<kGF32>(p, chunk, head, th, in);
+  if (th.tid < FKDA_CHUNK) store_step_size(p, chunk, head, th.tid, b_of);
+  store_norm_parts<kAnyDecay>(in, th, norm_parts);
   float c[8][2];  // a2, then its running sum
   float d[8][2];  // any decay: the per-token decays 2^a2
-  {
-    const float rate = gate_rate(p.call.A_log, head, false);
-    float2 dt = make_float2(0.f, 0.f);
-    if (p.call.dt_bias != nullptr) dt = __ldg(reinterpret_cast<const float2*>(p.call.dt_bias + int64_t(head) * FKDA_HEAD_DIM) + pair);
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      if constexpr (kAnyDecay) {
-        // dt is 0 with LOG_DECAY (validation rejects dt_bias there), so x = g.
-        c[r][0] = unbounded_log2_decay_fast<kGate>(g_of(r, 0) + dt.x, rate);
-        c[r][1] = unbounded_log2_decay_fast<kGate>(g_of(r, 1) + dt.y, rate);
-      } else {
-        c[r][0] = p.call.gate_scale * sigmoid_fast(rate * (g_of(r, 0) + dt.x));
-        c[r][1] = p.call.gate_scale * sigmoid_fast(rate * (g_of(r, 1) + dt.y));
-      }
-    }
-    // Tokens past the chunk's end (g read as 0) decay nothing. Zeroed apart,
-    // in a sequence's last chunk only, rather than tested per element.
-    if (rows < 8) {
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        if (r >= rows) c[r][0] = c[r][1] = 0.f;
-      }
-    }
-    if constexpr (kAnyDecay) {
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        d[r][0] = exp2_fast(c[r][0]);
-        d[r][1] = exp2_fast(c[r][1]);
-      }
-    }
-  }
-  if (half == 0) {
-#pragma unroll
-    for (int r = 1; r < 8; ++r) {
-      c[r][0] += c[r - 1][0];
-      c[r][1] += c[r - 1][1];
-    }
-    carry[pair] = make_float2(c[7][0], c[7][1]);
-  }
-  __syncthreads();
-
-  float2 c_last = make_float2(0.f, 0.f);
-  if (half == 1) {
-    const float2 before = carry[pair];
-    c[0][0] += before.x;
-    c[0][1] += before.y;
-#pragma unroll
-    for (int r = 1; r < 8; ++r) {
-      c[r][0] += c[r - 1][0];
-      c[r][1] += c[r - 1][1];
-    }
-    c_last = make_float2(c[7][0], c[7][1]);
-    last_sum[pair] = c_last;
-    reinterpret_cast<float2*>(record + FKDA_WS_DECAY_OFFSET)[pair] =
-        make_float2(exp2_fast(c_last.x), exp2_fast(c_last.y));
-  }
+  gate_log2_decays<kGate, kGF32>(p, head, th, in, c, d);
+  const float2 c_last = cumulative_log2_decays(c, th, carry, last_sum);  // a block barrier
+  if (th.half == 1) write_decay_row(record, th.pair, c_last);
 
   // ---- step 3: operands ----------------------------------------------------
-  // Lane l finishes one inverse norm (token l % 8 of this half; q for lanes
-  // 0-7, k for 8-15) and the others fetch theirs by shuffle.
-  float inverse_norm;
-  {
-    const int which = (lane >> 3) & 1, r = lane & 7;
-    inverse_norm = 1.0f / sqrtf(norm_parts[which][half][0][r] + norm_parts[which][half][1][r] + 1e-6f);
-    if (kAnyDecay && (warp & 1) == 0 && lane < 16) inverse_norms[which][first + r] = inverse_norm;
-  }
-  // Row first + r of a wide tile: the thread's 4 bytes sit in 16-byte piece
-  // (pair / 4) ^ r (prefill_params.h), at the same offset in Kd, Qd and Kr.
-  auto wide_at = [&](int r) { return wide_tile_offset(first + r, 2 * pair); };
+  const float inverse_norm = inverse_norm_of<kAnyDecay>(norm_parts, inverse_norms, th);
   float kn[8][2];
-  // Unbounded gates: 2^c as a running product of the per-token decays (each
-  // <= 1), one exp2 per half instead of one per element.
-  float up_run[2];
-#pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    const int i = first + r;
-    const float rq = __shfl_sync(0xffffffffu, inverse_norm, r);
-    const float rk = __shfl_sync(0xffffffffu, inverse_norm, 8 + r);
-    float kd[2], qd[2], ki[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      kn[r][e] = (e ? bf16_hi(kv[r]) : bf16_lo(kv[r])) * rk;
-      const float qn = (e ? bf16_hi(qv[r]) : bf16_lo(qv[r])) * rq;
-      float up;
-      if constexpr (kAnyDecay) {
-        up_run[e] = r == 0 ? exp2_fast(c[0][e]) : up_run[e] * d[r][e];
-        up = up_run[e];
-      } else {
-        up = exp2_fast(c[r][e]);
-      }
-      kd[e] = kn[r][e] * up;
-      qd[e] = qn * p.call.scale * up;
-      if constexpr (!kAnyDecay) ki[e] = kn[r][e] * exp2_fast(-c[r][e]);
-    }
-    unsigned char* at = record + wide_at(r);
-    *reinterpret_cast<uint32_t*>(at + FKDA_WS_KD_OFFSET) = pack_f16x2(kd[0], kd[1]);
-    *reinterpret_cast<uint32_t*>(at + FKDA_WS_QD_OFFSET) = pack_f16x2(qd[0], qd[1]);
-    if constexpr (!kAnyDecay) {
-      *reinterpret_cast<uint32_t*>(&tiles[i][2 * pair]) = pack_bf16x2(kd[0], kd[1]);
-      *reinterpret_cast<uint32_t*>(&tiles[16 + i][2 * pair]) = pack_bf16x2(ki[0], ki[1]);
-      *reinterpret_cast<uint32_t*>(&tiles[32 + i][2 * pair]) = pack_bf16x2(qd[0], qd[1]);
-    }
-  }
-  auto write_kr = [&](float2 last) {
-    if constexpr (kAnyDecay) {
-      // 2^(c_last - c) downward from the half's last token, as a running
-      // product of the decays after each token.
-      float2 after = make_float2(exp2_fast(last.x - c[7][0]), exp2_fast(last.y - c[7][1]));
-#pragma unroll
-      for (int r = 7; r >= 0; --r) {
-        const uint32_t kr = pack_f16x2(kn[r][0] * after.x, kn[r][1] * after.y);
-        *reinterpret_cast<uint32_t*>(record + FKDA_WS_KR_OFFSET + wide_at(r)) = kr;
-        after.x *= d[r][0];
-        after.y *= d[r][1];
-      }
-    } else {
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        const uint32_t kr =
-            pack_f16x2(kn[r][0] * exp2_fast(last.x - c[r][0]), kn[r][1] * exp2_fast(last.y - c[r][1]));
-        *reinterpret_cast<uint32_t*>(record + FKDA_WS_KR_OFFSET + wide_at(r)) = kr;
-      }
-    }
-  };
-  const int g = lane >> 2, t = lane & 3;
-  if (half == 1) write_kr(c_last);
+  write_decayed_operands<kAnyDecay>(p, record, tiles, in, c, d, inverse_norm, th, kn);
+  // The mma fragment places of steps 4 and 5, set here rather than in
+  // prepare_thread: set there, the bounded kernel's sm_90a code is scheduled
+  // differently (as measured with CUDA 13.0).
+  th.g = th.lane >> 2;
+  th.t = th.lane & 3;
+  // The first half learns c_last only at the barrier.
+  if (th.half == 1) write_keys_to_chunk_end<kAnyDecay>(record, kn, c, d, c_last, th);
   __syncthreads();
-  if (half == 0) write_kr(last_sum[pair]);
+  if (th.half == 0) write_keys_to_chunk_end<kAnyDecay>(record, kn, c, d, last_sum[th.pair], th);
   if constexpr (kAnyDecay) {
-    // Level tiles (rows [24 l, 24 l + 24) for level l): rows 0-7 hold
-    // f16(kn rho) and rows 8-15 f16(qn rho) of the level's right tokens,
-    // rows 16-23 f16(kn lambda) of its left tokens, each in token order.
-    // One m16n8 product of the two parts gives the level's pairs of A (rows
-    // 0-7) and of B (rows 8-15) at once.
-    auto write_level = [&](auto level) {
-      constexpr int l = decltype(level)::value, side = 1 << l;  // tokens per side of a block
-      float f0[8], f1[8], d0[8], d1[8];
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        d0[r] = d[r][0];
-        d1[r] = d[r][1];
-      }
-      level_factors<l>(d0, half, f0);
-      level_factors<l>(d1, half, f1);
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        // Block and position of token first + r at this level (first is a multiple of 8).
-        const int block = l == 3 ? 0 : half * (4 >> l) + (r >> (l + 1));
-        const int position = l == 3 ? first + r : (r & (2 * side - 1));
-        if (is_right<l>(r, half)) {
-          const int at = 24 * l + block * side + position - side;
-          // q * rq again (as in Kd, Qd above) rather than kept: registers are short.
-          const float rq = __shfl_sync(0xffffffffu, inverse_norm, r);
-          *reinterpret_cast<uint32_t*>(&tiles[at][2 * pair]) = pack_f16x2(kn[r][0] * f0[r], kn[r][1] * f1[r]);
-          *reinterpret_cast<uint32_t*>(&tiles[at + 8][2 * pair]) =
-              pack_f16x2(bf16_lo(qv[r]) * rq * f0[r], bf16_hi(qv[r]) * rq * f1[r]);
-        } else {
-          const int at = 24 * l + 16 + block * side + position;
-          *reinterpret_cast<uint32_t*>(&tiles[at][2 * pair]) = pack_f16x2(kn[r][0] * f0[r], kn[r][1] * f1[r]);
-        }
-      }
-    };
-    write_level(std::integral_constant<int, 0>());
-    write_level(std::integral_constant<int, 1>());
-    write_level(std::integral_constant<int, 2>());
-    write_level(std::integral_constant<int, 3>());
+    write_level_tile<0>(tiles, in, kn, d, inverse_norm, th);
+    write_level_tile<1>(tiles, in, kn, d, inverse_norm, th);
+    write_level_tile<2>(tiles, in, kn, d, inverse_norm, th);
+    write_level_tile<3>(tiles, in, kn, d, inverse_norm, th);
     // After Kr, so that the running sums are no longer live beside the factors.
     __syncthreads();
   }
 
-  // ---- step 4: A = Kd_b Ki_b^T (warp 2), B = Qd_b Ki_b^T (warp 3), bounded;
-  // any decay: warp w forms level w's pairs of A and B into `pairs` -----------
-  const bool inverse_warp = warp == 2;
-  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  // ---- steps 4, 5 by warp role ---------------------------------------------
+  // Any decay: every warp forms its level's pairs of A and B, then warps 0
+  // and 1 write Mqk and warp 2 the inverse. Bounded: the first half's warps
+  // are done; warp 3 forms B and Mqk, warp 2 A and the inverse.
+  // The inverse's three calls stay at this level in both branches: wrapped
+  // in one more function they compile to another register allocation, which
+  // spills in the bounded kernel on sm_90a.
+  const bool inverse_warp = th.warp == 2;
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // A or B, as accumulators
   if constexpr (kAnyDecay) {
-    const int l = warp, side = 1 << l;
-    float level_acc[4] = {0.f, 0.f, 0.f, 0.f};
-    const uint32_t a_base = smem_address(&tiles[24 * l + ((lane >> 3) & 1) * 8 + (lane & 7)][(lane >> 4) * 8]);
-    const uint32_t b_base = smem_address(&tiles[24 * l + 16 + (lane & 7)][(lane >> 3) * 8]);
-#pragma unroll
-    for (int step2 = 0; step2 < 4; ++step2) {
-      uint32_t b[4];
-      ldmatrix_x4(b, b_base + step2 * 64);
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        uint32_t a[4];
-        ldmatrix_x4(a, a_base + (step2 * 2 + kk) * 32);
-        mma_f16(level_acc, a, b[2 * kk], b[2 * kk + 1]);
-      }
-    }
-    // Right token g, left tokens 2t and 2t + 1 (indices among the level's
-    // sides): a pair where both lie in one block of the level.
-    const int right = (g / side) * 2 * side + side + g % side;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int c = 2 * t + e;
-      if (c / side != g / side) continue;
-      const int left = (c / side) * 2 * side + c % side;
-      pairs[0][right][left] = level_acc[e];
-      pairs[1][right][left] = p.call.scale * level_acc[2 + e];
-    }
-    if (warp == 0 && lane < FKDA_CHUNK) {
-      // B's diagonal, which no level holds.
-      const float qk = norm_parts[2][lane >> 3][0][lane & 7] + norm_parts[2][lane >> 3][1][lane & 7];
-      pairs[1][lane][lane] = p.call.scale * inverse_norms[0][lane] * inverse_norms[1][lane] * qk;
-    }
+    level_pair_products(tiles, pairs, norm_parts, inverse_norms, p, th);
     __syncthreads();
-    if (warp < 2) {
-      // Mqk = f16(B) on and below the diagonal.
-      for (int q = tid; q < FKDA_CHUNK * FKDA_CHUNK / 2; q += 64) {
-        const int row = q >> 3, col = 2 * (q & 7);
-        const uint32_t mqk = pack_f16x2(col <= row ? pairs[1][row][col] : 0.f, col + 1 <= row ? pairs[1][row][col + 1] : 0.f);
-        *reinterpret_cast<uint32_t*>(record + FKDA_WS_MQK_OFFSET + small_tile_offset(row, col)) = mqk;
-      }
+    if (th.warp < 2) write_mqk_from_pairs(record, pairs, th.tid);
+    if (inverse_warp) {
+      a_from_pairs(pairs, th, acc);
+      WarpTile L, LT;
+      strict_lower_and_transpose(acc, a_tile, b_of, th, L, LT);
+      write_w(p, negated_unit_lower_inverse(L, LT, th.lane), b_of, th);
     }
-    if (!inverse_warp) return;
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][e] = pairs[0][g + 8 * (e >> 1)][8 * j + 2 * t + (e & 1)];
-  } else {
-    if (half == 0) return;
-    const uint32_t a_base =
-        smem_address(&tiles[(inverse_warp ? 0 : 32) + ((lane >> 3) & 1) * 8 + (lane & 7)][(lane >> 4) * 8]);
-    const uint32_t b_base = smem_address(&tiles[16 + (lane & 7)][(lane >> 3) * 8]);
-    constexpr uint32_t kSecondEight = 8 * kBf16TilePitch * 2;  // bytes to Ki_b's rows 8-15
-#pragma unroll
-    for (int step2 = 0; step2 < 4; ++step2) {
-      uint32_t b0[4], b1[4];
-      ldmatrix_x4(b0, b_base + step2 * 64);
-      ldmatrix_x4(b1, b_base + kSecondEight + step2 * 64);
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        uint32_t a[4];
-        ldmatrix_x4(a, a_base + (step2 * 2 + kk) * 32);
-        mma_bf16(acc[0], a, b0[2 * kk], b0[2 * kk + 1]);
-        mma_bf16(acc[1], a, b1[2 * kk], b1[2 * kk + 1]);
-      }
-    }
+  } else if (th.half != 0) {
+    bounded_chunk_products(tiles, inverse_warp, th.lane, acc);
     if (!inverse_warp) {
-      // Mqk = f16(B) on and below the diagonal.
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int col = 8 * j + 2 * t;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = g + 8 * h;
-          const uint32_t mqk =
-              pack_f16x2(col <= row ? acc[j][2 * h] : 0.f, col + 1 <= row ? acc[j][2 * h + 1] : 0.f);
-          *reinterpret_cast<uint32_t*>(record + FKDA_WS_MQK_OFFSET + small_tile_offset(row, col)) = mqk;
-        }
-      }
-      return;
-    }
-  }
-  // ---- step 5: INV by the product form, in warp 2 ---------------------------
-  // L (row i scaled by b[i], strictly lower) from the accumulators; L^T from
-  // A's columns, read back through shared memory.
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    *reinterpret_cast<float2*>(&a_tile[g][8 * j + 2 * t]) = make_float2(acc[j][0], acc[j][1]);
-    *reinterpret_cast<float2*>(&a_tile[g + 8][8 * j + 2 * t]) = make_float2(acc[j][2], acc[j][3]);
-  }
-  __syncwarp();
-  const float b_g = b_of[g], b_g8 = b_of[g + 8];
-  const float2 b_c0 = *reinterpret_cast<const float2*>(&b_of[2 * t]);      // b of columns 2t, 2t + 1
-  const float2 b_c1 = *reinterpret_cast<const float2*>(&b_of[8 + 2 * t]);  // and 8 + 2t, 9 + 2t
-  WarpTile L, LT;
-  L.m[0][0] = 2 * t < g ? b_g * acc[0][0] : 0.f;
-  L.m[0][1] = 2 * t + 1 < g ? b_g * acc[0][1] : 0.f;
-  L.m[0][2] = b_g8 * acc[0][2];
-  L.m[0][3] = b_g8 * acc[0][3];
-  L.m[1][0] = 0.f;
-  L.m[1][1] = 0.f;
-  L.m[1][2] = 2 * t < g ? b_g8 * acc[1][2] : 0.f;
-  L.m[1][3] = 2 * t + 1 < g ? b_g8 * acc[1][3] : 0.f;
-  // L^T[r][col] = L[col][r] = b[col] A[col][r] for r < col: the same
-  // products as L's, so L^T is exactly L's transpose.
-  LT.m[0][0] = g < 2 * t ? b_c0.x * a_tile[2 * t][g] : 0.f;
-  LT.m[0][1] = g < 2 * t + 1 ? b_c0.y * a_tile[2 * t + 1][g] : 0.f;
-  LT.m[0][2] = 0.f;
-  LT.m[0][3] = 0.f;
-  LT.m[1][0] = b_c1.x * a_tile[8 + 2 * t][g];
-  LT.m[1][1] = b_c1.y * a_tile[9 + 2 * t][g];
-  LT.m[1][2] = g < 2 * t ? b_c1.x * a_tile[8 + 2 * t][g + 8] : 0.f;
-  LT.m[1][3] = g < 2 * t + 1 ? b_c1.y * a_tile[9 + 2 * t][g + 8] : 0.f;
-
-  const WarpTile minus_inv = negated_unit_lower_inverse(L, LT, lane);
-  // W = f16(INV diag(b)). b and the record's address are fetched again
-  // rather than kept: the inverse needs every register it can get.
-  __syncwarp();
-  unsigned char* w_tile = record_of(p, blockIdx.x, blockIdx.y) + FKDA_WS_W_OFFSET;
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int col = 8 * j + 2 * t;
-    const float2 b = *reinterpret_cast<const float2*>(&b_of[col]);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t w = pack_f16x2(minus_inv.m[j][2 * h] * -b.x, minus_inv.m[j][2 * h + 1] * -b.y);
-      *reinterpret_cast<uint32_t*>(w_tile + small_tile_offset(g + 8 * h, col)) = w;
+      write_mqk(record, acc, th);
+    } else {
+      WarpTile L, LT;
+      strict_lower_and_transpose(acc, a_tile, b_of, th, L, LT);
+      write_w(p, negated_unit_lower_inverse(L, LT, th.lane), b_of, th);
     }
   }
 }

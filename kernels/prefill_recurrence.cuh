@@ -232,40 +232,44 @@ __device__ __forceinline__ StateAccess segment_matrix(float* base, int64_t index
   return m;
 }
 
-template <int kVsplit, bool kServing, int kMode = kWholeRange>
-__device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
-  constexpr int kWarps = 8 / kVsplit;
-  constexpr int kThreads = 32 * kWarps;
-  static_assert(kThreads <= 256, "the kernels are launched with at most 256 threads");
-  constexpr int kVCols = FKDA_HEAD_DIM / kVsplit;
-  constexpr int kVPitch = kVCols * 2 + 16;
-  constexpr int kStageBytes = FKDA_STAGE_V + FKDA_CHUNK * kVPitch;
-  extern __shared__ __align__(128) unsigned char smem[];
+// ------------------------------------------- the steps of the recurrence ---
+// The functions below are the steps of chunk_recurrence, in its order.
 
-  const int64_t n = kMode == kWholeRange ? int64_t(blockIdx.x) : int64_t(blockIdx.x) / p.segments_per_seq;
-  const int head = blockIdx.y;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  // kTransition: blocks z < vsplit form E, the others M.
-  const bool forms_m = kMode == kTransition && int(blockIdx.z) >= kVsplit;
-  const int v_block = (kMode == kTransition ? int(blockIdx.z) % kVsplit : int(blockIdx.z)) * kVCols;
-  const int e0 = v_block + warp * 16;       // first V row of this warp
+// The chunks a block runs, [run_first, run_end): the window's chunks of its
+// sequence, or one segment of them. A zero-length sequence has one empty
+// segment.
+struct BlockRun {
+  int64_t n;  // the sequence
+  Sequence seq;
+  WindowChunks window;
+  int64_t run_first, run_end;
+  bool first_segment, last_segment;
+  int64_t segment_index;  // the segment's record in seg_m / seg_e
+};
 
-  const Sequence seq = sequence_of(p, n);
-  const WindowChunks window = window_chunks(p, seq);
-  const int64_t chunks = window.chunks, chunk_first = window.first, chunk_end = window.end;
-  if (chunks == 0 ? p.window_first != 0 : chunk_first >= chunk_end) return;
+// Finds the chunks of sequence n the block runs; false when it has nothing
+// to do: its sequence has no chunk in this window (one without chunks is
+// handled by the first window alone), or, in the segment passes, its
+// segment does not exist or (transitions) is not needed by the scan.
+// forms_m: a transition block that forms M.
+template <int kMode>
+__device__ __forceinline__ bool locate_run(const FkdaPrefillParams& p, int64_t n, bool forms_m, BlockRun& run) {
+  run.n = n;
+  run.seq = sequence_of(p, n);
+  run.window = window_chunks(p, run.seq);
+  const int64_t chunks = run.window.chunks, chunk_first = run.window.first, chunk_end = run.window.end;
+  if (chunks == 0 ? p.window_first != 0 : chunk_first >= chunk_end) return false;
 
-  // The chunks [run_first, run_end) this block runs: the window's, or one
-  // segment of them. A zero-length sequence has one empty segment.
-  int64_t run_first = chunk_first, run_end = chunk_end;
-  bool first_segment = true, last_segment = true;
-  int64_t segment_index = 0;  // its record in seg_m / seg_e
+  run.run_first = chunk_first;
+  run.run_end = chunk_end;
+  run.first_segment = true;
+  run.last_segment = true;
+  run.segment_index = 0;
   if constexpr (kMode != kWholeRange) {
     if (chunks == 0) {
       // A zero-length sequence: its one empty segment copies the state in
       // the segment pass (no record needed); nothing to form before.
-      if (kMode == kTransition || int64_t(blockIdx.x) % p.segments_per_seq != 0) return;
+      if (kMode == kTransition || int64_t(blockIdx.x) % p.segments_per_seq != 0) return false;
     }
   }
   if (kMode != kWholeRange && chunks > 0) {
@@ -273,22 +277,28 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
     const int64_t s0 = chunk_first / L;
     const int64_t s_last = chunk_end > chunk_first ? (chunk_end - 1) / L : s0;
     const int64_t s = s0 + int64_t(blockIdx.x) % p.segments_per_seq;
-    if (s > s_last) return;
-    first_segment = s == s0;
-    last_segment = s == s_last;
-    run_first = first_segment ? chunk_first : s * L;
-    run_end = last_segment ? chunk_end : (s + 1) * L;
-    segment_index = fkda_segment_index(seq.slot_base + s * L, p.window_first, L, n);
-    if (segment_index < 0 || segment_index >= p.segment_capacity) return;  // unsorted offsets only
+    if (s > s_last) return false;
+    run.first_segment = s == s0;
+    run.last_segment = s == s_last;
+    run.run_first = run.first_segment ? chunk_first : s * L;
+    run.run_end = run.last_segment ? chunk_end : (s + 1) * L;
+    run.segment_index = fkda_segment_index(run.seq.slot_base + s * L, p.window_first, L, n);
+    if (run.segment_index < 0 || run.segment_index >= p.segment_capacity) return false;  // unsorted offsets only
     if (kMode == kTransition && !p.transitions_only) {
       // The scan needs E of every segment but the last, M of every segment
       // but the first and the last (the first one's incoming state is known).
-      if (last_segment || (forms_m && first_segment)) return;
+      if (run.last_segment || (forms_m && run.first_segment)) return false;
     }
   }
+  return true;
+}
 
-  const int64_t head_offset = int64_t(head) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
-  StateAccess state;
+// The caller's state of sequence n: initial_state / final_state, or its
+// slot of the pool, read as zeros where has_initial_state says so. False
+// for a padding sequence (a null slot, or one outside the pool).
+template <bool kServing>
+__device__ __forceinline__ bool caller_state(const FkdaPrefillParams& p, int64_t n, int64_t head_offset,
+                                             StateAccess& state) {
   state.initial = p.initial_state;
   state.final = p.final_state;
   state.bf16 = p.call.state_is_bf16 != 0;
@@ -296,10 +306,7 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   state.base = n * p.call.num_heads * int64_t(FKDA_HEAD_DIM * FKDA_HEAD_DIM) + head_offset;
   if (kServing && p.state_indices.data != nullptr) {
     const int64_t slot = usable_slot(load_index(p.state_indices, n, 0), p.call.first_real_slot, p.pool_slots);
-    if (slot < 0) {
-      if (kMode != kTransition) zero_output_rows<kThreads, kVCols>(p, seq, head, v_block, run_first, run_end);
-      return;
-    }
+    if (slot < 0) return false;
     state.initial = p.state_pool;
     state.final = p.state_pool;
     state.base = slot * p.pool_slot_stride + head_offset;
@@ -307,16 +314,23 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   if (kServing && p.has_initial_state.data != nullptr && load_index(p.has_initial_state, n, 0) == 0) {
     state.initial = nullptr;
   }
-  // Where the state comes from and goes to: the caller's states, or this
-  // head's f32 V x K carry matrices between windows.
-  StateAccess from = state, to = state;
-  if (chunk_first > 0) {
+  return true;
+}
+
+// Where the block's state comes from and goes to: the caller's state, this
+// head's f32 V x K carry matrices between windows, or segment records.
+template <int kMode>
+__device__ __forceinline__ void state_ends(const FkdaPrefillParams& p, const BlockRun& run, int head, bool forms_m,
+                                           const StateAccess& state, StateAccess& from, StateAccess& to) {
+  from = state;
+  to = state;
+  if (run.window.first > 0) {
     from.initial = p.carry_in;
     from.bf16 = false;
     from.kv = false;
     from.base = int64_t(head) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
   }
-  if (chunk_end < chunks) {
+  if (run.window.end < run.window.chunks) {
     to.final = p.carry_out;
     to.bf16 = false;
     to.kv = false;
@@ -327,18 +341,26 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
     // fkda_transitions, keeps a copy in its M record for the last pass,
     // since the final state may overwrite it in place); the others from
     // zeros, or the identity for M. Transitions end in their records.
-    const bool from_state = first_segment && !p.transitions_only;
+    const bool from_state = run.first_segment && !p.transitions_only;
     if (!from_state) from.initial = nullptr;
-    to = segment_matrix(forms_m ? p.seg_m : p.seg_e, segment_index, head, p.call.num_heads);
+    to = segment_matrix(forms_m ? p.seg_m : p.seg_e, run.segment_index, head, p.call.num_heads);
   } else if constexpr (kMode == kSegment) {
-    if (!first_segment) {
-      from = segment_matrix(p.seg_e, segment_index - 1, head, p.call.num_heads);
-    } else if (!last_segment) {
-      from = segment_matrix(p.seg_m, segment_index, head, p.call.num_heads);
+    if (!run.first_segment) {
+      from = segment_matrix(p.seg_e, run.segment_index - 1, head, p.call.num_heads);
+    } else if (!run.last_segment) {
+      from = segment_matrix(p.seg_m, run.segment_index, head, p.call.num_heads);
     }
-    if (!last_segment) to.final = nullptr;
+    if (!run.last_segment) to.final = nullptr;
   }
-  float S[16][4];
+}
+
+// The incoming state of the warp's rows into S; a transition block forming
+// M starts from the identity instead, and the first segment's E block
+// copies its incoming state to the segment's M record (see state_ends).
+template <int kMode>
+__device__ __forceinline__ void load_incoming_state(const FkdaPrefillParams& p, const BlockRun& run, int head,
+                                                    bool forms_m, const StateAccess& from, int e0, int g, int t,
+                                                    float (&S)[16][4]) {
   load_state(from, e0, g, t, S);
   if constexpr (kMode == kTransition) {
     if (forms_m) {
@@ -347,11 +369,202 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) S[nt][r] = (e0 + g + 8 * (r >> 1) == nt * 8 + 2 * t + (r & 1)) ? 1.f : 0.f;
       }
-    } else if (first_segment && !p.transitions_only) {
-      store_state(segment_matrix(p.seg_m, segment_index, head, p.call.num_heads), e0, g, t, S);
+    } else if (run.first_segment && !p.transitions_only) {
+      store_state(segment_matrix(p.seg_m, run.segment_index, head, p.call.num_heads), e0, g, t, S);
     }
   }
+}
 
+// Per-lane ldmatrix offsets (bytes, within a stage). Kd, Qd, W, Mqk:
+// matrices (rows 0-7, cols 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15)
+// give the B fragments of both 8-row n-tiles. Kr and v through .trans:
+// (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15). In the
+// swizzled tiles, k-step ks moves a lane's piece index by 2 ks, which is an
+// XOR of its offset with ks << 5. Qd shares Kd's offset.
+struct StageLanes {
+  uint32_t kd, kr, w, mqk, v;
+};
+
+template <int kVPitch>
+__device__ __forceinline__ StageLanes stage_lanes(int lane, int warp) {
+  const int row_a = (lane >> 4) * 8 + (lane & 7), col_a = ((lane >> 3) & 1) * 8;
+  const int row_t = ((lane >> 3) & 1) * 8 + (lane & 7), col_t = (lane >> 4) * 8;
+  StageLanes at;
+  at.kd = wide_tile_offset(row_a, col_a);
+  at.kr = wide_tile_offset(row_t, col_t);
+  at.w = FKDA_WS_W_OFFSET + small_tile_offset(row_a, col_a);
+  at.mqk = FKDA_WS_MQK_OFFSET + small_tile_offset(row_a, col_a);
+  at.v = FKDA_STAGE_V + row_a * kVPitch + (warp * 16 + col_a) * 2;
+  return at;
+}
+
+// Step 6's state step of one chunk for the warp's 16 V rows, from the
+// chunk's stage (`stage` its shared address, `stage_bytes` the same bytes
+// through a pointer): Sh = f16(S), X = Kd Sh^T, Y = f16(v - X),
+// U = W Y, Uh = f16(U), S = S diag(decay) + Uh^T Kr, all transposed (the
+// warp's V rows as M). Leaves Sh, Uh and the Mqk fragments for the output.
+__device__ __forceinline__ void advance_state(uint32_t stage, const unsigned char* stage_bytes,
+                                              const StageLanes& at, int t, float (&S)[16][4], uint32_t (&sh)[8][4],
+                                              uint32_t (&uh)[4], uint32_t (&mqk)[4]) {
+  // Operands off the chain first: v^T (A-fragment order, k = tokens), W, Mqk.
+  uint32_t v[4], w[4];
+  ldmatrix_x4_trans(v, stage + at.v);
+  ldmatrix_x4(w, stage + at.w);
+  ldmatrix_x4(mqk, stage + at.mqk);
+
+  // Sh = f16(S) as A fragments: k-step ks covers columns 16 ks .. 16 ks + 15.
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    sh[ks][0] = pack_f16x2(S[2 * ks][0], S[2 * ks][1]);
+    sh[ks][1] = pack_f16x2(S[2 * ks][2], S[2 * ks][3]);
+    sh[ks][2] = pack_f16x2(S[2 * ks + 1][0], S[2 * ks + 1][1]);
+    sh[ks][3] = pack_f16x2(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+  }
+  // S diag(decay) now, while the products below wait on their inputs.
+  const float* decay = reinterpret_cast<const float*>(stage_bytes + FKDA_WS_DECAY_OFFSET);
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+    const float2 d = *reinterpret_cast<const float2*>(decay + nt * 8 + 2 * t);
+    S[nt][0] *= d.x;
+    S[nt][1] *= d.y;
+    S[nt][2] *= d.x;
+    S[nt][3] *= d.y;
+  }
+
+  // X^T (16 V rows x 16 tokens, two n-tiles) is on the chain to the next
+  // chunk: four partial sums cut its dependent mmas from eight to two.
+  float x[4][2][4] = {};
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    uint32_t kd[4];
+    ldmatrix_x4(kd, stage + FKDA_WS_KD_OFFSET + (at.kd ^ (ks << 5)));
+    mma_f16(x[ks & 3][0], sh[ks], kd[0], kd[1]);
+    mma_f16(x[ks & 3][1], sh[ks], kd[2], kd[3]);
+  }
+
+  // Y^T = f16(v^T - X^T), straight into A-fragment order.
+  uint32_t y[4];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    float xs[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) xs[r] = (x[0][nt][r] + x[1][nt][r]) + (x[2][nt][r] + x[3][nt][r]);
+    y[2 * nt] = pack_f16x2(bf16_lo(v[2 * nt]) - xs[0], bf16_hi(v[2 * nt]) - xs[1]);
+    y[2 * nt + 1] = pack_f16x2(bf16_lo(v[2 * nt + 1]) - xs[2], bf16_hi(v[2 * nt + 1]) - xs[3]);
+  }
+
+  // U^T = Y^T W^T, Uh^T = f16(U^T).
+  float u[2][4] = {};
+  mma_f16(u[0], y, w[0], w[1]);
+  mma_f16(u[1], y, w[2], w[3]);
+  uh[0] = pack_f16x2(u[0][0], u[0][1]);
+  uh[1] = pack_f16x2(u[0][2], u[0][3]);
+  uh[2] = pack_f16x2(u[1][0], u[1][1]);
+  uh[3] = pack_f16x2(u[1][2], u[1][3]);
+
+  // S += Uh^T Kr closes the chain.
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    uint32_t kr[4];
+    ldmatrix_x4_trans(kr, stage + FKDA_WS_KR_OFFSET + (at.kr ^ (j << 5)));
+    mma_f16(S[2 * j], uh, kr[0], kr[1]);
+    mma_f16(S[2 * j + 1], uh, kr[2], kr[3]);
+  }
+}
+
+// Step 6's output of chunk `chunk` of the sequence, off the chain:
+// Oi^T = Sh Qd^T, O^T = Oi^T + Uh^T Mqk^T, out = bf16(O) for the chunk's
+// tokens before the sequence's end, through the warp's tile (token-major)
+// so that each lane writes one 16-byte piece.
+__device__ __forceinline__ void write_chunk_output(uint32_t stage, const StageLanes& at, int lane,
+                                                   const uint32_t (&sh)[8][4], const uint32_t (&uh)[4],
+                                                   const uint32_t (&mqk)[4], unsigned char* out_tile,
+                                                   uint16_t* out_row, int64_t out_stride_t, const Sequence& seq,
+                                                   int64_t chunk) {
+  const int g = lane >> 2, t = lane & 3;
+  float o[2][4] = {};
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    uint32_t qd[4];
+    ldmatrix_x4(qd, stage + FKDA_WS_QD_OFFSET + (at.kd ^ (ks << 5)));
+    mma_f16(o[0], sh[ks], qd[0], qd[1]);
+    mma_f16(o[1], sh[ks], qd[2], qd[3]);
+  }
+
+  mma_f16(o[0], uh, mqk[0], mqk[1]);
+  mma_f16(o[1], uh, mqk[2], mqk[3]);
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int token = nt * 8 + 2 * t + (r & 1);
+      const int col = g + 8 * (r >> 1);
+      *reinterpret_cast<uint16_t*>(out_tile + token * FKDA_OUT_TILE_PITCH_BYTES + col * 2) = to_bf16(o[nt][r]);
+    }
+  }
+  __syncwarp();
+  const int64_t first = seq.begin + chunk * FKDA_CHUNK;
+  const int token = lane >> 1, piece = lane & 1;
+  if (first + token < seq.end) {
+    const uint4 value = *reinterpret_cast<const uint4*>(out_tile + token * FKDA_OUT_TILE_PITCH_BYTES + piece * 16);
+    *reinterpret_cast<uint4*>(out_row + (first + token) * out_stride_t + piece * 8) = value;
+  }
+}
+
+// Stores S as the checkpoint under the cursor (unless its slot is null)
+// and moves the cursor to the next one.
+__device__ __forceinline__ void store_checkpoint(const FkdaPrefillParams& p, const BlockRun& run,
+                                                 int64_t head_offset, int e0, int g, int t, const float (&S)[16][4],
+                                                 CheckpointCursor& checkpoint) {
+  StateAccess to_checkpoint;
+  if (checkpoint_destination(p, run.n, checkpoint.column, head_offset, to_checkpoint)) {
+    store_state(to_checkpoint, e0, g, t, S);
+  }
+  ++checkpoint.column;
+  seek_checkpoint(p, run.n, run.seq.end - run.seq.begin, checkpoint.boundary, checkpoint);
+}
+
+// The recurrence kernels' body for a V split, serving form and mode (above):
+// the block's chunks and state ends, then the chain of chunks, then the
+// state it leaves.
+template <int kVsplit, bool kServing, int kMode = kWholeRange>
+__device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
+  constexpr int kWarps = 8 / kVsplit;
+  constexpr int kThreads = 32 * kWarps;
+  static_assert(kThreads <= 256, "the kernels are launched with at most 256 threads");
+  constexpr int kVCols = FKDA_HEAD_DIM / kVsplit;
+  constexpr int kVPitch = kVCols * 2 + 16;
+  constexpr int kStageBytes = FKDA_STAGE_V + FKDA_CHUNK * kVPitch;
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  // The block's sequence (one block per sequence, or per segment of one),
+  // head and V rows.
+  const int64_t n = kMode == kWholeRange ? int64_t(blockIdx.x) : int64_t(blockIdx.x) / p.segments_per_seq;
+  const int head = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  // kTransition: blocks z < vsplit form E, the others M.
+  const bool forms_m = kMode == kTransition && int(blockIdx.z) >= kVsplit;
+  const int v_block = (kMode == kTransition ? int(blockIdx.z) % kVsplit : int(blockIdx.z)) * kVCols;
+  const int e0 = v_block + warp * 16;       // first V row of this warp
+
+  // ---- the chunks it runs, where its state comes from and goes to -----------
+  BlockRun run;
+  if (!locate_run<kMode>(p, n, forms_m, run)) return;
+  const Sequence& seq = run.seq;
+  const int64_t head_offset = int64_t(head) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
+  StateAccess state;
+  if (!caller_state<kServing>(p, n, head_offset, state)) {
+    // A padding sequence: zero output rows, no state read or written.
+    if (kMode != kTransition) zero_output_rows<kThreads, kVCols>(p, seq, head, v_block, run.run_first, run.run_end);
+    return;
+  }
+  StateAccess from, to;
+  state_ends<kMode>(p, run, head, forms_m, state, from, to);
+  float S[16][4];
+  load_incoming_state<kMode>(p, run, head, forms_m, from, e0, g, t, S);
+
+  // ---- the chunks' stages --------------------------------------------------
   const uint32_t stages = smem_address(smem);
   unsigned char* out_tile = smem + FKDA_RECURRENCE_STAGES * kStageBytes + warp * FKDA_OUT_TILE_BYTES;
   uint16_t* out_row = static_cast<uint16_t*>(p.call.out.data) + seq.row * p.call.out.stride_b +
@@ -359,10 +572,11 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
 
   CheckpointCursor checkpoint{0, -1};
   if constexpr (kServing && kMode != kTransition) {
-    seek_checkpoint(p, n, seq.end - seq.begin, run_first * FKDA_CHUNK, checkpoint);
+    seek_checkpoint(p, n, seq.end - seq.begin, run.run_first * FKDA_CHUNK, checkpoint);
   }
 
   // The next chunk to stage, its record and its first v row.
+  const int64_t run_first = run.run_first, run_end = run.run_end;
   int64_t next = run_first;
   const int64_t record_step = int64_t(p.call.num_heads) * FKDA_WS_RECORD_BYTES;
   const unsigned char* next_record = record_of(p, seq.slot_base + run_first - p.window_first, head);
@@ -387,21 +601,9 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   };
 #pragma unroll
   for (int s = 0; s < FKDA_RECURRENCE_STAGES - 1; ++s) issue();
+  const StageLanes at = stage_lanes<kVPitch>(lane, warp);
 
-  // Per-lane ldmatrix offsets (bytes, within a stage). Kd, Qd, W, Mqk:
-  // matrices (rows 0-7, cols 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15)
-  // give the B fragments of both 8-row n-tiles. Kr and v through .trans:
-  // (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15). In the
-  // swizzled tiles, k-step ks moves a lane's piece index by 2 ks, which is an
-  // XOR of its offset with ks << 5.
-  const int row_a = (lane >> 4) * 8 + (lane & 7), col_a = ((lane >> 3) & 1) * 8;
-  const int row_t = ((lane >> 3) & 1) * 8 + (lane & 7), col_t = (lane >> 4) * 8;
-  const uint32_t kd_lane = wide_tile_offset(row_a, col_a);
-  const uint32_t kr_lane = wide_tile_offset(row_t, col_t);
-  const uint32_t w_lane = FKDA_WS_W_OFFSET + small_tile_offset(row_a, col_a);
-  const uint32_t mqk_lane = FKDA_WS_MQK_OFFSET + small_tile_offset(row_a, col_a);
-  const uint32_t v_lane = FKDA_STAGE_V + row_a * kVPitch + (warp * 16 + col_a) * 2;
-
+  // ---- the chain: state step, output and checkpoints per chunk --------------
   // The chunks run in stretches that end at the next checkpoint inside this
   // window (or at the window's end), so that the checkpoint store stays out
   // of the chunk loop, whose body is the latency chain every sequence waits on.
@@ -417,118 +619,20 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
       __syncthreads();
       issue();
       const uint32_t stage = stages + int(chunk % FKDA_RECURRENCE_STAGES) * kStageBytes;
-
-      // Operands off the chain first: v^T (A-fragment order, k = tokens), W, Mqk.
-      uint32_t v[4], w[4], mqk[4];
-      ldmatrix_x4_trans(v, stage + v_lane);
-      ldmatrix_x4(w, stage + w_lane);
-      ldmatrix_x4(mqk, stage + mqk_lane);
-
-      // Sh = f16(S) as A fragments: k-step ks covers columns 16 ks .. 16 ks + 15.
-      uint32_t sh[8][4];
-  #pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-        sh[ks][0] = pack_f16x2(S[2 * ks][0], S[2 * ks][1]);
-        sh[ks][1] = pack_f16x2(S[2 * ks][2], S[2 * ks][3]);
-        sh[ks][2] = pack_f16x2(S[2 * ks + 1][0], S[2 * ks + 1][1]);
-        sh[ks][3] = pack_f16x2(S[2 * ks + 1][2], S[2 * ks + 1][3]);
-      }
-      // S diag(decay) now, while the products below wait on their inputs.
-      const float* decay = reinterpret_cast<const float*>(smem + (stage - stages) + FKDA_WS_DECAY_OFFSET);
-  #pragma unroll
-      for (int nt = 0; nt < 16; ++nt) {
-        const float2 d = *reinterpret_cast<const float2*>(decay + nt * 8 + 2 * t);
-        S[nt][0] *= d.x;
-        S[nt][1] *= d.y;
-        S[nt][2] *= d.x;
-        S[nt][3] *= d.y;
-      }
-
-      // X^T (16 V rows x 16 tokens, two n-tiles) is on the chain to the next
-      // chunk: four partial sums cut its dependent mmas from eight to two.
-      float x[4][2][4] = {};
-  #pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-        uint32_t kd[4];
-        ldmatrix_x4(kd, stage + FKDA_WS_KD_OFFSET + (kd_lane ^ (ks << 5)));
-        mma_f16(x[ks & 3][0], sh[ks], kd[0], kd[1]);
-        mma_f16(x[ks & 3][1], sh[ks], kd[2], kd[3]);
-      }
-
-      // Y^T = f16(v^T - X^T), straight into A-fragment order.
-      uint32_t y[4];
-  #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        float xs[4];
-  #pragma unroll
-        for (int r = 0; r < 4; ++r) xs[r] = (x[0][nt][r] + x[1][nt][r]) + (x[2][nt][r] + x[3][nt][r]);
-        y[2 * nt] = pack_f16x2(bf16_lo(v[2 * nt]) - xs[0], bf16_hi(v[2 * nt]) - xs[1]);
-        y[2 * nt + 1] = pack_f16x2(bf16_lo(v[2 * nt + 1]) - xs[2], bf16_hi(v[2 * nt + 1]) - xs[3]);
-      }
-
-      // U^T = Y^T W^T, Uh^T = f16(U^T).
-      float u[2][4] = {};
-      mma_f16(u[0], y, w[0], w[1]);
-      mma_f16(u[1], y, w[2], w[3]);
-      uint32_t uh[4];
-      uh[0] = pack_f16x2(u[0][0], u[0][1]);
-      uh[1] = pack_f16x2(u[0][2], u[0][3]);
-      uh[2] = pack_f16x2(u[1][0], u[1][1]);
-      uh[3] = pack_f16x2(u[1][2], u[1][3]);
-
-      // S += Uh^T Kr closes the chain.
-  #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        uint32_t kr[4];
-        ldmatrix_x4_trans(kr, stage + FKDA_WS_KR_OFFSET + (kr_lane ^ (j << 5)));
-        mma_f16(S[2 * j], uh, kr[0], kr[1]);
-        mma_f16(S[2 * j + 1], uh, kr[2], kr[3]);
-      }
-
-      if constexpr (kMode == kTransition) continue;  // transitions write no output
-
-      // Oi^T = Sh Qd^T, off the chain.
-      float o[2][4] = {};
-  #pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-        uint32_t qd[4];
-        ldmatrix_x4(qd, stage + FKDA_WS_QD_OFFSET + (kd_lane ^ (ks << 5)));
-        mma_f16(o[0], sh[ks], qd[0], qd[1]);
-        mma_f16(o[1], sh[ks], qd[2], qd[3]);
-      }
-
-      // O^T = Oi^T + Uh^T Mqk^T, then out = bf16(O) through the warp's tile
-      // (token-major) so that each lane writes one 16-byte piece.
-      mma_f16(o[0], uh, mqk[0], mqk[1]);
-      mma_f16(o[1], uh, mqk[2], mqk[3]);
-  #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-  #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int token = nt * 8 + 2 * t + (r & 1);
-          const int col = g + 8 * (r >> 1);
-          *reinterpret_cast<uint16_t*>(out_tile + token * FKDA_OUT_TILE_PITCH_BYTES + col * 2) = to_bf16(o[nt][r]);
-        }
-      }
-      __syncwarp();
-      const int64_t first = seq.begin + chunk * FKDA_CHUNK;
-      const int token = lane >> 1, piece = lane & 1;
-      if (first + token < seq.end) {
-        const uint4 value = *reinterpret_cast<const uint4*>(out_tile + token * FKDA_OUT_TILE_PITCH_BYTES + piece * 16);
-        *reinterpret_cast<uint4*>(out_row + (first + token) * p.call.out.stride_t + piece * 8) = value;
+      uint32_t sh[8][4], uh[4], mqk[4];
+      advance_state(stage, smem + (stage - stages), at, t, S, sh, uh, mqk);
+      // Transitions write no output.
+      if constexpr (kMode != kTransition) {
+        write_chunk_output(stage, at, lane, sh, uh, mqk, out_tile, out_row, p.call.out.stride_t, seq, chunk);
       }
     }
     if (!checkpoint_here) break;
-    StateAccess to_checkpoint;
-    if (checkpoint_destination(p, n, checkpoint.column, head_offset, to_checkpoint)) {
-      store_state(to_checkpoint, e0, g, t, S);
-    }
-    ++checkpoint.column;
-    seek_checkpoint(p, n, seq.end - seq.begin, checkpoint.boundary, checkpoint);
+    store_checkpoint(p, run, head_offset, e0, g, t, S, checkpoint);
   }
   // Drain the empty trailing groups before the block's shared memory goes away.
   cp_async_wait<0>();
 
+  // ---- the final state, carry or segment record ----------------------------
   if (to.final != nullptr) store_state(to, e0, g, t, S);
 }
 
