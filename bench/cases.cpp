@@ -116,6 +116,8 @@ double flashkda_workspace_bytes(const BenchCase& c) {
   return chunks * double(c.H) * kFlashKdaWorkspacePerChunkHead;
 }
 
+constexpr double kNoFigure = std::numeric_limits<double>::quiet_NaN();
+
 const std::vector<BenchCase>& prefill_cases() {
   static const std::vector<BenchCase> cases = {
       make_case("P1", 1, 8192, 96, {}, 1.422, 2.621, 1.00),
@@ -129,6 +131,11 @@ const std::vector<BenchCase>& prefill_cases() {
       make_case("P9", 1, 0, 32, std::vector<int64_t>(8, 1024), 0.415, 1.370, 0.30),
       make_case("P10", 1, 512, 32, {}, 0.083, 1.665, 0.05,
                 "FLA's time here is mostly Python-side launch overhead"),
+      // The head counts deployments run per GPU.
+      make_case("P11", 1, 8192, 12, {}, 0.878, 1.855, 0.20),
+      make_case("P12", 1, 0, 12, std::vector<int64_t>(16, 512), 0.188, kNoFigure, 0.06),
+      make_case("P13", 1, 8192, 24, {}, 0.956, kNoFigure, 0.25),
+      make_case("P14", 1, 2048, 12, {}, 0.239, kNoFigure, 0.08),
   };
   return cases;
 }

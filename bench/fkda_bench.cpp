@@ -44,8 +44,8 @@ effective GB/s and workspace bytes per case, beside the FlashKDA, FLA and
 target figures of docs/BENCHMARKS.md.
 
 Cases (ids are case-insensitive):
-  P1 ... P10          prefill cases
-  prefill             all of P1 ... P10 (the default when nothing else is asked)
+  P1 ... P14          prefill cases
+  prefill             all of P1 ... P14 (the default when nothing else is asked)
   D1 ... D8           decode, one token for N sequences, states in a pool
   S1 ... S3           speculative verify: T draft tokens, [N, T] slot table,
                       num_accepted random in 1 ... T
@@ -287,15 +287,13 @@ Options parse_options(int argc, char** argv) {
       for (const auto& c : softplus_cases()) options.cases.push_back(c);
     } else if (const BenchCase* c = find_prefill_case(name)) {
       options.cases.push_back(*c);
-    } else if (const BenchCase* softplus = find_softplus_case(name)) {
-      options.cases.push_back(*softplus);  // P11, which only the softplus table has
     } else if (const ServingCase* serving = find_serving_case(name)) {
       options.serving.push_back(*serving);
     } else if (const AccuracyCase* accuracy = find_accuracy_case(name)) {
       options.accuracy.push_back(*accuracy);
     } else {
       throw usage_error("unknown case \"" + name +
-                        "\"; known: P1 ... P11, D1 ... D8, S1 ... S3, R1, R2, A1, A2, "
+                        "\"; known: P1 ... P14, D1 ... D8, S1 ... S3, R1, R2, A1, A2, "
                         "LM1 ... LM4, LM4S, L1 ... L6, prefill, softplus, decode, spec, pool, "
                         "serving, accuracy, long-memory, long, all");
     }

@@ -353,10 +353,22 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       const float* dt_bias = p.call.dt_bias + int64_t(head) * FKDA_HEAD_DIM + 4 * lane;
       for (int i = 0; i < 4; ++i) dt[i] = __ldg(dt_bias + i);
     }
+    if (convolved) {
+      // The convolution of q and k over the whole block (four channels a
+      // thread) into the query and key rows, which the warps below read,
+      // normalise and overwrite lane by lane.
+      for (int item = tid; item < tokens * 2 * 32; item += blockDim.x) {
+        const int t = item / 64, proj = (item / 32) % 2, quad = item % 32;
+        float* to = (proj == 0 ? query : key) + t * FKDA_HEAD_DIM + 4 * quad;
+        *reinterpret_cast<float4*>(to) = convolve_four(p, proj, proj == 0 ? p.call.q : p.call.k, batch_row, begin,
+                                                       t, head, 4 * quad, start_slot);
+      }
+      __syncthreads();
+    }
     for (int t = warp; t < tokens; t += warps) {
-      const float4 q = convolved ? convolve_four(p, 0, p.call.q, batch_row, begin, t, head, 4 * lane, start_slot)
+      const float4 q = convolved ? reinterpret_cast<const float4*>(query + t * FKDA_HEAD_DIM)[lane]
                                  : load_bf16x4(token_row(p.call.q, t) + 4 * lane);
-      const float4 k = convolved ? convolve_four(p, 1, p.call.k, batch_row, begin, t, head, 4 * lane, start_slot)
+      const float4 k = convolved ? reinterpret_cast<const float4*>(key + t * FKDA_HEAD_DIM)[lane]
                                  : load_bf16x4(token_row(p.call.k, t) + 4 * lane);
       const float4 g = p.call.gate.g_is_f32
                            ? __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.call.g.data) +
@@ -470,7 +482,7 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   extern "C" __global__ void __launch_bounds__(32 * FKDA_DECODE_MAX_WARPS) name(const FkdaDecodeParams p) { \
     fkda_dev::decode_steps<bf16, kv, false>(p);                                                  \
   }                                                                                             \
-  extern "C" __global__ void __launch_bounds__(32 * FKDA_DECODE_LAYER_WARPS) name##_layer(const FkdaDecodeParams p) { \
+  extern "C" __global__ void __launch_bounds__(32 * FKDA_DECODE_LAYER_WARPS, 2) name##_layer(const FkdaDecodeParams p) { \
     fkda_dev::decode_steps<bf16, kv, true>(p);                                                   \
   }
 FKDA_DEFINE_DECODE(fkda_decode_f32_vk, false, false)

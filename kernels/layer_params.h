@@ -64,9 +64,12 @@ typedef struct FkdaLayerParams {
   FkdaIndexTable checkpoint_slots;   /* [N, C] */
 } FkdaLayerParams;
 
-/* Tokens per block of the convolution kernel, and the output gate's rows
+/* The convolution kernel: blocks of FKDA_CONV_THREADS threads, each thread
+ * eight channels of FKDA_CONV_TILE_TOKENS tokens; the output gate's rows
  * (token, head) per block of 4 warps. */
-#define FKDA_CONV_TILE_TOKENS 32
+#define FKDA_CONV_TILE_TOKENS 64
+#define FKDA_CONV_THREADS 128
+#define FKDA_CONV_CHANNELS_PER_BLOCK (FKDA_CONV_THREADS * 8)
 #define FKDA_GATE_ROWS_PER_BLOCK 4
 
 #endif /* FLASHKDA_KERNELS_LAYER_PARAMS_H */

@@ -19,6 +19,9 @@
 
 namespace fkda_dev {
 
+// Channels per thread of fkda_fwd's convolution.
+constexpr int kConvChannels = 8;
+
 __device__ __forceinline__ float load_real(const void* data, bool is_f32, int64_t at) {
   return is_f32 ? __ldg(static_cast<const float*>(data) + at)
                 : bf16_bits(__ldg(static_cast<const uint16_t*>(data) + at));
@@ -115,45 +118,139 @@ __device__ __forceinline__ int64_t sequence_at(const FkdaLayerParams& p, int64_t
   return lo;
 }
 
-// Block (token tile, head, projection), a thread per channel of the head.
-__device__ __forceinline__ void convolve_inputs(const FkdaLayerParams& p) {
-  const int proj = blockIdx.z, head = blockIdx.y, i = threadIdx.x;
+// Eight consecutive channels of one raw token row (16 bytes: the
+// activations' rows are 16-byte aligned, validate.cpp check_gpu_alignment).
+__device__ __forceinline__ void load_raw8(const FkdaActivation& raw, int64_t row, int64_t token, int head, int i,
+                                          float (&x)[kConvChannels]) {
+  const uint4 w = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(raw.data) + row * raw.stride_b +
+                                                       token * raw.stride_t + int64_t(head) * raw.stride_h + i));
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    x[2 * e] = bf16_lo(words[e]);
+    x[2 * e + 1] = bf16_hi(words[e]);
+  }
+}
+
+// Block (token tile, group of 128 x 8 channels of the three projections);
+// a thread takes eight consecutive channels along the tile's tokens, its
+// weights in registers and the last W - 1 inputs of its sequence in a
+// sliding window, so that each raw input is read once. Loads of four
+// tokens are issued together: the thread's chain of tokens is otherwise
+// one memory latency per token. The outputs are rounded to bf16, so SiLU
+// takes the fast exponential and reciprocal.
+template <int kWidth>
+__device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t c0, int proj) {
+  const int64_t channels = int64_t(p.call.num_heads) * FKDA_HEAD_DIM;
+  const int head = int(c0 / FKDA_HEAD_DIM), i0 = int(c0 % FKDA_HEAD_DIM);
   const FkdaActivation& raw = raw_projection(p, proj);
   const FkdaConv& conv = p.layer.conv[proj];
-  const int64_t c = int64_t(head) * FKDA_HEAD_DIM + i;
-  const int width = p.layer.conv_width, state_width = p.layer.conv_state_width;
+  const int state_width = p.layer.conv_state_width;
+  const bool f32 = p.layer.conv_is_f32 != 0;
+
+  float weight[kConvChannels][kWidth], bias[kConvChannels];
+#pragma unroll
+  for (int e = 0; e < kConvChannels; ++e) {
+    bias[e] = conv.bias != nullptr ? load_real(conv.bias, f32, (c0 + e) * conv.bias_stride) : 0.f;
+#pragma unroll
+    for (int j = 0; j < kWidth; ++j) {
+      weight[e][j] = load_real(conv.weight, f32, (c0 + e) * conv.weight_stride_c + j * conv.weight_stride_w);
+    }
+  }
+
   const int64_t total = p.batch * p.call.seq_len;
   const int64_t first = int64_t(blockIdx.x) * FKDA_CONV_TILE_TOKENS;
   const int64_t last = first + FKDA_CONV_TILE_TOKENS < total ? first + FKDA_CONV_TILE_TOKENS : total;
-  uint16_t* staged = static_cast<uint16_t*>(p.staged[proj]) + int64_t(head) * FKDA_HEAD_DIM + i;
-
   const bool packed = p.call.cu_seqlens != nullptr;
+  // Where packed token t lies: row and index in the row.
+  auto row_of = [&](int64_t t) { return packed ? int64_t(0) : t / p.call.seq_len; };
+  auto index_of = [&](int64_t t) { return packed ? t : t % p.call.seq_len; };
+
   int64_t n = packed ? sequence_at(p, first) : first / p.call.seq_len;
   int64_t begin = packed ? load_offset_of(p.call, n) : n * p.call.seq_len;
   int64_t end = packed ? load_offset_of(p.call, n + 1) : begin + p.call.seq_len;
   ConvRow row = conv_row_of(p, n);
-  for (int64_t t = first; t < last; ++t) {
-    while (t >= end && n + 1 < p.call.num_seqs) {  // the next sequence starts (zero-length ones are skipped)
-      ++n;
-      begin = packed ? load_offset_of(p.call, n) : n * p.call.seq_len;
-      end = packed ? load_offset_of(p.call, n + 1) : begin + p.call.seq_len;
-      row = conv_row_of(p, n);
-    }
-    const int64_t position = t - begin;  // in the sequence; < 0 only for tokens no sequence holds
-    const int64_t batch_row = packed ? 0 : n;
-    const int64_t first_token = packed ? begin : 0;
-    float x[FKDA_CONV_MAX_WIDTH] = {0.f, 0.f, 0.f, 0.f};
+  // history[k]: the input k + 1 tokens before the current one (from the
+  // sequence's conv state before its first token, or 0 when it reads none).
+  float history[kWidth - 1][kConvChannels];
+  auto fill_history = [&](int64_t t) {
+    const int64_t position = t - begin;
 #pragma unroll
-    for (int j = 0; j < FKDA_CONV_MAX_WIDTH; ++j) {
-      if (j >= width || position < 0) continue;
-      const int64_t at = position - (width - 1) + j;
+    for (int k = 0; k < kWidth - 1; ++k) {
+      const int64_t at = position - 1 - k;
       if (at >= 0) {
-        x[j] = raw_input(raw, batch_row, first_token + at, head, i);
-      } else if (row.reads) {
-        x[j] = conv_state_at(p.layer, conv, row.row, c, int(state_width + at));
+        load_raw8(raw, row_of(t - 1 - k), index_of(t - 1 - k), head, i0, history[k]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kConvChannels; ++e) {
+          history[k][e] = position >= 0 && row.reads && at >= -state_width
+                              ? conv_state_at(p.layer, conv, row.row, c0 + e, int(state_width + at))
+                              : 0.f;
+        }
       }
     }
-    staged[t * int64_t(p.call.num_heads) * FKDA_HEAD_DIM] = to_bf16(convolve(p.layer, conv, c, x));
+  };
+  fill_history(first);
+
+  constexpr int kAhead = 4;
+  uint16_t* staged = static_cast<uint16_t*>(p.staged[proj]) + c0;
+  for (int64_t t0 = first; t0 < last; t0 += kAhead) {
+    float ahead[kAhead][kConvChannels];
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      if (t0 + u < last) load_raw8(raw, row_of(t0 + u), index_of(t0 + u), head, i0, ahead[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int64_t t = t0 + u;
+      if (t >= last) break;
+      if (t >= end && n + 1 < p.call.num_seqs) {  // the next sequence starts (zero-length ones are skipped)
+        do {
+          ++n;
+          begin = packed ? load_offset_of(p.call, n) : n * p.call.seq_len;
+          end = packed ? load_offset_of(p.call, n + 1) : begin + p.call.seq_len;
+        } while (t >= end && n + 1 < p.call.num_seqs);
+        row = conv_row_of(p, n);
+        fill_history(t);
+      }
+      const float keep = t >= begin ? 1.f : 0.f;  // 0 only for tokens no sequence holds
+      uint32_t packed_out[kConvChannels / 2];
+#pragma unroll
+      for (int e = 0; e < kConvChannels; e += 2) {
+        float y[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          // Input j of W (oldest first) is W - 1 - j tokens back.
+          float acc = bias[e + h];
+#pragma unroll
+          for (int j = 0; j < kWidth - 1; ++j) acc = fmaf(weight[e + h][j], keep * history[kWidth - 2 - j][e + h], acc);
+          acc = fmaf(weight[e + h][kWidth - 1], keep * ahead[u][e + h], acc);
+          y[h] = acc * __frcp_rn(1.0f + __expf(-acc));
+        }
+        packed_out[e / 2] = pack_bf16x2(y[0], y[1]);
+      }
+      *reinterpret_cast<uint4*>(staged + t * channels) =
+          make_uint4(packed_out[0], packed_out[1], packed_out[2], packed_out[3]);
+#pragma unroll
+      for (int k = kWidth - 2; k > 0; --k)
+#pragma unroll
+        for (int e = 0; e < kConvChannels; ++e) history[k][e] = history[k - 1][e];
+#pragma unroll
+      for (int e = 0; e < kConvChannels; ++e) history[0][e] = ahead[u][e];
+    }
+  }
+}
+
+__device__ __forceinline__ void convolve_inputs(const FkdaLayerParams& p) {
+  const int64_t channels = int64_t(p.call.num_heads) * FKDA_HEAD_DIM;
+  const int64_t first_channel = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * kConvChannels;
+  if (first_channel >= 3 * channels) return;
+  const int proj = int(first_channel / channels);
+  const int64_t c0 = first_channel % channels;
+  switch (p.layer.conv_width) {
+    case 2: convolve_tile<2>(p, c0, proj); break;
+    case 3: convolve_tile<3>(p, c0, proj); break;
+    default: convolve_tile<4>(p, c0, proj); break;
   }
 }
 
@@ -230,7 +327,7 @@ __device__ __forceinline__ void gate_output_rows(const FkdaLayerParams& p) {
 
 }  // namespace fkda_dev
 
-extern "C" __global__ void __launch_bounds__(FKDA_HEAD_DIM) fkda_layer_convolve(const FkdaLayerParams p) {
+extern "C" __global__ void __launch_bounds__(FKDA_CONV_THREADS) fkda_layer_convolve(const FkdaLayerParams p) {
   fkda_dev::convolve_inputs(p);
 }
 extern "C" __global__ void __launch_bounds__(FKDA_HEAD_DIM) fkda_layer_conv_store(const FkdaLayerParams p) {
