@@ -23,6 +23,25 @@ from kda_testing import (
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
+def _library_reads_the_layer_step():
+    """Whether the loaded library reads fkda_layer_step: one that does
+    refuses an output gate without its RMSNorm weight."""
+    zeros = np.zeros((1, 1, 1, HEAD_DIM), np.uint16)
+    try:
+        flashkda.fwd(zeros, zeros, zeros, zeros, np.zeros((1, 1, 1), np.uint16), 1.0,
+                     zeros.copy(), None, None, -5.0, out_gate=zeros)
+    except FlashKDAError:
+        return True
+    return False
+
+
+# The tests that need the library to compute the layer step are expected to
+# fail, strictly, with a library that does not read it yet.
+needs_layer_step = pytest.mark.xfail(
+    not _library_reads_the_layer_step(), strict=True,
+    reason="the loaded library does not read fkda_layer_step: its CPU implementation "
+           "(branch issue19cpu) is not in this build")
+
 # fkda_fwd rounds the convolved q, k and v to bf16 and gates the bf16 output
 # of the recurrence; the fp64 step rounds nothing. fkda_decode stays in f32.
 FWD_TOLERANCE = 8e-3
@@ -187,6 +206,7 @@ def fwd_reference(problem, layer, rows, reads, initial_state):
     return layer.gated(out), final_state, states
 
 
+@needs_layer_step
 @pytest.mark.parametrize("case", FWD_CASES)
 def test_fwd_layer_step_matches_the_fp64_step(rng, case):
     problem, layer = fwd_problem(rng, case)
@@ -203,6 +223,7 @@ def test_fwd_layer_step_matches_the_fp64_step(rng, case):
         assert_conv_states(layer, expected_conv)
 
 
+@needs_layer_step
 def test_fwd_layer_step_on_a_pool(rng):
     """Conv state rows are pool slots: has_initial_state 0 starts the
     convolution from zeros too, a padding sequence touches nothing."""
@@ -247,6 +268,7 @@ DECODE_CASES = {
 }
 
 
+@needs_layer_step
 @pytest.mark.parametrize("case", DECODE_CASES)
 @pytest.mark.parametrize("state_dtype", [np.float32, np.uint16], ids=["f32", "bf16"])
 def test_decode_layer_step_matches_the_fp64_step(rng, case, state_dtype):
@@ -284,6 +306,7 @@ def test_decode_layer_step_matches_the_fp64_step(rng, case, state_dtype):
     assert_conv_states(layer, expected_conv)
 
 
+@needs_layer_step
 def test_prefill_then_decode_carries_the_conv_state(rng):
     """fwd on a pool leaves the conv state decode continues from: prefill of
     T tokens then decode of one equals the fp64 step over T + 1 tokens."""
@@ -332,6 +355,7 @@ def packed(layer, states=True):
                 out_gate=layer.gate, out_norm_weight=layer.norm_weight)
 
 
+@needs_layer_step
 @pytest.mark.parametrize("seq_lens", [[35], [9, 26]], ids=["one_row", "two_rows"])
 def test_packed_and_per_projection_forms_give_identical_results(rng, seq_lens):
     """Packed weights and biases, and q, k and v as views into one buffer of
@@ -350,8 +374,10 @@ def test_packed_and_per_projection_forms_give_identical_results(rng, seq_lens):
              for i in range(3)]
     assert not views[1].flags.c_contiguous
 
+    states_before = [s.copy() for s in layer.states]
     flashkda.fwd(**problem.arguments(), lower_bound=problem.lower_bound, **layer.keywords())
     separate = (problem.out.copy(), problem.final_state.copy(), [s.copy() for s in layer.states])
+    assert not np.array_equal(separate[2][0], states_before[0]), "conv_state_q was not updated"
     problem.poison_outputs()
     arguments = dict(problem.arguments(), q=views[0], k=views[1], v=views[2])
     flashkda.fwd(**arguments, lower_bound=problem.lower_bound, **packed_keywords)
@@ -364,6 +390,7 @@ def test_packed_and_per_projection_forms_give_identical_results(rng, seq_lens):
         np.testing.assert_array_equal(state, expected, err_msg=f"conv_state {name}")
 
 
+@needs_layer_step
 def test_torch_tensors_packed_and_per_projection(rng):
     problem = make_problem(rng, batch=1, seq_len=33, heads=2, with_initial_state=False)
     layer = Layer(rng, 2, 1, dtype=np.uint16, state_dtype=np.uint16, norm_dtype=np.uint16,
@@ -476,6 +503,7 @@ def test_a_convolution_runs_on_a_layer_step_plan(rng, block_builds):
     assert with_conv.workspace_size(74, 2) > without.workspace_size(74, 2)
 
 
+@needs_layer_step
 def test_plan_fwd_takes_the_convolution_with_layer_step(rng):
     problem, layer = fwd_problem(rng, "batched_f32_bias_states")
     arguments = problem.arguments()
@@ -518,6 +546,7 @@ def test_binding_errors_name_the_argument(rng):
         assert caught.value.message.startswith(expected), (keywords.keys(), caught.value.message)
 
 
+@needs_layer_step
 def test_library_errors_name_the_argument(rng):
     problem, layer = fwd_problem(rng, "batched_f32_bias_states")
     arguments = dict(problem.arguments(), lower_bound=problem.lower_bound)
@@ -557,11 +586,13 @@ def test_the_layer_step_keys_the_argument_blocks(rng, block_builds):
     assert [b.args.layer.out_norm_eps for b in block_builds] == pytest.approx([1e-5, 1e-3])
 
 
+@needs_layer_step
 def test_prepared_launches_take_the_layer_step(rng):
     problem, layer = fwd_problem(rng, "batched_f32_bias_states")
     states_before = [s.copy() for s in layer.states]
     flashkda.fwd(**problem.arguments(), lower_bound=problem.lower_bound, **layer.keywords())
     expected_out, expected_states = problem.out.copy(), [s.copy() for s in layer.states]
+    assert not np.array_equal(expected_states[0], states_before[0]), "conv_state_q was not updated"
     problem.poison_outputs()
     for state, before in zip(layer.states, states_before):
         state[...] = before
@@ -574,6 +605,7 @@ def test_prepared_launches_take_the_layer_step(rng):
         np.testing.assert_array_equal(state, expected)
 
 
+@needs_layer_step
 def test_decode_with_conv_states_compiles_without_graph_break(rng):
     from torch._dynamo.utils import counters
 
