@@ -22,6 +22,7 @@ from kda_testing import (
 )
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
+from test_torch_cuda import to_device  # noqa: E402
 
 def _library_reads_the_layer_step():
     """Whether the loaded library reads fkda_layer_step: one that does
@@ -152,6 +153,11 @@ class Layer:
         if self.gate is None:
             return out
         return gate_fp64(out, self.gate, self.norm_weight, self.eps)
+
+
+def as_torch(array):
+    """A CPU tensor holding a copy of a numpy array (bf16 bits as bfloat16)."""
+    return to_device(array, "cpu").clone()
 
 
 def assert_close(name, actual, expected, tolerance):
@@ -395,15 +401,13 @@ def test_torch_tensors_packed_and_per_projection(rng):
     problem = make_problem(rng, batch=1, seq_len=33, heads=2, with_initial_state=False)
     layer = Layer(rng, 2, 1, dtype=np.uint16, state_dtype=np.uint16, norm_dtype=np.uint16,
                   batch=1, seq_len=33)
-    as_torch = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) \
-        if a.dtype == np.uint16 else torch.from_numpy(a)  # noqa: E731
-    inputs = {n: as_torch(getattr(problem, n).copy()) for n in ("q", "k", "v", "g", "beta")}
+    inputs = {n: as_torch(getattr(problem, n)) for n in ("q", "k", "v", "g", "beta")}
     gate_parameters = dict(A_log=torch.from_numpy(problem.A_log),
                            dt_bias=torch.from_numpy(problem.dt_bias))
     weights = [as_torch(w) for w in layer.weights]
-    states = [as_torch(s.copy()) for s in layer.states]
+    states = [as_torch(s) for s in layer.states]
     packed_weight = torch.cat(weights).unsqueeze(1)  # [3*H*K, 1, W], torch's Conv1d weight
-    packed_state = torch.cat([as_torch(s.copy()) for s in layer.states], dim=1)
+    packed_state = torch.cat([as_torch(s) for s in layer.states], dim=1)
     results = []
     for conv_weight, conv_bias, conv_state in (
             (tuple(weights), tuple(as_torch(b) for b in layer.biases), tuple(states)),
@@ -425,20 +429,19 @@ def test_torch_tensors_packed_and_per_projection(rng):
 
 
 def torch_layer_call(rng):
+    """A forward call with a layer step as the op's (args, kwargs)."""
     problem = make_problem(rng, batch=1, seq_len=21, heads=2)
     layer = Layer(rng, 2, 1, batch=1, seq_len=21)
-    tensor = lambda a: (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)  # noqa: E731
-                        if a.dtype == np.uint16 else torch.from_numpy(a)).clone()
-    args = [tensor(getattr(problem, n)) for n in ("q", "k", "v", "g", "beta")]
+    args = [as_torch(getattr(problem, n)) for n in ("q", "k", "v", "g", "beta")]
     out = torch.empty(problem.out.shape, dtype=torch.bfloat16)
-    args += [problem.scale, out, tensor(problem.A_log), tensor(problem.dt_bias),
+    args += [problem.scale, out, as_torch(problem.A_log), as_torch(problem.dt_bias),
              problem.lower_bound]
-    kwargs = dict(initial_state=tensor(problem.initial_state),
+    kwargs = dict(initial_state=as_torch(problem.initial_state),
                   final_state=torch.empty(problem.final_state.shape),
-                  conv_weight=[tensor(w) for w in layer.weights],
-                  conv_bias=[torch.cat([tensor(b) for b in layer.biases])],
-                  conv_state=[tensor(s) for s in layer.states],
-                  out_gate=tensor(layer.gate), out_norm_weight=tensor(layer.norm_weight),
+                  conv_weight=[as_torch(w) for w in layer.weights],
+                  conv_bias=[torch.cat([as_torch(b) for b in layer.biases])],
+                  conv_state=[as_torch(s) for s in layer.states],
+                  out_gate=as_torch(layer.gate), out_norm_weight=as_torch(layer.norm_weight),
                   out_norm_eps=1e-4)
     return args, kwargs
 
@@ -462,22 +465,27 @@ def test_opcheck_fwd_with_a_layer_step(rng):
     torch.library.opcheck(torch.ops.flashkda.fwd.default, tuple(args), kwargs)
 
 
-def test_opcheck_decode_with_a_layer_step(rng):
+def torch_decode_call(rng):
+    """A decode step of 3 sequences (one padding) on a pool of 4 slots with a
+    layer step: (the op's arguments but the pool and the conv states, the
+    conv states as tensors)."""
     problem = make_problem(rng, batch=3, seq_len=1, heads=2, with_initial_state=False,
                            with_final_state=False)
     layer = Layer(rng, 2, 4, batch=3, seq_len=1)
-    tensor = lambda a: (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)  # noqa: E731
-                        if a.dtype == np.uint16 else torch.from_numpy(a)).clone()
-    kwargs = dict(q=tensor(problem.q), k=tensor(problem.k), v=tensor(problem.v),
-                  g=tensor(problem.g), beta=tensor(problem.beta), scale=problem.scale,
-                  out=tensor(problem.out), A_log=tensor(problem.A_log),
-                  dt_bias=tensor(problem.dt_bias), lower_bound=problem.lower_bound,
-                  state_pool=torch.randn(4, 2, HEAD_DIM, HEAD_DIM) * 0.1,
-                  state_indices=torch.tensor([2, -1, 0]),
-                  conv_weight=[torch.cat([tensor(w) for w in layer.weights]).unsqueeze(1)],
-                  conv_state=[tensor(s) for s in layer.states],
-                  out_gate=tensor(layer.gate), out_norm_weight=tensor(layer.norm_weight))
-    torch.library.opcheck(torch.ops.flashkda.decode.default, (), kwargs)
+    arguments = {name: as_torch(getattr(problem, name))
+                 for name in ("q", "k", "v", "g", "beta", "out", "A_log", "dt_bias")}
+    arguments.update(scale=problem.scale, lower_bound=problem.lower_bound,
+                     state_indices=torch.tensor([2, -1, 0]),
+                     conv_weight=[torch.cat([as_torch(w) for w in layer.weights])],
+                     out_gate=as_torch(layer.gate), out_norm_weight=as_torch(layer.norm_weight))
+    return arguments, [as_torch(s) for s in layer.states]
+
+
+def test_opcheck_decode_with_a_layer_step(rng):
+    arguments, states = torch_decode_call(rng)
+    torch.library.opcheck(torch.ops.flashkda.decode.default, (),
+                          dict(arguments, state_pool=torch.randn(4, 2, HEAD_DIM, HEAD_DIM) * 0.1,
+                               conv_state=states))
 
 
 def test_schema_takes_the_layer_step_as_keywords():
@@ -609,26 +617,17 @@ def test_prepared_launches_take_the_layer_step(rng):
 def test_decode_with_conv_states_compiles_without_graph_break(rng):
     from torch._dynamo.utils import counters
 
-    problem = make_problem(rng, batch=3, seq_len=1, heads=2, with_initial_state=False,
-                           with_final_state=False)
-    layer = Layer(rng, 2, 4, batch=3, seq_len=1)
-    tensor = lambda a: (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)  # noqa: E731
-                        if a.dtype == np.uint16 else torch.from_numpy(a)).clone()
-    inputs = dict(q=tensor(problem.q), k=tensor(problem.k), v=tensor(problem.v),
-                  g=tensor(problem.g), beta=tensor(problem.beta), A_log=tensor(problem.A_log),
-                  dt_bias=tensor(problem.dt_bias), state_indices=torch.tensor([2, -1, 0]),
-                  conv_weight=torch.cat([tensor(w) for w in layer.weights]),
-                  out_gate=tensor(layer.gate), out_norm_weight=tensor(layer.norm_weight))
+    inputs, states = torch_decode_call(rng)
+    del inputs["out"]
+    initial_state_q = states[0].clone()
     pool = torch.randn(4, 2, HEAD_DIM, HEAD_DIM) * 0.1
 
-    def step(state_pool, conv_q, conv_k, conv_v, conv_weight, **arguments):
+    def step(state_pool, conv_q, conv_k, conv_v, **arguments):
         out = torch.empty_like(arguments["v"])
-        torch.ops.flashkda.decode(scale=problem.scale, out=out, lower_bound=problem.lower_bound,
-                                  state_pool=state_pool, conv_weight=[conv_weight],
+        torch.ops.flashkda.decode(out=out, state_pool=state_pool,
                                   conv_state=[conv_q, conv_k, conv_v], **arguments)
         return out.float() * 2.0
 
-    states = [tensor(s) for s in layer.states]
     eager_pool, eager_states = pool.clone(), [s.clone() for s in states]
     expected = step(eager_pool, *eager_states, **inputs)
     torch._dynamo.reset()
@@ -640,4 +639,4 @@ def test_decode_with_conv_states_compiles_without_graph_break(rng):
     assert torch.equal(pool, eager_pool)
     for state, eager in zip(states, eager_states):
         assert torch.equal(state, eager)
-    assert not torch.equal(states[0], tensor(layer.states[0]))
+    assert not torch.equal(states[0], initial_state_q)
