@@ -361,8 +361,8 @@ struct LayerLaunch {
   void before(const LaunchContext& context, CUstream stream) {
     if (!has_conv) return;
     const int64_t tiles = ceil_div(params.batch * params.call.seq_len, FKDA_CONV_TILE_TOKENS);
-    launch(context, convolve, unsigned(tiles), unsigned(params.call.num_heads), 3, FKDA_HEAD_DIM, 0, stream,
-           &params);
+    const int64_t groups = ceil_div(3 * int64_t(params.call.num_heads) * FKDA_HEAD_DIM, FKDA_CONV_CHANNELS_PER_BLOCK);
+    launch(context, convolve, unsigned(tiles), unsigned(groups), 1, FKDA_CONV_THREADS, 0, stream, &params);
   }
 
   void after(const LaunchContext& context, CUstream stream) {
