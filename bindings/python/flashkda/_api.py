@@ -636,8 +636,7 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
                          bf16 or f32; the raw inputs before a sequence's
                          first token, read where the sequence reads a
                          recurrent state and updated in place to its last
-                         Wc inputs (packed: one row only, as the views of
-                         more rows overlap)
+                         Wc inputs
       out_gate           bf16 [B, T, H, 128]: out = RMSNorm(out) *
                          out_norm_weight * sigmoid(out_gate) per head
       out_norm_weight    [128] bf16 or f32, with out_gate

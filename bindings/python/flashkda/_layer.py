@@ -12,9 +12,8 @@ views (no copy, so states are still updated in place):
     conv_state   [rows, 3*H*K, Wc]                       channels on axis 1
 
 A weight of three arrays may be [H*K, 1, W] each too. The three views of a
-packed conv state interleave: with more than one row their spans (first to
-last byte) overlap, which the library refuses for arguments a call writes,
-so pools of several rows pass three arrays.
+packed conv state interleave; the library takes them as the channel blocks
+of that one tensor.
 """
 
 from ._abi import LAYER_TENSOR_FIELDS

@@ -364,14 +364,13 @@ def packed(layer, states=True):
 @needs_layer_step
 @pytest.mark.parametrize("seq_lens", [[35], [9, 26]], ids=["one_row", "two_rows"])
 def test_packed_and_per_projection_forms_give_identical_results(rng, seq_lens):
-    """Packed weights and biases, and q, k and v as views into one buffer of
-    projections. A packed conv state's three views interleave, so the spans
-    (first to last byte) of the written states overlap unless it has one
-    row: with more rows the states stay three arrays."""
+    """Packed weights, biases and conv states (one conv pool of 3*H*K
+    channels, whose three views interleave), and q, k and v as views into
+    one buffer of projections."""
     problem = make_problem(rng, seq_lens=seq_lens, heads=2)
     rows = len(seq_lens)
     layer = Layer(rng, 2, rows, batch=1, seq_len=problem.q.shape[1])
-    packed_keywords = packed(layer, states=rows == 1)
+    packed_keywords = packed(layer, states=True)
     # q, k and v as views into one [1, T, 3*H*K] buffer of projections.
     projections = np.concatenate([x.reshape(1, x.shape[1], -1)
                                   for x in (problem.q, problem.k, problem.v)], axis=2)
@@ -389,9 +388,7 @@ def test_packed_and_per_projection_forms_give_identical_results(rng, seq_lens):
     flashkda.fwd(**arguments, lower_bound=problem.lower_bound, **packed_keywords)
     np.testing.assert_array_equal(problem.out, separate[0])
     np.testing.assert_array_equal(problem.final_state, separate[1])
-    states = packed_keywords["conv_state"]
-    if rows == 1:
-        states = np.split(states, 3, axis=1)
+    states = np.split(packed_keywords["conv_state"], 3, axis=1)
     for name, state, expected in zip("qkv", states, separate[2]):
         np.testing.assert_array_equal(state, expected, err_msg=f"conv_state {name}")
 

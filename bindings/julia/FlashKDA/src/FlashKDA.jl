@@ -729,8 +729,8 @@ The layer step around the recurrence (`fkda_layer_step`), every part optional:
 - `conv_bias`: `(bq, bk, bv)`, `(H*K,)` each, or one packed `(3*H*K,)`.
 - `conv_state`: `(sq, sk, sv)`, `(Wc, H*K, rows)` each (Wc = W - 1 or W; rows
   are the sequences, or the pool's slots with `state_indices`), or one packed
-  `(Wc, 3*H*K, 1)` (the views of more rows overlap, which the library refuses
-  for written arguments): the raw inputs before a sequence's first token,
+  `(Wc, 3*H*K, rows)` (one conv pool, split into its three channel blocks):
+  the raw inputs before a sequence's first token,
   read where the sequence reads a recurrent state, updated in place.
 - `out_gate` `(V, H, T, B)` bf16 with `out_norm_weight` `(V,)`: the output
   becomes `RMSNorm(o) * out_norm_weight * sigmoid(out_gate)` per head, with

@@ -1279,7 +1279,6 @@ fn layer_plan(heads: usize) -> Plan {
 }
 
 #[test]
-#[ignore = "needs a library that reads fkda_layer_step (the CPU layer step of branch issue19cpu); run with --include-ignored"]
 fn fwd_layer_step_matches_the_convolution_recurrence_and_gate() {
     let problem = Problem::random(41, 1, 0, 2, Some(&[13, 0, 30]), true);
     let layer = Layer::random(42, &problem, 3, 4, 3);
@@ -1310,7 +1309,6 @@ fn fwd_layer_step_matches_the_convolution_recurrence_and_gate() {
 }
 
 #[test]
-#[ignore = "needs a library that reads fkda_layer_step (the CPU layer step of branch issue19cpu); run with --include-ignored"]
 fn decode_layer_step_on_a_pool_matches_the_convolution_recurrence_and_gate() {
     let problem = Problem::random(43, 3, 2, 2, None, true);
     let pool_slots = [4i64, -1, 1];
@@ -1374,7 +1372,6 @@ fn layer_step_slice_lengths_are_checked_before_the_call() {
 }
 
 #[test]
-#[ignore = "needs a library that reads fkda_layer_step (the CPU layer step of branch issue19cpu); run with --include-ignored"]
 fn layer_step_errors_name_the_argument() {
     let problem = Problem::random(46, 1, 8, 2, None, false);
     let layer = Layer::random(47, &problem, 1, 4, 3);
