@@ -769,7 +769,8 @@ void fuzz_fwd(Input& in) {
                            &a,
                            sizeof a,
                            {release_ending<fkda_fwd_args>(FIELD_END(fkda_fwd_args, scale)),
-                            release_ending<fkda_fwd_args>(FIELD_END(fkda_fwd_args, checkpoint_slots))},
+                            release_ending<fkda_fwd_args>(FIELD_END(fkda_fwd_args, checkpoint_slots)),
+                            release_ending<fkda_fwd_args>(FIELD_END(fkda_fwd_args, layer))},
                            &a.scale,
                            &workspace_data,
                            &workspace_bytes,
@@ -849,7 +850,8 @@ void fuzz_decode(Input& in) {
   const fkda_plan_t plan = cpu_plan(H, flags);
   // fkda_decode needs no workspace and takes any.
   const Scalars scalars = {&a.struct_size, &a, sizeof a,
-                           {release_ending<fkda_decode_args>(FIELD_END(fkda_decode_args, scale))},
+                           {release_ending<fkda_decode_args>(FIELD_END(fkda_decode_args, scale)),
+                            release_ending<fkda_decode_args>(FIELD_END(fkda_decode_args, layer))},
                            &a.scale, nullptr, nullptr, nullptr};
   // What the call never reads (flashkda.h): a zero-length sequence's row and
   // count, columns at and past a sequence's length but its start, and a
