@@ -159,10 +159,7 @@ FKDA_API fkda_status fkda_plan_decode_workspace_size(fkda_plan_t plan, int64_t t
                                                      int64_t num_seqs, size_t* bytes) {
   return guarded([&] {
     require_output(bytes, "bytes");
-    fkda::hold_plan(plan);
-    if (total_tokens < 0) fkda::invalid("total_tokens: must be >= 0, got " + std::to_string(total_tokens));
-    if (num_seqs < 0) fkda::invalid("num_seqs: must be >= 0, got " + std::to_string(num_seqs));
-    *bytes = 0;  // both backends decode straight from and into the pool
+    *bytes = fkda::hold_plan(plan)->decode_workspace_size(total_tokens, num_seqs);
   });
 }
 

@@ -168,9 +168,18 @@ Tuning read_tuning(const fkda_plan_desc& desc) {
   return t;
 }
 
-size_t Plan::workspace_size(int64_t total_tokens, int64_t num_seqs) const {
+namespace {
+
+// The sizes every workspace query takes.
+void check_call_sizes(int64_t total_tokens, int64_t num_seqs) {
   if (total_tokens < 0) invalid("total_tokens: must be >= 0, got " + std::to_string(total_tokens));
   if (num_seqs < 0) invalid("num_seqs: must be >= 0, got " + std::to_string(num_seqs));
+}
+
+}  // namespace
+
+size_t Plan::workspace_size(int64_t total_tokens, int64_t num_seqs) const {
+  check_call_sizes(total_tokens, num_seqs);
   const size_t backend_bytes = backend == FKDA_BACKEND_GPU
                                    ? gpu::workspace_size(total_tokens, num_seqs, num_heads, tuning)
                                    : cpu::workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v, tuning);
@@ -184,10 +193,14 @@ size_t Plan::workspace_size(int64_t total_tokens, int64_t num_seqs) const {
 }
 
 size_t Plan::transitions_workspace_size(int64_t total_tokens, int64_t num_seqs) const {
-  if (total_tokens < 0) invalid("total_tokens: must be >= 0, got " + std::to_string(total_tokens));
-  if (num_seqs < 0) invalid("num_seqs: must be >= 0, got " + std::to_string(num_seqs));
+  check_call_sizes(total_tokens, num_seqs);
   if (backend == FKDA_BACKEND_GPU) return gpu::transitions_workspace_size(total_tokens, num_seqs, num_heads, tuning);
   return cpu::transitions_workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v);
+}
+
+size_t Plan::decode_workspace_size(int64_t total_tokens, int64_t num_seqs) const {
+  check_call_sizes(total_tokens, num_seqs);
+  return 0;  // both backends decode straight from and into the pool
 }
 
 fkda_plan_t create_plan(const fkda_plan_desc* desc) {

@@ -47,6 +47,8 @@ struct Plan {
   size_t workspace_size(int64_t total_tokens, int64_t num_seqs) const;
   // fkda_plan_transitions_workspace_size.
   size_t transitions_workspace_size(int64_t total_tokens, int64_t num_seqs) const;
+  // fkda_plan_decode_workspace_size.
+  size_t decode_workspace_size(int64_t total_tokens, int64_t num_seqs) const;
 };
 
 
