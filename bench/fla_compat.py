@@ -222,26 +222,23 @@ def run_timing(args):
         inputs = make_inputs(case)
         call = chunk_kda_call(inputs)
         entry = dict(shape=CASES[case])
+        def run_path(flash_kda_flag):
+            """One counted call (its result, and how often it reached
+            flash_kda.fwd), then the path's median ms."""
+            os.environ["FLA_FLASH_KDA"] = flash_kda_flag
+            flash_kda.fwd = counted
+            calls["n"] = 0
+            result = call()
+            torch.cuda.synchronize()
+            reached = calls["n"]
+            flash_kda.fwd = forward
+            return result, reached, median_ms(call, args.warmup_ms, args.rep_ms)
+
         with torch.inference_mode():
             # The alias path: FLA must hand the call to flash_kda.fwd.
-            os.environ["FLA_FLASH_KDA"] = "1"
-            flash_kda.fwd = counted
-            calls["n"] = 0
-            out_alias, state_alias = call()
-            torch.cuda.synchronize()
-            entry["alias_calls_flash_kda_fwd"] = calls["n"]
-            flash_kda.fwd = forward
-            entry["flashkda_ms"] = median_ms(call, args.warmup_ms, args.rep_ms)
-
+            (out_alias, state_alias), entry["alias_calls_flash_kda_fwd"], entry["flashkda_ms"] = run_path("1")
             # FLA's own path, FlashKDA's backend switched off as FLA documents.
-            os.environ["FLA_FLASH_KDA"] = "0"
-            flash_kda.fwd = counted
-            calls["n"] = 0
-            out_triton, state_triton = call()
-            torch.cuda.synchronize()
-            entry["triton_calls_flash_kda_fwd"] = calls["n"]
-            flash_kda.fwd = forward
-            entry["triton_ms"] = median_ms(call, args.warmup_ms, args.rep_ms)
+            (out_triton, state_triton), entry["triton_calls_flash_kda_fwd"], entry["triton_ms"] = run_path("0")
             os.environ["FLA_FLASH_KDA"] = "1"
 
         entry["speedup"] = entry["triton_ms"] / entry["flashkda_ms"]
