@@ -65,11 +65,13 @@ typedef struct FkdaLayerParams {
 } FkdaLayerParams;
 
 /* The convolution kernel: blocks of FKDA_CONV_THREADS threads, each thread
- * eight channels of FKDA_CONV_TILE_TOKENS tokens; the output gate's rows
- * (token, head) per block of 4 warps. */
+ * eight channels of FKDA_CONV_TILE_TOKENS tokens; the output gate: blocks of
+ * FKDA_GATE_WARPS warps, each FKDA_GATE_ROWS_PER_WARP (token, head) rows. */
 #define FKDA_CONV_TILE_TOKENS 64
 #define FKDA_CONV_THREADS 128
 #define FKDA_CONV_CHANNELS_PER_BLOCK (FKDA_CONV_THREADS * 8)
-#define FKDA_GATE_ROWS_PER_BLOCK 4
+#define FKDA_GATE_WARPS 4
+#define FKDA_GATE_ROWS_PER_WARP 4
+#define FKDA_GATE_ROWS_PER_BLOCK (FKDA_GATE_WARPS * FKDA_GATE_ROWS_PER_WARP)
 
 #endif /* FLASHKDA_KERNELS_LAYER_PARAMS_H */

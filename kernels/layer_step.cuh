@@ -162,10 +162,6 @@ __device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t 
   const int64_t first = int64_t(blockIdx.x) * FKDA_CONV_TILE_TOKENS;
   const int64_t last = first + FKDA_CONV_TILE_TOKENS < total ? first + FKDA_CONV_TILE_TOKENS : total;
   const bool packed = p.call.cu_seqlens != nullptr;
-  // Where packed token t lies: row and index in the row.
-  auto row_of = [&](int64_t t) { return packed ? int64_t(0) : t / p.call.seq_len; };
-  auto index_of = [&](int64_t t) { return packed ? t : t % p.call.seq_len; };
-
   int64_t n = packed ? sequence_at(p, first) : first / p.call.seq_len;
   int64_t begin = packed ? load_offset_of(p.call, n) : n * p.call.seq_len;
   int64_t end = packed ? load_offset_of(p.call, n + 1) : begin + p.call.seq_len;
@@ -178,8 +174,8 @@ __device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t 
 #pragma unroll
     for (int k = 0; k < kWidth - 1; ++k) {
       const int64_t at = position - 1 - k;
-      if (at >= 0) {
-        load_raw8(raw, row_of(t - 1 - k), index_of(t - 1 - k), head, i0, history[k]);
+      if (at >= 0) {  // in the sequence, so in its batch row
+        load_raw8(raw, packed ? 0 : n, packed ? t - 1 - k : at, head, i0, history[k]);
       } else {
 #pragma unroll
         for (int e = 0; e < kConvChannels; ++e) {
@@ -194,11 +190,20 @@ __device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t 
 
   constexpr int kAhead = 4;
   uint16_t* staged = static_cast<uint16_t*>(p.staged[proj]) + c0;
+  // The batch row and index in it of the next token to load, stepped
+  // along (no division per token).
+  int64_t next_row = packed ? 0 : n, next_index = packed ? first : first - n * p.call.seq_len;
   for (int64_t t0 = first; t0 < last; t0 += kAhead) {
     float ahead[kAhead][kConvChannels];
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
-      if (t0 + u < last) load_raw8(raw, row_of(t0 + u), index_of(t0 + u), head, i0, ahead[u]);
+      if (t0 + u < last) {
+        load_raw8(raw, next_row, next_index, head, i0, ahead[u]);
+        if (++next_index == p.call.seq_len && !packed) {
+          next_index = 0;
+          ++next_row;
+        }
+      }
     }
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
@@ -301,28 +306,46 @@ __device__ __forceinline__ void store_conv_states(const FkdaLayerParams& p) {
   }
 }
 
-// A warp per (token, head) row of out, four values a lane.
+// A warp per FKDA_GATE_ROWS_PER_WARP consecutive (token, head) rows of out,
+// four values a lane; every row's loads are issued before the first is used.
 __device__ __forceinline__ void gate_output_rows(const FkdaLayerParams& p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t index = int64_t(blockIdx.x) * FKDA_GATE_ROWS_PER_BLOCK + warp;
-  const int64_t heads = p.call.num_heads;
-  if (index >= p.batch * p.call.seq_len * heads) return;
-  const int head = int(index % heads);
-  const int64_t token = index / heads;
-  const int64_t b = token / p.call.seq_len, t = token % p.call.seq_len;
-  uint16_t* out = static_cast<uint16_t*>(p.call.out.data) + b * p.call.out.stride_b + t * p.call.out.stride_t +
-                  head * p.call.out.stride_h + 4 * lane;
+  const int64_t heads = p.call.num_heads, rows = p.batch * p.call.seq_len * heads;
+  const int64_t first = (int64_t(blockIdx.x) * FKDA_GATE_WARPS + warp) * FKDA_GATE_ROWS_PER_WARP;
   const FkdaActivation& gate = p.layer.out_gate;
-  const uint2 o_bits = *reinterpret_cast<const uint2*>(out);
-  const uint2 g_bits = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(gate.data) + b * gate.stride_b +
-                                                             t * gate.stride_t + head * gate.stride_h + 4 * lane));
-  float o[4] = {bf16_lo(o_bits.x), bf16_hi(o_bits.x), bf16_lo(o_bits.y), bf16_hi(o_bits.y)};
-  const float g[4] = {bf16_lo(g_bits.x), bf16_hi(g_bits.x), bf16_lo(g_bits.y), bf16_hi(g_bits.y)};
-  float squares = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
+  uint16_t* out_rows[FKDA_GATE_ROWS_PER_WARP];
+  uint2 o_bits[FKDA_GATE_ROWS_PER_WARP], g_bits[FKDA_GATE_ROWS_PER_WARP];
+  int64_t token = first / heads, head = first % heads;
+  int64_t b = token / p.call.seq_len, t = token % p.call.seq_len;
 #pragma unroll
-  for (int d = 16; d >= 1; d >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, d);
-  gate_four(p.layer, squares, 4 * lane, g, o);
-  *reinterpret_cast<uint2*>(out) = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+  for (int r = 0; r < FKDA_GATE_ROWS_PER_WARP; ++r) {
+    out_rows[r] = nullptr;
+    if (first + r < rows) {
+      out_rows[r] = static_cast<uint16_t*>(p.call.out.data) + b * p.call.out.stride_b + t * p.call.out.stride_t +
+                    head * p.call.out.stride_h + 4 * lane;
+      o_bits[r] = *reinterpret_cast<const uint2*>(out_rows[r]);
+      g_bits[r] = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(gate.data) + b * gate.stride_b +
+                                                       t * gate.stride_t + head * gate.stride_h + 4 * lane));
+    }
+    if (++head == heads) {  // the next row: the next head, or the next token's first
+      head = 0;
+      if (++t == p.call.seq_len) {
+        t = 0;
+        ++b;
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < FKDA_GATE_ROWS_PER_WARP; ++r) {
+    if (out_rows[r] == nullptr) continue;
+    float o[4] = {bf16_lo(o_bits[r].x), bf16_hi(o_bits[r].x), bf16_lo(o_bits[r].y), bf16_hi(o_bits[r].y)};
+    const float g[4] = {bf16_lo(g_bits[r].x), bf16_hi(g_bits[r].x), bf16_lo(g_bits[r].y), bf16_hi(g_bits[r].y)};
+    float squares = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
+#pragma unroll
+    for (int d = 16; d >= 1; d >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, d);
+    gate_four(p.layer, squares, 4 * lane, g, o);
+    *reinterpret_cast<uint2*>(out_rows[r]) = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+  }
 }
 
 }  // namespace fkda_dev
@@ -333,6 +356,6 @@ extern "C" __global__ void __launch_bounds__(FKDA_CONV_THREADS) fkda_layer_convo
 extern "C" __global__ void __launch_bounds__(FKDA_HEAD_DIM) fkda_layer_conv_store(const FkdaLayerParams p) {
   fkda_dev::store_conv_states(p);
 }
-extern "C" __global__ void __launch_bounds__(32 * FKDA_GATE_ROWS_PER_BLOCK) fkda_layer_gate(const FkdaLayerParams p) {
+extern "C" __global__ void __launch_bounds__(32 * FKDA_GATE_WARPS) fkda_layer_gate(const FkdaLayerParams p) {
   fkda_dev::gate_output_rows(p);
 }

@@ -372,8 +372,8 @@ struct LayerLaunch {
     }
     if (has_gate) {
       const int64_t rows = params.batch * params.call.seq_len * params.call.num_heads;
-      launch(context, gate, unsigned(ceil_div(rows, FKDA_GATE_ROWS_PER_BLOCK)), 1, 1,
-             32 * FKDA_GATE_ROWS_PER_BLOCK, 0, stream, &params);
+      launch(context, gate, unsigned(ceil_div(rows, FKDA_GATE_ROWS_PER_BLOCK)), 1, 1, 32 * FKDA_GATE_WARPS, 0,
+             stream, &params);
     }
   }
 };
