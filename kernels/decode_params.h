@@ -46,14 +46,21 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_smem_bytes(int32_t max_tokens
   return fkda_decode_beta_offset(max_tokens, warps) + ((max_tokens * 4 + 15) / 16) * 16;
 }
 
-/* The layer step's decode kernels (a convolution or an output gate) give a
- * block all 128 rows of a head: it alone reads and writes the head's conv
- * state channels, and it sees every value the output's RMSNorm sums. With
- * an output gate the outputs wait in f32 [max_tokens][128] after the arrays
- * above. */
+/* The layer step's decode: the head's blocks together read and write the
+ * head's conv state channels and see every value the output's RMSNorm sums.
+ * On sm_90 and later they are the plain kernel's vsplit blocks, launched as
+ * one cluster that exchanges the sums of squares through distributed shared
+ * memory; on sm_80 a single block of FKDA_DECODE_LAYER_WARPS warps takes all
+ * 128 rows. After the arrays above:
+ *   gated         f32 [max_tokens][128]  outputs waiting for the gate (a block uses its rows' places)
+ *   sum_squares   f32 [FKDA_DECODE_MAX_TOKENS]  per token, over the block's rows
+ *   convolved_qk  f32 [max_tokens][2][128]  the convolved q and k, the block's share of the channels */
 #define FKDA_DECODE_LAYER_WARPS 8
-static inline FKDA_HOST_DEVICE int32_t fkda_decode_layer_smem_bytes(int32_t max_tokens) {
-  return fkda_decode_smem_bytes(max_tokens, FKDA_DECODE_LAYER_WARPS) + max_tokens * FKDA_HEAD_DIM * 4;
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_layer_conv_offset(int32_t max_tokens, int32_t warps) {
+  return fkda_decode_smem_bytes(max_tokens, warps) + max_tokens * FKDA_HEAD_DIM * 4 + FKDA_DECODE_MAX_TOKENS * 4;
+}
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_layer_smem_bytes(int32_t max_tokens, int32_t warps) {
+  return fkda_decode_layer_conv_offset(max_tokens, warps) + max_tokens * 2 * FKDA_HEAD_DIM * 4;
 }
 
 typedef struct FkdaDecodeParams {
@@ -67,7 +74,7 @@ typedef struct FkdaDecodeParams {
   FkdaIndexTable num_accepted;    /* [N], with a table; data NULL means 1 */
   int32_t indices_are_table;
   int32_t max_tokens; /* sequences longer than this are treated as padding; <= FKDA_DECODE_MAX_TOKENS */
-  int32_t warps;      /* per block: 1, 2 or 4; FKDA_DECODE_LAYER_WARPS with a layer step */
+  int32_t warps;      /* per block: 1, 2 or 4; or FKDA_DECODE_LAYER_WARPS (layer step, sm_80) */
   int32_t reserved;   /* zero */
   FkdaLayerStep layer; /* conv states' rows are pool slots */
 } FkdaDecodeParams;

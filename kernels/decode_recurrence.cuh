@@ -234,14 +234,83 @@ __device__ __forceinline__ float4 convolve_four(const FkdaDecodeParams& p, int p
                      convolve(p.layer, conv, c + 2, x[2]), convolve(p.layer, conv, c + 3, x[3]));
 }
 
-// After the steps (every old conv state value was read before the block's
-// first barrier): each of the head's 3 x 128 channels keeps its last Wc raw
-// inputs, a thread per channel.
+// The blocks that share a head's rows (decode_params.h, "The layer step's
+// decode"): a cluster of vsplit blocks on sm_90 and later; the block alone
+// (vsplit 1) on sm_80, whose layer kernels take all 128 rows. The full
+// barrier orders this block's earlier writes (shared and global) before
+// every later read of the head's blocks; arrive and wait split the last
+// barrier, which only keeps each block's shared memory alive until the
+// others have read it, around the state's stores.
+__device__ __forceinline__ void head_blocks_sync(int vsplit) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (vsplit > 1) {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    return;
+  }
+#endif
+  __syncthreads();
+}
+
+__device__ __forceinline__ void head_blocks_arrive(int vsplit) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (vsplit > 1) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#else
+  (void)vsplit;
+#endif
+}
+
+__device__ __forceinline__ void head_blocks_wait(int vsplit) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (vsplit > 1) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#else
+  (void)vsplit;
+#endif
+}
+
+// `local` (this block's shared memory) as block `rank` of the cluster holds it.
+__device__ __forceinline__ float load_head_block_shared(const float* local, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(local));
+  uint32_t remote;
+  float x;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(remote) : "memory");
+  return x;
+#else
+  (void)rank;
+  return *local;
+#endif
+}
+
+__device__ __forceinline__ float4 load_head_block_shared4(const float* local, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(local));
+  uint32_t remote;
+  float4 x;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
+               : "r"(remote)
+               : "memory");
+  return x;
+#else
+  (void)rank;
+  return *reinterpret_cast<const float4*>(local);
+#endif
+}
+
+// After the steps: each channel keeps its last Wc raw inputs, a thread per
+// channel. Block `rank` of `vsplit` owns (alone reads and writes) its share
+// of q's and k's channels and the v channels of its own rows, so a block
+// barrier after its convolution orders the reads before these writes.
 __device__ __forceinline__ void store_decode_conv_states(const FkdaDecodeParams& p, int64_t batch_row, int64_t begin,
-                                                         int tokens, int head, int64_t slot) {
+                                                         int tokens, int head, int64_t slot, int rank, int vsplit,
+                                                         int block_row, int rows) {
   const int state_width = p.layer.conv_state_width;
-  for (int index = threadIdx.x; index < 3 * FKDA_HEAD_DIM; index += blockDim.x) {
-    const int proj = index / FKDA_HEAD_DIM, i = index % FKDA_HEAD_DIM;
+  const int share = FKDA_HEAD_DIM / vsplit;
+  for (int index = threadIdx.x; index < 2 * share + rows; index += blockDim.x) {
+    const int proj = index < 2 * share ? index / share : 2;
+    const int i = proj < 2 ? rank * share + index % share : block_row + index - 2 * share;
     const FkdaConv& conv = p.layer.conv[proj];
     const FkdaActivation& raw = proj == 0 ? p.call.q : (proj == 1 ? p.call.k : p.call.v);
     const int64_t c = int64_t(head) * FKDA_HEAD_DIM + i;
@@ -257,6 +326,62 @@ __device__ __forceinline__ void store_decode_conv_states(const FkdaDecodeParams&
     for (int col = 0; col < FKDA_CONV_MAX_WIDTH; ++col) {
       if (col < state_width) store_conv_state(p.layer, conv, slot, c, col, kept[col]);
     }
+  }
+}
+
+// Four values of the output gate's input g_out: token t, values col.. of the head.
+__device__ __forceinline__ uint2 out_gate_bits(const FkdaDecodeParams& p, int64_t batch_row, int64_t begin, int t,
+                                               int head, int col) {
+  const FkdaActivation& g_out = p.layer.out_gate;
+  return __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(g_out.data) + batch_row * g_out.stride_b +
+                                              (begin + t) * g_out.stride_t + int64_t(head) * g_out.stride_h + col));
+}
+
+// The layer step's end, after the recurrence's steps and before the state's
+// store (a release barrier waits for the stores before it): the output gate over
+// all 128 values of each token (`gated`, the block's rows at their local
+// place; `partial`, [tokens] sums of squares of them, exchanged between the
+// head's blocks) and the conv states. `out` points at the block's first row;
+// first_gate_bits is g_out of the thread's first item, loaded at the start.
+__device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, float* gated, float* partial,
+                                                    uint16_t* out, int64_t batch_row, int64_t begin, int tokens,
+                                                    int head, int64_t slot, int block_row, int rows,
+                                                    uint2 first_gate_bits) {
+  const int vsplit = FKDA_HEAD_DIM / rows, rank = block_row / rows;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const bool gate = p.layer.out_gate.data != nullptr;
+  if (gate) {
+    __syncthreads();  // every warp's rows of `gated`
+    for (int t = warp; t < tokens; t += warps) {
+      float x = 0.f;
+      for (int r = lane; r < rows; r += 32) x = fmaf(gated[t * FKDA_HEAD_DIM + r], gated[t * FKDA_HEAD_DIM + r], x);
+      x = warp_sum(x);
+      if (lane == 0) partial[t] = x;
+    }
+  }
+  // The partial sums are visible to the head's blocks, and each of them has
+  // read the old conv states.
+  head_blocks_sync(vsplit);
+  if (gate) {
+    const int quads = rows / 4;
+    for (int item = threadIdx.x; item < tokens * quads; item += blockDim.x) {
+      const int t = item / quads, local = 4 * (item % quads);
+      const uint2 bits = item == int(threadIdx.x) ? first_gate_bits
+                                                  : out_gate_bits(p, batch_row, begin, t, head, block_row + local);
+      const float4 gv = make_float4(bf16_lo(bits.x), bf16_hi(bits.x), bf16_lo(bits.y), bf16_hi(bits.y));
+      float sum_squares = 0.f;  // in rank order, so every block of the head gets the same sum
+      for (int r = 0; r < vsplit; ++r) sum_squares += load_head_block_shared(partial + t, r);
+      const float4 f = *reinterpret_cast<const float4*>(gated + t * FKDA_HEAD_DIM + local);
+      float o[4] = {f.x, f.y, f.z, f.w};
+      const float g[4] = {gv.x, gv.y, gv.z, gv.w};
+      gate_four(p.layer, sum_squares, block_row + local, g, o);
+      *reinterpret_cast<uint2*>(out + t * p.call.out.stride_t + local) =
+          make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+    }
+  }
+  head_blocks_arrive(vsplit);  // this block has read the others' sums; the caller waits
+  if (p.layer.conv_width > 0 && p.layer.conv[0].state != nullptr) {
+    store_decode_conv_states(p, batch_row, begin, tokens, head, slot, rank, vsplit, block_row, rows);
   }
 }
 
@@ -312,6 +437,12 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   };
   StateRows s;
   load_state_rows<kBf16, kKV>(matrix_of(start_slot), e, l, s);
+  // g_out of the thread's first item of the output gate (finish_decode_layer),
+  // so that its latency passes during the steps.
+  uint2 first_gate_bits = make_uint2(0u, 0u);
+  if (kLayer && p.layer.out_gate.data != nullptr && tid < tokens * (rows / 4)) {
+    first_gate_bits = out_gate_bits(p, batch_row, begin, tid / (rows / 4), head, block_row + 4 * (tid % (rows / 4)));
+  }
 
   // ---- preparation of every token, into shared memory ----
   int64_t* write_slots = reinterpret_cast<int64_t*>(decode_smem);
@@ -353,22 +484,33 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       const float* dt_bias = p.call.dt_bias + int64_t(head) * FKDA_HEAD_DIM + 4 * lane;
       for (int i = 0; i < 4; ++i) dt[i] = __ldg(dt_bias + i);
     }
+    // The convolution: each block of the head convolves its share of q's and
+    // k's channels (into `convolved_qk`, which its peers read through the
+    // cluster) and the v channels of its own rows, in one pass, so that
+    // their loads are in flight together.
+    float* convolved_qk = reinterpret_cast<float*>(decode_smem + fkda_decode_layer_conv_offset(p.max_tokens, warps));
+    const int share = FKDA_HEAD_DIM / vsplit, rank = block_row / rows;
     if (convolved) {
-      // The convolution of q and k over the whole block (four channels a
-      // thread) into the query and key rows, which the warps below read,
-      // normalise and overwrite lane by lane.
-      for (int item = tid; item < tokens * 2 * 32; item += blockDim.x) {
-        const int t = item / 64, proj = (item / 32) % 2, quad = item % 32;
-        float* to = (proj == 0 ? query : key) + t * FKDA_HEAD_DIM + 4 * quad;
-        *reinterpret_cast<float4*>(to) = convolve_four(p, proj, proj == 0 ? p.call.q : p.call.k, batch_row, begin,
-                                                       t, head, 4 * quad, start_slot);
+      const int qk_quads = share / 4, per_token = 2 * qk_quads + rows / 4;
+      for (int item = tid; item < tokens * per_token; item += blockDim.x) {
+        const int t = item / per_token, piece = item % per_token;
+        if (piece < 2 * qk_quads) {
+          const int proj = piece / qk_quads, i0 = rank * share + 4 * (piece % qk_quads);
+          *reinterpret_cast<float4*>(convolved_qk + (2 * t + proj) * FKDA_HEAD_DIM + i0) =
+              convolve_four(p, proj, proj == 0 ? p.call.q : p.call.k, batch_row, begin, t, head, i0, start_slot);
+        } else {
+          const int local = 4 * (piece - 2 * qk_quads);
+          *reinterpret_cast<float4*>(value + t * rows + local) =
+              convolve_four(p, 2, p.call.v, batch_row, begin, t, head, block_row + local, start_slot);
+        }
       }
-      __syncthreads();
+      head_blocks_sync(vsplit);
     }
     for (int t = warp; t < tokens; t += warps) {
-      const float4 q = convolved ? reinterpret_cast<const float4*>(query + t * FKDA_HEAD_DIM)[lane]
+      // Channels 4 lane.. of the convolved q and k are block 4 lane / share's.
+      const float4 q = convolved ? load_head_block_shared4(convolved_qk + 2 * t * FKDA_HEAD_DIM + 4 * lane, 4 * lane / share)
                                  : load_bf16x4(token_row(p.call.q, t) + 4 * lane);
-      const float4 k = convolved ? reinterpret_cast<const float4*>(key + t * FKDA_HEAD_DIM)[lane]
+      const float4 k = convolved ? load_head_block_shared4(convolved_qk + (2 * t + 1) * FKDA_HEAD_DIM + 4 * lane, 4 * lane / share)
                                  : load_bf16x4(token_row(p.call.k, t) + 4 * lane);
       const float4 g = p.call.gate.g_is_f32
                            ? __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.call.g.data) +
@@ -389,15 +531,10 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
         beta[t] = step_size(p.call.gate, load_beta(p.call.gate, p.call.beta.data, token_offset(p.call.beta, t)), true);
       }
     }
-    if (v_token < tokens) {
+    if (v_token < tokens && !convolved) {
       float4* to = reinterpret_cast<float4*>(value + v_token * rows + v_row);
-      if (convolved) {
-        to[0] = convolve_four(p, 2, p.call.v, batch_row, begin, v_token, head, block_row + v_row, start_slot);
-        to[1] = convolve_four(p, 2, p.call.v, batch_row, begin, v_token, head, block_row + v_row + 4, start_slot);
-      } else {
-        to[0] = make_float4(bf16_lo(v_piece.x), bf16_hi(v_piece.x), bf16_lo(v_piece.y), bf16_hi(v_piece.y));
-        to[1] = make_float4(bf16_lo(v_piece.z), bf16_hi(v_piece.z), bf16_lo(v_piece.w), bf16_hi(v_piece.w));
-      }
+      to[0] = make_float4(bf16_lo(v_piece.x), bf16_hi(v_piece.x), bf16_lo(v_piece.y), bf16_hi(v_piece.y));
+      to[1] = make_float4(bf16_lo(v_piece.z), bf16_hi(v_piece.z), bf16_lo(v_piece.w), bf16_hi(v_piece.w));
     }
   }
   __syncthreads();
@@ -449,40 +586,31 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       store_state_rows<kBf16, kKV>(matrix_of(write_slots[t]), e, l, s);
     }
   }
+  if constexpr (kLayer) {
+    finish_decode_layer(p, gated, gated + p.max_tokens * FKDA_HEAD_DIM, out, batch_row, begin, tokens, head,
+                        start_slot, block_row, rows, first_gate_bits);
+  }
   if (!p.indices_are_table) store_state_rows<kBf16, kKV>(matrix_of(start_slot), e, l, s);
-  if (!kLayer) return;
-  if (p.layer.conv_width > 0 && p.layer.conv[0].state != nullptr) {
-    store_decode_conv_states(p, batch_row, begin, tokens, head, start_slot);
-  }
-  if (p.layer.out_gate.data != nullptr) {
-    __syncthreads();
-    const FkdaActivation& g_out = p.layer.out_gate;
-    for (int t = warp; t < tokens; t += warps) {
-      float o[4];
-      const float4 f = *reinterpret_cast<const float4*>(gated + t * FKDA_HEAD_DIM + 4 * lane);
-      o[0] = f.x;
-      o[1] = f.y;
-      o[2] = f.z;
-      o[3] = f.w;
-      const float4 gv = load_bf16x4(static_cast<const uint16_t*>(g_out.data) + batch_row * g_out.stride_b +
-                                    (begin + t) * g_out.stride_t + int64_t(head) * g_out.stride_h + 4 * lane);
-      const float g[4] = {gv.x, gv.y, gv.z, gv.w};
-      gate_four(p.layer, warp_sum(o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3]), 4 * lane, g, o);
-      *reinterpret_cast<uint2*>(out + t * p.call.out.stride_t + 4 * lane) =
-          make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
-    }
-  }
+  // No block leaves while another of its head may still read its sums.
+  if constexpr (kLayer) head_blocks_wait(FKDA_HEAD_DIM / rows);
 }
 
 }  // namespace fkda_dev
 
 // One kernel per pool dtype and layout, and one more of each with the layer
-// step (a block per head, FKDA_DECODE_LAYER_WARPS warps).
+// step: on sm_90 and later the plain kernels' blocks, launched in clusters
+// of a head's blocks; on sm_80 a block per head of FKDA_DECODE_LAYER_WARPS
+// warps.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define FKDA_DECODE_LAYER_BOUNDS __launch_bounds__(32 * FKDA_DECODE_LAYER_WARPS, 2)
+#else
+#define FKDA_DECODE_LAYER_BOUNDS __launch_bounds__(32 * FKDA_DECODE_MAX_WARPS, 3) /* no spills, as measured with CUDA 13.0 */
+#endif
 #define FKDA_DEFINE_DECODE(name, bf16, kv)                                                     \
   extern "C" __global__ void __launch_bounds__(32 * FKDA_DECODE_MAX_WARPS) name(const FkdaDecodeParams p) { \
     fkda_dev::decode_steps<bf16, kv, false>(p);                                                  \
   }                                                                                             \
-  extern "C" __global__ void __launch_bounds__(32 * FKDA_DECODE_LAYER_WARPS, 2) name##_layer(const FkdaDecodeParams p) { \
+  extern "C" __global__ void FKDA_DECODE_LAYER_BOUNDS name##_layer(const FkdaDecodeParams p) {                   \
     fkda_dev::decode_steps<bf16, kv, true>(p);                                                   \
   }
 FKDA_DEFINE_DECODE(fkda_decode_f32_vk, false, false)
@@ -490,3 +618,4 @@ FKDA_DEFINE_DECODE(fkda_decode_f32_kv, false, true)
 FKDA_DEFINE_DECODE(fkda_decode_bf16_vk, true, false)
 FKDA_DEFINE_DECODE(fkda_decode_bf16_kv, true, true)
 #undef FKDA_DEFINE_DECODE
+#undef FKDA_DECODE_LAYER_BOUNDS

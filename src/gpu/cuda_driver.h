@@ -29,6 +29,10 @@ struct Driver {
   CUresult (*cuKernelSetAttribute)(CUfunction_attribute, int, CUkernel, CUdevice) = nullptr;
   CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                              unsigned, CUstream, void**, void**) = nullptr;
+  // Launches in clusters (the decode's layer step), and what a loaded
+  // kernel was compiled for.
+  CUresult (*cuLaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**) = nullptr;
+  CUresult (*cuFuncGetAttribute)(int*, CUfunction_attribute, CUfunction) = nullptr;
   // Debug checks only: they copy device-side indices to the host.
   CUresult (*cuStreamSynchronize)(CUstream) = nullptr;
   CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t) = nullptr;

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // Launch code of the decode kernel (kernels/decode_recurrence.cuh): one
-// launch, one block per (sequence, V slice) and head. Allocates nothing and
+// launch, one block per (sequence, V slice) and head; with the layer step,
+// a head's blocks as one cluster. Allocates nothing and
 // never synchronises, so a call can be captured in a CUDA graph.
 #include <algorithm>
 #include <cstring>
@@ -48,9 +49,16 @@ void decode(const DecodeProblem& problem, CUstream stream) {
   int64_t max_tokens = std::min<int64_t>(FKDA_DECODE_MAX_TOKENS, problem.seq_len);
   if (problem.indices_are_table) max_tokens = std::min<int64_t>(max_tokens, problem.state_indices.cols);
   params.max_tokens = int32_t(max_tokens);
-  // The layer step gives a block all of a head's rows (decode_params.h).
+  // The layer step needs a head's blocks to work together (decode_params.h):
+  // in a cluster where the kernel was compiled for sm_90 or later, else in
+  // one block of all 128 rows.
   const bool layer = problem.layer.has_conv() || problem.layer.has_out_gate();
-  params.warps = layer ? FKDA_DECODE_LAYER_WARPS : choose_warps(problem.num_seqs * problem.num_heads, context.facts.sm_count);
+  const int index = decode_kernel_index(params.call.state_is_bf16 != 0, params.call.state_is_kv != 0);
+  const ResolvedKernel kernel =
+      resolve(context, layer ? context.kernels.decode_layer[index] : context.kernels.decode[index]);
+  const bool clusters = layer && compiled_arch(context, kernel) >= 90;
+  params.warps = layer && !clusters ? FKDA_DECODE_LAYER_WARPS
+                                    : choose_warps(problem.num_seqs * problem.num_heads, context.facts.sm_count);
   if (layer) params.layer = kernel_layer(problem.layer);
 
   const int64_t vsplit = FKDA_HEAD_DIM / (FKDA_DECODE_ROWS_PER_WARP * params.warps);
@@ -58,12 +66,19 @@ void decode(const DecodeProblem& problem, CUstream stream) {
     fail(FKDA_ERROR_UNSUPPORTED, "decode too large for one launch: " + std::to_string(problem.num_seqs) +
                                      " sequences, " + std::to_string(problem.num_heads) + " heads");
   }
-  const int index = decode_kernel_index(params.call.state_is_bf16 != 0, params.call.state_is_kv != 0);
-  const NamedKernel& kernel = layer ? context.kernels.decode_layer[index] : context.kernels.decode[index];
-  const int32_t smem = layer ? fkda_decode_layer_smem_bytes(params.max_tokens)
-                             : fkda_decode_smem_bytes(params.max_tokens, params.warps);
-  launch(context, kernel, unsigned(problem.num_seqs * vsplit), unsigned(problem.num_heads), 1,
-         unsigned(32 * params.warps), unsigned(smem), stream, &params);
+  const unsigned grid_x = unsigned(problem.num_seqs * vsplit), threads = unsigned(32 * params.warps);
+  if (!layer) {
+    launch(context, kernel, grid_x, unsigned(problem.num_heads), 1, threads,
+           unsigned(fkda_decode_smem_bytes(params.max_tokens, params.warps)), stream, &params);
+    return;
+  }
+  const unsigned smem = unsigned(fkda_decode_layer_smem_bytes(params.max_tokens, params.warps));
+  if (clusters) {
+    launch_clusters(context, kernel, unsigned(vsplit), grid_x, unsigned(problem.num_heads), threads, smem, stream,
+                    &params);
+  } else {
+    launch(context, kernel, grid_x, unsigned(problem.num_heads), 1, threads, smem, stream, &params);
+  }
 }
 
 }  // namespace fkda::gpu

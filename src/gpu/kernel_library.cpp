@@ -3,11 +3,13 @@
 // facts the launch code needs, and the launch call itself.
 #include "gpu/kernel_library.h"
 
+#include <algorithm>
 #include <deque>
 #include <mutex>
 #include <string>
 #include <utility>
 
+#include "decode_params.h"
 #include "error.h"
 #include "gpu/gpu_backend.h"
 #include "prefill_params.h"
@@ -134,6 +136,16 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
       allow_smem(k.segment_recurrence[vsplit - 1], bytes);
     }
   }
+  // The decode's layer kernels, at their most (16 tokens): above the default
+  // 48 KB with the convolution.
+  const int decode_layer_bytes = std::max(fkda_decode_layer_smem_bytes(FKDA_DECODE_MAX_TOKENS, FKDA_DECODE_MAX_WARPS),
+                                          fkda_decode_layer_smem_bytes(FKDA_DECODE_MAX_TOKENS, FKDA_DECODE_LAYER_WARPS));
+  if (decode_layer_bytes > facts.max_dynamic_smem) {
+    fail(FKDA_ERROR_UNSUPPORTED_ARCH, "device allows " + std::to_string(facts.max_dynamic_smem) +
+                                          " bytes of shared memory per block; the decode's layer step needs " +
+                                          std::to_string(decode_layer_bytes));
+  }
+  for (const NamedKernel& kernel : k.decode_layer) allow_smem(kernel, decode_layer_bytes);
   // Devices with less shared memory than the scan needs run prefill serially
   // (chunk_parallel_possible below).
   facts.segment_scan_fits = FKDA_SCAN_SMEM_BYTES <= facts.max_dynamic_smem &&
@@ -189,6 +201,41 @@ void launch(const LaunchContext& context, const ResolvedKernel& kernel, unsigned
 void launch(const LaunchContext& context, const NamedKernel& kernel, unsigned grid_x, unsigned grid_y,
             unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params) {
   launch(context, resolve(context, kernel), grid_x, grid_y, grid_z, threads, smem, stream, params);
+}
+
+void launch_clusters(const LaunchContext& context, const ResolvedKernel& kernel, unsigned cluster_x, unsigned grid_x,
+                     unsigned grid_y, unsigned threads, unsigned smem, CUstream stream, void* params) {
+  CUlaunchAttribute cluster;
+  std::memset(&cluster, 0, sizeof(cluster));
+  cluster.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+  cluster.value.clusterDim.x = cluster_x;
+  cluster.value.clusterDim.y = 1;
+  cluster.value.clusterDim.z = 1;
+  CUlaunchConfig config;
+  std::memset(&config, 0, sizeof(config));
+  config.gridDimX = grid_x;
+  config.gridDimY = grid_y;
+  config.gridDimZ = 1;
+  config.blockDimX = threads;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.sharedMemBytes = smem;
+  config.hStream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  void* args[] = {params};
+  CUresult result = context.driver.cuLaunchKernelEx(&config, kernel.function, args, nullptr);
+  if (result != CUDA_SUCCESS) {
+    fail(FKDA_ERROR_LAUNCH_FAILED, std::string("launch of ") + kernel.name + " in clusters of " +
+                                       std::to_string(cluster_x) + " failed: " + cuda::describe(result));
+  }
+}
+
+int compiled_arch(const LaunchContext& context, const ResolvedKernel& kernel) {
+  int version = 0;
+  cuda::check(context.driver.cuFuncGetAttribute(&version, CU_FUNC_ATTRIBUTE_PTX_VERSION, kernel.function),
+              "cuFuncGetAttribute(PTX version)");
+  return version;
 }
 
 }  // namespace fkda::gpu

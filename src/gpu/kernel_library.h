@@ -94,6 +94,13 @@ void launch(const LaunchContext& context, const ResolvedKernel& kernel, unsigned
             unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params);
 void launch(const LaunchContext& context, const NamedKernel& kernel, unsigned grid_x, unsigned grid_y,
             unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params);
+// The same in clusters of cluster_x blocks along x (grid_x a multiple of it).
+void launch_clusters(const LaunchContext& context, const ResolvedKernel& kernel, unsigned cluster_x, unsigned grid_x,
+                     unsigned grid_y, unsigned threads, unsigned smem, CUstream stream, void* params);
+
+// The virtual architecture a resolved kernel's code was compiled for (80,
+// 90, ...): what the kernel's source could use, whatever the device.
+int compiled_arch(const LaunchContext& context, const ResolvedKernel& kernel);
 
 // The kernels' views of an activation and of the output.
 inline FkdaActivation kernel_view(const ActView& view) {

@@ -361,6 +361,23 @@ TEST_CASE("layer step: GPU fkda_decode matches the CPU backend", "[gpu][layer_st
   wide.state_width = 4;
   wide.lengths = {16, 5};
   cases.push_back(wide);
+  // On an sm_90 device the head's blocks form a cluster whose size follows
+  // the number of (sequence, head) pairs: 8 blocks above, 4 and 2 here.
+  auto lengths_of = [](int count) {
+    std::vector<int64_t> lengths;
+    for (int i = 0; i < count; ++i) lengths.push_back(i % 7 == 3 ? 0 : 1 + i % 3);
+    return lengths;
+  };
+  LayerCase quarter = cases[0];
+  quarter.name = "80 (sequence, head) pairs";
+  quarter.H = 4;
+  quarter.lengths = lengths_of(20);
+  cases.push_back(quarter);
+  LayerCase half = cases[1];
+  half.name = "280 (sequence, head) pairs, softplus, channel-last f32 states";
+  half.H = 4;
+  half.lengths = lengths_of(70);
+  cases.push_back(half);
   for (const LayerCase& c : cases) {
     SECTION(c.name) {
       const Outcome gpu = run(c, true, decode_call);

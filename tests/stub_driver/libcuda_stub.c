@@ -146,6 +146,19 @@ static CUresult stub_launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
   return CUDA_SUCCESS;
 }
 
+static CUresult stub_launch_ex(const CUlaunchConfig* config, CUfunction f, void** params, void** extra) {
+  (void)config, (void)f, (void)params, (void)extra;
+  ++launches;
+  return CUDA_SUCCESS;
+}
+
+/* Every kernel as compiled for compute_90, the build's newest PTX. */
+static CUresult stub_function_attribute(int* value, CUfunction_attribute which, CUfunction f) {
+  (void)f;
+  *value = which == CU_FUNC_ATTRIBUTE_PTX_VERSION ? 90 : 0;
+  return CUDA_SUCCESS;
+}
+
 /* Entry points the loader resolves but the tests never reach. */
 static CUresult stub_unreached(void) { return CUDA_ERROR_NOT_SUPPORTED; }
 
@@ -171,6 +184,8 @@ static const struct entry entries[] = {
     {"cuKernelGetFunction", (void*)stub_kernel_function},
     {"cuKernelSetAttribute", (void*)stub_kernel_attribute},
     {"cuLaunchKernel", (void*)stub_launch},
+    {"cuLaunchKernelEx", (void*)stub_launch_ex},
+    {"cuFuncGetAttribute", (void*)stub_function_attribute},
     {"cuStreamGetCtx", (void*)stub_unreached},
     {"cuStreamSynchronize", (void*)stub_unreached},
     {"cuMemcpyDtoH", (void*)stub_unreached},
