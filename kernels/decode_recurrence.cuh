@@ -201,37 +201,42 @@ __device__ __forceinline__ float4 load_bf16x4(const uint16_t* at) {
   return make_float4(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
 }
 
-// The layer step's convolution in decode: the convolved values of token t
-// (of `tokens`, from `begin`) for four channels c0..c0+3 of projection
-// `proj`, from the call's raw inputs and the pool slot's conv state.
-__device__ __forceinline__ float4 convolve_four(const FkdaDecodeParams& p, int proj, const FkdaActivation& raw,
-                                                int64_t batch_row, int64_t begin, int t, int head, int i0,
-                                                int64_t slot) {
+// The layer step's convolution in decode: the convolved value of token t
+// (of `tokens`, from `begin`) for channel i of projection `proj` of the
+// head, from the call's raw inputs and the pool slot's conv state. A channel
+// a thread: the chain of loads, SiLU and stores of one thread is what the
+// block waits for.
+__device__ __forceinline__ float convolve_channel(const FkdaDecodeParams& p, int proj, const FkdaActivation& raw,
+                                                  int64_t batch_row, int64_t begin, int t, int tokens, int head,
+                                                  int i, int64_t slot) {
   const FkdaConv& conv = p.layer.conv[proj];
   const int width = p.layer.conv_width;
-  float x[4][FKDA_CONV_MAX_WIDTH] = {};
+  const int64_t c = int64_t(head) * FKDA_HEAD_DIM + i;
+  float x[FKDA_CONV_MAX_WIDTH] = {};
 #pragma unroll
   for (int j = 0; j < FKDA_CONV_MAX_WIDTH; ++j) {
     if (j >= width) continue;
     const int at = t - (width - 1) + j;
     if (at >= 0) {
-      const float4 f = load_bf16x4(static_cast<const uint16_t*>(raw.data) + batch_row * raw.stride_b +
-                                   (begin + at) * raw.stride_t + int64_t(head) * raw.stride_h + i0);
-      x[0][j] = f.x;
-      x[1][j] = f.y;
-      x[2][j] = f.z;
-      x[3][j] = f.w;
+      x[j] = raw_input(raw, batch_row, begin + at, head, i);
     } else if (conv.state != nullptr) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        x[i][j] = conv_state_at(p.layer, conv, slot, int64_t(head) * FKDA_HEAD_DIM + i0 + i,
-                                p.layer.conv_state_width + at);
-      }
+      x[j] = conv_state_at(p.layer, conv, slot, c, p.layer.conv_state_width + at);
     }
   }
-  const int64_t c = int64_t(head) * FKDA_HEAD_DIM + i0;
-  return make_float4(convolve(p.layer, conv, c, x[0]), convolve(p.layer, conv, c + 1, x[1]),
-                     convolve(p.layer, conv, c + 2, x[2]), convolve(p.layer, conv, c + 3, x[3]));
+  // A sequence of one token: the thread that read the channel's old state
+  // is its only reader (each block owns its channels, see
+  // store_decode_conv_states), so it writes the new one now, the last Wc of
+  // its W inputs, instead of reading them again after the steps.
+  if (tokens == 1 && conv.state != nullptr) {
+    const int shift = width - p.layer.conv_state_width;  // 0 or 1
+#pragma unroll
+    for (int col = 0; col < FKDA_CONV_MAX_WIDTH; ++col) {
+      if (col >= p.layer.conv_state_width) continue;
+      const float kept = shift == 0 ? x[col] : (col + 1 < FKDA_CONV_MAX_WIDTH ? x[col + 1] : 0.f);
+      store_conv_state(p.layer, conv, slot, c, col, kept);
+    }
+  }
+  return convolve(p.layer, conv, c, x);
 }
 
 // The blocks that share a head's rows (decode_params.h, "The layer step's
@@ -329,12 +334,12 @@ __device__ __forceinline__ void store_decode_conv_states(const FkdaDecodeParams&
   }
 }
 
-// Four values of the output gate's input g_out: token t, values col.. of the head.
-__device__ __forceinline__ uint2 out_gate_bits(const FkdaDecodeParams& p, int64_t batch_row, int64_t begin, int t,
-                                               int head, int col) {
+// The output gate's input g_out of token t, value col of the head (bf16 bits).
+__device__ __forceinline__ uint16_t out_gate_bits(const FkdaDecodeParams& p, int64_t batch_row, int64_t begin, int t,
+                                                  int head, int col) {
   const FkdaActivation& g_out = p.layer.out_gate;
-  return __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(g_out.data) + batch_row * g_out.stride_b +
-                                              (begin + t) * g_out.stride_t + int64_t(head) * g_out.stride_h + col));
+  return __ldg(static_cast<const uint16_t*>(g_out.data) + batch_row * g_out.stride_b + (begin + t) * g_out.stride_t +
+               int64_t(head) * g_out.stride_h + col);
 }
 
 // The layer step's end, after the recurrence's steps and before the state's
@@ -346,7 +351,7 @@ __device__ __forceinline__ uint2 out_gate_bits(const FkdaDecodeParams& p, int64_
 __device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, float* gated, float* partial,
                                                     uint16_t* out, int64_t batch_row, int64_t begin, int tokens,
                                                     int head, int64_t slot, int block_row, int rows,
-                                                    uint2 first_gate_bits) {
+                                                    uint16_t first_gate_bits) {
   const int vsplit = FKDA_HEAD_DIM / rows, rank = block_row / rows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const bool gate = p.layer.out_gate.data != nullptr;
@@ -363,24 +368,18 @@ __device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, f
   // read the old conv states.
   head_blocks_sync(vsplit);
   if (gate) {
-    const int quads = rows / 4;
-    for (int item = threadIdx.x; item < tokens * quads; item += blockDim.x) {
-      const int t = item / quads, local = 4 * (item % quads);
-      const uint2 bits = item == int(threadIdx.x) ? first_gate_bits
-                                                  : out_gate_bits(p, batch_row, begin, t, head, block_row + local);
-      const float4 gv = make_float4(bf16_lo(bits.x), bf16_hi(bits.x), bf16_lo(bits.y), bf16_hi(bits.y));
+    for (int item = threadIdx.x; item < tokens * rows; item += blockDim.x) {
+      const int t = item / rows, local = item % rows;
+      const float g = bf16_bits(item == int(threadIdx.x) ? first_gate_bits
+                                                        : out_gate_bits(p, batch_row, begin, t, head, block_row + local));
       float sum_squares = 0.f;  // in rank order, so every block of the head gets the same sum
       for (int r = 0; r < vsplit; ++r) sum_squares += load_head_block_shared(partial + t, r);
-      const float4 f = *reinterpret_cast<const float4*>(gated + t * FKDA_HEAD_DIM + local);
-      float o[4] = {f.x, f.y, f.z, f.w};
-      const float g[4] = {gv.x, gv.y, gv.z, gv.w};
-      gate_four(p.layer, sum_squares, block_row + local, g, o);
-      *reinterpret_cast<uint2*>(out + t * p.call.out.stride_t + local) =
-          make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+      const float o = gated[t * FKDA_HEAD_DIM + local];
+      out[t * p.call.out.stride_t + local] = to_bf16(gate_one(p.layer, inverse_rms(p.layer, sum_squares), block_row + local, g, o));
     }
   }
   head_blocks_arrive(vsplit);  // this block has read the others' sums; the caller waits
-  if (p.layer.conv_width > 0 && p.layer.conv[0].state != nullptr) {
+  if (p.layer.conv_width > 0 && p.layer.conv[0].state != nullptr && tokens > 1) {  // one token: convolve_four
     store_decode_conv_states(p, batch_row, begin, tokens, head, slot, rank, vsplit, block_row, rows);
   }
 }
@@ -439,9 +438,9 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   load_state_rows<kBf16, kKV>(matrix_of(start_slot), e, l, s);
   // g_out of the thread's first item of the output gate (finish_decode_layer),
   // so that its latency passes during the steps.
-  uint2 first_gate_bits = make_uint2(0u, 0u);
-  if (kLayer && p.layer.out_gate.data != nullptr && tid < tokens * (rows / 4)) {
-    first_gate_bits = out_gate_bits(p, batch_row, begin, tid / (rows / 4), head, block_row + 4 * (tid % (rows / 4)));
+  uint16_t first_gate_bits = 0;
+  if (kLayer && p.layer.out_gate.data != nullptr && tid < tokens * rows) {
+    first_gate_bits = out_gate_bits(p, batch_row, begin, tid / rows, head, block_row + tid % rows);
   }
 
   // ---- preparation of every token, into shared memory ----
@@ -484,6 +483,20 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       const float* dt_bias = p.call.dt_bias + int64_t(head) * FKDA_HEAD_DIM + 4 * lane;
       for (int i = 0; i < 4; ++i) dt[i] = __ldg(dt_bias + i);
     }
+    auto load_g = [&](int t) {
+      return p.call.gate.g_is_f32 ? __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.call.g.data) +
+                                                                          token_offset(p.call.g, t)) + lane)
+                                  : load_bf16x4(token_row(p.call.g, t) + 4 * lane);
+    };
+    auto load_beta_of = [&](int t) { return load_beta(p.call.gate, p.call.beta.data, token_offset(p.call.beta, t)); };
+    // With the layer step, the warp's first token's g and beta are loaded
+    // before the convolution, so that their latency passes with its own.
+    float4 first_g = make_float4(0.f, 0.f, 0.f, 0.f);
+    float first_beta = 0.f;
+    if (kLayer && warp < tokens) {
+      first_g = load_g(warp);
+      if (lane == 0) first_beta = load_beta_of(warp);
+    }
     // The convolution: each block of the head convolves its share of q's and
     // k's channels (into `convolved_qk`, which its peers read through the
     // cluster) and the v channels of its own rows, in one pass, so that
@@ -491,17 +504,17 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     float* convolved_qk = reinterpret_cast<float*>(decode_smem + fkda_decode_layer_conv_offset(p.max_tokens, warps));
     const int share = FKDA_HEAD_DIM / vsplit, rank = block_row / rows;
     if (convolved) {
-      const int qk_quads = share / 4, per_token = 2 * qk_quads + rows / 4;
+      const int per_token = 2 * share + rows;
       for (int item = tid; item < tokens * per_token; item += blockDim.x) {
-        const int t = item / per_token, piece = item % per_token;
-        if (piece < 2 * qk_quads) {
-          const int proj = piece / qk_quads, i0 = rank * share + 4 * (piece % qk_quads);
-          *reinterpret_cast<float4*>(convolved_qk + (2 * t + proj) * FKDA_HEAD_DIM + i0) =
-              convolve_four(p, proj, proj == 0 ? p.call.q : p.call.k, batch_row, begin, t, head, i0, start_slot);
+        const int t = item / per_token, channel = item % per_token;
+        if (channel < 2 * share) {
+          const int proj = channel / share, i = rank * share + channel % share;
+          convolved_qk[(2 * t + proj) * FKDA_HEAD_DIM + i] = convolve_channel(
+              p, proj, proj == 0 ? p.call.q : p.call.k, batch_row, begin, t, tokens, head, i, start_slot);
         } else {
-          const int local = 4 * (piece - 2 * qk_quads);
-          *reinterpret_cast<float4*>(value + t * rows + local) =
-              convolve_four(p, 2, p.call.v, batch_row, begin, t, head, block_row + local, start_slot);
+          const int local = channel - 2 * share;
+          value[t * rows + local] =
+              convolve_channel(p, 2, p.call.v, batch_row, begin, t, tokens, head, block_row + local, start_slot);
         }
       }
       head_blocks_sync(vsplit);
@@ -512,10 +525,7 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
                                  : load_bf16x4(token_row(p.call.q, t) + 4 * lane);
       const float4 k = convolved ? load_head_block_shared4(convolved_qk + (2 * t + 1) * FKDA_HEAD_DIM + 4 * lane, 4 * lane / share)
                                  : load_bf16x4(token_row(p.call.k, t) + 4 * lane);
-      const float4 g = p.call.gate.g_is_f32
-                           ? __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.call.g.data) +
-                                                                   token_offset(p.call.g, t)) + lane)
-                           : load_bf16x4(token_row(p.call.g, t) + 4 * lane);
+      const float4 g = kLayer && t == warp ? first_g : load_g(t);
       const float rq = 1.0f / sqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f);
       const float rk = 1.0f / sqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
       const float qs = rq * p.call.scale;
@@ -528,7 +538,7 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       for (int i = 0; i < 4; ++i) d[i] = decay_accurate(p.call.gate, p.call.gate_scale, gv[i], rate, dt[i]);
       reinterpret_cast<float4*>(decay + t * FKDA_HEAD_DIM)[lane] = make_float4(d[0], d[1], d[2], d[3]);
       if (lane == 0) {
-        beta[t] = step_size(p.call.gate, load_beta(p.call.gate, p.call.beta.data, token_offset(p.call.beta, t)), true);
+        beta[t] = step_size(p.call.gate, kLayer && t == warp ? first_beta : load_beta_of(t), true);
       }
     }
     if (v_token < tokens && !convolved) {

@@ -66,17 +66,23 @@ __device__ __forceinline__ float convolve(const FkdaLayerStep& layer, const Fkda
   return silu(acc);
 }
 
-// RMSNorm * w * sigmoid(g) of four of a head's values, given the sum of the
-// squares of all 128.
+// 1 / RMS of a head's values from the sum of the squares of all 128.
+__device__ __forceinline__ float inverse_rms(const FkdaLayerStep& layer, float sum_squares) {
+  return 1.0f / sqrtf(sum_squares / float(FKDA_HEAD_DIM) + layer.norm_eps);
+}
+
+// RMSNorm * w * sigmoid(g) of value v (o) of a head.
+__device__ __forceinline__ float gate_one(const FkdaLayerStep& layer, float inverse_rms, int v, float g, float o) {
+  const float w = load_real(layer.norm_weight, layer.norm_weight_is_f32 != 0, int64_t(v) * layer.norm_weight_stride);
+  return o * inverse_rms * w * sigmoid_accurate(g);
+}
+
+// The same for four of a head's values, given the sum of the squares of all 128.
 __device__ __forceinline__ void gate_four(const FkdaLayerStep& layer, float sum_squares, int first_v,
                                           const float (&g)[4], float (&o)[4]) {
-  const float r = 1.0f / sqrtf(sum_squares / float(FKDA_HEAD_DIM) + layer.norm_eps);
+  const float r = inverse_rms(layer, sum_squares);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float w = load_real(layer.norm_weight, layer.norm_weight_is_f32 != 0,
-                              int64_t(first_v + i) * layer.norm_weight_stride);
-    o[i] = o[i] * r * w * sigmoid_accurate(g[i]);
-  }
+  for (int i = 0; i < 4; ++i) o[i] = gate_one(layer, r, first_v + i, g[i], o[i]);
 }
 
 // ---- fkda_fwd's kernels ----
