@@ -4,6 +4,7 @@ describes it: prototypes, struct fields and the compiler's layouts."""
 
 import ctypes
 import os
+import re
 import sys
 
 import pytest
@@ -152,6 +153,30 @@ def test_version_matches_the_header(header):
     assert flashkda.version() == "{}.{}.{}".format(
         defines["FKDA_VERSION_MAJOR"], defines["FKDA_VERSION_MINOR"], defines["FKDA_VERSION_PATCH"])
     assert flashkda.__version__ == flashkda.version()
+
+
+def test_every_package_carries_the_header_version(header):
+    """The Python, Rust and Julia packages ship the library of this header:
+    a package version that lags behind it names an ABI it does not bind."""
+    defines = header["defines"]
+    version = "{}.{}.{}".format(defines["FKDA_VERSION_MAJOR"], defines["FKDA_VERSION_MINOR"],
+                                defines["FKDA_VERSION_PATCH"])
+    bindings = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    manifests = {
+        "python/pyproject.toml": r'^version = "([^"]+)"',
+        "rust/Cargo.toml": r'^version = "([^"]+)"',
+        "rust/flashkda/Cargo.toml": r'^flashkda-sys = \{[^}]*version = "([^"]+)"',
+        "julia/FlashKDA/Project.toml": r'^version = "([^"]+)"',
+    }
+    for manifest, pattern in manifests.items():
+        with open(os.path.join(bindings, manifest)) as f:
+            found = re.search(pattern, f.read(), re.MULTILINE)
+        assert found is not None, manifest
+        assert found.group(1) == version, manifest
+    with open(os.path.join(bindings, "rust", "Cargo.lock")) as f:
+        locked = re.findall(r'name = "(flashkda[-a-z]*)"\nversion = "([^"]+)"', f.read())
+    assert {name for name, _ in locked} == {"flashkda", "flashkda-sys"}
+    assert all(locked_version == version for _, locked_version in locked)
 
 
 def test_status_strings_and_last_error():
