@@ -41,7 +41,7 @@ ConvStaging conv_staging(const PrefillProblem& problem, void* workspace, size_t 
   unsigned char* base = static_cast<unsigned char*>(workspace);
   const size_t total = problem.conv_staging_bytes;
   s.rest = total > 0 ? base + total : base;
-  s.rest_bytes = workspace_bytes - total;
+  s.rest_bytes = workspace_bytes > total ? workspace_bytes - total : 0;
   const int32_t staged = problem.conv_staged_projections;
   if (staged == 0) return s;
   void** tensors[3] = {&s.q, &s.k, &s.v};

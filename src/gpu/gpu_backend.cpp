@@ -241,9 +241,10 @@ namespace {
 
 // The windows of the recurrence, on the problem's q, k and v as they are
 // (with the layer step's convolution: q and k raw, which the preparation
-// kernel convolves, and v staged). Everything is checked, sized and
-// resolved on construction, so that a call that fails enqueues nothing;
-// enqueue launches the windows.
+// kernel convolves, and v staged), in the launch checked against the
+// caller's workspace. Everything else is checked, sized and resolved on
+// construction too, so that a call that fails enqueues nothing; enqueue
+// launches the windows.
 struct RecurrenceLaunch {
   Launch l;
   FkdaPrefillParams params;
@@ -252,11 +253,12 @@ struct RecurrenceLaunch {
   int64_t total_tokens = 0, num_seqs = 0;
   unsigned heads = 0;
 
-  RecurrenceLaunch(const LaunchContext& context, const PrefillProblem& problem, void* workspace,
-                   size_t workspace_bytes)
-      : total_tokens(problem.batch * problem.seq_len), num_seqs(problem.num_seqs), heads(unsigned(problem.num_heads)) {
-    l = checked_launch(total_tokens, problem.num_seqs, problem.num_heads, problem.tuning, workspace_bytes,
-                       "fkda_plan_workspace_size");
+  RecurrenceLaunch(const LaunchContext& context, const PrefillProblem& problem, const Launch& checked,
+                   void* workspace)
+      : l(checked),
+        total_tokens(problem.batch * problem.seq_len),
+        num_seqs(problem.num_seqs),
+        heads(unsigned(problem.num_heads)) {
     // Devices whose shared memory cannot hold the scan, and calls whose
     // segment grid would not fit, run the serial path (it needs no more
     // workspace than the segments would have).
@@ -403,13 +405,16 @@ struct LayerLaunch {
 }  // namespace
 
 LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes, CUstream stream) {
-  const LaunchContext context = launch_context();
   // Plans with layer_step keep the staging area at the front of the
   // workspace whether or not the call convolves.
   const ConvStaging staging = conv_staging(problem, workspace, workspace_bytes);
+  // The launch against the caller's workspace first, before the device.
+  const Launch checked = checked_launch(problem.batch * problem.seq_len, problem.num_seqs, problem.num_heads,
+                                        problem.tuning, staging.rest_bytes, "fkda_plan_workspace_size");
+  const LaunchContext context = launch_context();
   PrefillProblem staged = problem;
   if (problem.layer.has_conv()) staged.v = staging.view_of(staging.v);
-  RecurrenceLaunch recurrence(context, staged, staging.rest, staging.rest_bytes);
+  RecurrenceLaunch recurrence(context, staged, checked, staging.rest);
   LayerLaunch layer(context, problem, staging);
   layer.before(context, stream);
   const LaunchShape shape = recurrence.enqueue(context, stream);
