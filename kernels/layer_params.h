@@ -1,9 +1,8 @@
 /* SPDX-License-Identifier: MIT */
-/* Parameters of the layer step around the recurrence (flashkda.h, "The
- * layer step"): the convolution of q, k and v and the output gate. Plain C
- * like prefill_params.h. The decode kernel carries FkdaLayerStep in its own
- * parameters; fkda_fwd runs three kernels of its own (kernels/layer_step.cuh)
- * around the recurrence, with FkdaLayerParams. */
+/* Parameters of fkda_fwd's layer step kernels around the recurrence
+ * (flashkda.h, "The layer step"; kernels/layer_step.cuh). Plain C like
+ * prefill_params.h, which holds FkdaLayerStep: the decode kernel and the
+ * prefill's preparation kernel carry it in their own parameters. */
 #ifndef FLASHKDA_KERNELS_LAYER_PARAMS_H
 #define FLASHKDA_KERNELS_LAYER_PARAMS_H
 
@@ -11,43 +10,14 @@
 
 #include "prefill_params.h"
 
-/* The widest convolution. */
-#define FKDA_CONV_MAX_WIDTH 4
-
-/* One projection's convolution: weight [H*K, W] and bias [H*K] (NULL: none)
- * in one dtype; state [rows, H*K, Wc] (NULL: none). Strides in elements. */
-typedef struct FkdaConv {
-  const void* weight;
-  int64_t weight_stride_c;
-  int64_t weight_stride_w;
-  const void* bias;
-  int64_t bias_stride;
-  void* state;
-  int64_t state_stride_row;
-  int64_t state_stride_c;
-  int64_t state_stride_w;
-} FkdaConv;
-
-typedef struct FkdaLayerStep {
-  FkdaConv conv[3];         /* q, k, v */
-  int32_t conv_width;       /* W, 2..4; 0: no convolution */
-  int32_t conv_state_width; /* Wc, W - 1 or W; 0: no states */
-  int32_t conv_is_f32;      /* weights and biases; else bf16 */
-  int32_t conv_state_is_f32;
-  FkdaActivation out_gate;  /* bf16 [B, T, H, V]; data NULL: no output gate */
-  const void* norm_weight;  /* [V] */
-  int64_t norm_weight_stride;
-  int32_t norm_weight_is_f32;
-  float norm_eps;
-} FkdaLayerStep;
-
 /* fkda_fwd's convolution and gate kernels. `call` holds the raw q, k, v
- * (the projections), out, the offsets and sizes; the convolved q, k, v go to
- * staged[0..2], packed bf16 [B * T, H, K]. */
+ * (the projections), out, the offsets and sizes; the convolved v goes to
+ * staged_v, packed bf16 [B * T, H, K] (the preparation kernel convolves q
+ * and k itself). */
 typedef struct FkdaLayerParams {
   FkdaRecurrenceCall call;
   FkdaLayerStep layer;
-  void* staged[3];
+  void* staged_v;
   int64_t batch; /* B: N without cu_seqlens, 1 with */
   /* Which conv state row a sequence reads and writes: pool slot
    * state_indices[n] (null or outside the pool: padding, nothing touched)
@@ -65,8 +35,9 @@ typedef struct FkdaLayerParams {
 } FkdaLayerParams;
 
 /* The convolution kernel: blocks of FKDA_CONV_THREADS threads, each thread
- * eight channels of FKDA_CONV_TILE_TOKENS tokens; the output gate: blocks of
- * FKDA_GATE_WARPS warps, each FKDA_GATE_ROWS_PER_WARP (token, head) rows. */
+ * eight channels of v of FKDA_CONV_TILE_TOKENS tokens; the output gate:
+ * blocks of FKDA_GATE_WARPS warps, each FKDA_GATE_ROWS_PER_WARP (token,
+ * head) rows. */
 #define FKDA_CONV_TILE_TOKENS 64
 #define FKDA_CONV_THREADS 128
 #define FKDA_CONV_CHANNELS_PER_BLOCK (FKDA_CONV_THREADS * 8)

@@ -2,10 +2,11 @@
 // The layer step around the recurrence (flashkda.h, "The layer step"): the
 // causal depthwise convolution of q, k and v with SiLU, and the output gate
 // RMSNorm(o) * w * sigmoid(g_out). The decode kernel calls the device
-// functions below inside its own steps; fkda_fwd runs the three kernels at
-// the end of this file around the recurrence:
-//   fkda_layer_convolve   the convolved q, k, v, rounded to bf16, into the
-//                         staging area the recurrence then reads as its q, k, v
+// functions below inside its own steps; fkda_fwd's preparation kernel
+// convolves q and k as it loads them (prefill_prepare.cuh), and fkda_fwd
+// runs the three kernels at the end of this file around the recurrence:
+//   fkda_layer_convolve   the convolved v, rounded to bf16, into the staging
+//                         area the recurrence then reads as its v
 //   fkda_layer_conv_store each sequence's last Wc raw inputs into its conv
 //                         state row (and pool checkpoints), after every read
 //                         of the old states (a later launch)
@@ -15,17 +16,13 @@
 #pragma once
 
 #include "device_common.cuh"
+#include "layer_conv.cuh"
 #include "layer_params.h"
 
 namespace fkda_dev {
 
 // Channels per thread of fkda_fwd's convolution.
 constexpr int kConvChannels = 8;
-
-__device__ __forceinline__ float load_real(const void* data, bool is_f32, int64_t at) {
-  return is_f32 ? __ldg(static_cast<const float*>(data) + at)
-                : bf16_bits(__ldg(static_cast<const uint16_t*>(data) + at));
-}
 
 __device__ __forceinline__ void store_real(void* data, bool is_f32, int64_t at, float x) {
   if (is_f32) {
@@ -37,15 +34,6 @@ __device__ __forceinline__ void store_real(void* data, bool is_f32, int64_t at, 
 
 // Accurate exp: the convolution feeds the decode's f32 state directly.
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-
-// Column `col` of channel c of a conv state row. Plain loads: the store
-// kernel writes these rows in a later launch of the same call.
-__device__ __forceinline__ float conv_state_at(const FkdaLayerStep& layer, const FkdaConv& conv, int64_t row,
-                                               int64_t c, int col) {
-  const int64_t at = row * conv.state_stride_row + c * conv.state_stride_c + col * conv.state_stride_w;
-  return layer.conv_state_is_f32 ? static_cast<const float*>(conv.state)[at]
-                                 : bf16_bits(static_cast<const uint16_t*>(conv.state)[at]);
-}
 
 __device__ __forceinline__ void store_conv_state(const FkdaLayerStep& layer, const FkdaConv& conv, int64_t row,
                                                  int64_t c, int col, float x) {
@@ -87,23 +75,6 @@ __device__ __forceinline__ void gate_four(const FkdaLayerStep& layer, float sum_
 
 // ---- fkda_fwd's kernels ----
 
-// The conv state row of sequence n, or -1 (padding: nothing touched), and
-// whether the sequence reads it.
-struct ConvRow {
-  int64_t row;
-  bool reads;
-};
-__device__ __forceinline__ ConvRow conv_row_of(const FkdaLayerParams& p, int64_t n) {
-  ConvRow r{n, p.reads_state != 0};
-  if (p.state_indices.data != nullptr) {
-    r.row = usable_slot(load_index(p.state_indices, n, 0), p.call.first_real_slot, p.pool_slots);
-    if (r.row < 0) return ConvRow{-1, false};
-  }
-  if (p.has_initial_state.data != nullptr && load_index(p.has_initial_state, n, 0) == 0) r.reads = false;
-  if (p.layer.conv[0].state == nullptr) r.reads = false;
-  return r;
-}
-
 __device__ __forceinline__ const FkdaActivation& raw_projection(const FkdaLayerParams& p, int proj) {
   return proj == 0 ? p.call.q : (proj == 1 ? p.call.k : p.call.v);
 }
@@ -138,30 +109,26 @@ __device__ __forceinline__ void load_raw8(const FkdaActivation& raw, int64_t row
   }
 }
 
-// Block (token tile, group of 128 x 8 channels of the three projections);
-// a thread takes eight consecutive channels along the tile's tokens, its
-// weights in registers and the last W - 1 inputs of its sequence in a
-// sliding window, so that each raw input is read once. Loads of four
-// tokens are issued together: the thread's chain of tokens is otherwise
-// one memory latency per token. The outputs are rounded to bf16, so SiLU
-// takes the fast exponential and reciprocal.
+// Block (token tile, group of 128 x 8 channels of v); a thread takes
+// eight consecutive channels along the tile's tokens, its weights in
+// registers and the last W - 1 inputs of its sequence in a sliding window,
+// so that each raw input is read once. Loads of four tokens are issued
+// together: the thread's chain of tokens is otherwise one memory latency
+// per token.
 template <int kWidth>
-__device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t c0, int proj) {
+__device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t c0) {
+  constexpr int kV = 2;
   const int64_t channels = int64_t(p.call.num_heads) * FKDA_HEAD_DIM;
   const int head = int(c0 / FKDA_HEAD_DIM), i0 = int(c0 % FKDA_HEAD_DIM);
-  const FkdaActivation& raw = raw_projection(p, proj);
-  const FkdaConv& conv = p.layer.conv[proj];
+  const FkdaActivation& raw = raw_projection(p, kV);
+  const FkdaConv& conv = p.layer.conv[kV];
   const int state_width = p.layer.conv_state_width;
-  const bool f32 = p.layer.conv_is_f32 != 0;
 
-  float weight[kConvChannels][kWidth], bias[kConvChannels];
+  float weight_back[kConvChannels][FKDA_CONV_MAX_WIDTH], bias[kConvChannels];
 #pragma unroll
   for (int e = 0; e < kConvChannels; ++e) {
-    bias[e] = conv.bias != nullptr ? load_real(conv.bias, f32, (c0 + e) * conv.bias_stride) : 0.f;
-#pragma unroll
-    for (int j = 0; j < kWidth; ++j) {
-      weight[e][j] = load_real(conv.weight, f32, (c0 + e) * conv.weight_stride_c + j * conv.weight_stride_w);
-    }
+    bias[e] = conv_bias(p.layer, conv, c0 + e);
+    load_weights_back(p.layer, conv, c0 + e, kWidth, weight_back[e]);
   }
 
   const int64_t total = p.batch * p.call.seq_len;
@@ -171,7 +138,7 @@ __device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t 
   int64_t n = packed ? sequence_at(p, first) : first / p.call.seq_len;
   int64_t begin = packed ? load_offset_of(p.call, n) : n * p.call.seq_len;
   int64_t end = packed ? load_offset_of(p.call, n + 1) : begin + p.call.seq_len;
-  ConvRow row = conv_row_of(p, n);
+  ConvRow row = conv_row_of(p, p.reads_state != 0, n);
   // history[k]: the input k + 1 tokens before the current one (from the
   // sequence's conv state before its first token, or 0 when it reads none).
   float history[kWidth - 1][kConvChannels];
@@ -195,7 +162,7 @@ __device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t 
   fill_history(first);
 
   constexpr int kAhead = 4;
-  uint16_t* staged = static_cast<uint16_t*>(p.staged[proj]) + c0;
+  uint16_t* staged = static_cast<uint16_t*>(p.staged_v) + c0;
   // The batch row and index in it of the next token to load, stepped
   // along (no division per token).
   int64_t next_row = packed ? 0 : n, next_index = packed ? first : first - n * p.call.seq_len;
@@ -221,7 +188,7 @@ __device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t 
           begin = packed ? load_offset_of(p.call, n) : n * p.call.seq_len;
           end = packed ? load_offset_of(p.call, n + 1) : begin + p.call.seq_len;
         } while (t >= end && n + 1 < p.call.num_seqs);
-        row = conv_row_of(p, n);
+        row = conv_row_of(p, p.reads_state != 0, n);
         fill_history(t);
       }
       const float keep = t >= begin ? 1.f : 0.f;  // 0 only for tokens no sequence holds
@@ -231,12 +198,10 @@ __device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t 
         float y[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          // Input j of W (oldest first) is W - 1 - j tokens back.
-          float acc = bias[e + h];
+          float x_back[FKDA_CONV_MAX_WIDTH] = {keep * ahead[u][e + h], 0.f, 0.f, 0.f};
 #pragma unroll
-          for (int j = 0; j < kWidth - 1; ++j) acc = fmaf(weight[e + h][j], keep * history[kWidth - 2 - j][e + h], acc);
-          acc = fmaf(weight[e + h][kWidth - 1], keep * ahead[u][e + h], acc);
-          y[h] = acc * __frcp_rn(1.0f + __expf(-acc));
+          for (int b = 1; b < kWidth; ++b) x_back[b] = keep * history[b - 1][e + h];
+          y[h] = convolve_rounded(kWidth, bias[e + h], weight_back[e + h], x_back);
         }
         packed_out[e / 2] = pack_bf16x2(y[0], y[1]);
       }
@@ -252,16 +217,13 @@ __device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t 
   }
 }
 
-__device__ __forceinline__ void convolve_inputs(const FkdaLayerParams& p) {
-  const int64_t channels = int64_t(p.call.num_heads) * FKDA_HEAD_DIM;
-  const int64_t first_channel = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * kConvChannels;
-  if (first_channel >= 3 * channels) return;
-  const int proj = int(first_channel / channels);
-  const int64_t c0 = first_channel % channels;
+__device__ __forceinline__ void convolve_v(const FkdaLayerParams& p) {
+  const int64_t c0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * kConvChannels;
+  if (c0 >= int64_t(p.call.num_heads) * FKDA_HEAD_DIM) return;
   switch (p.layer.conv_width) {
-    case 2: convolve_tile<2>(p, c0, proj); break;
-    case 3: convolve_tile<3>(p, c0, proj); break;
-    default: convolve_tile<4>(p, c0, proj); break;
+    case 2: convolve_tile<2>(p, c0); break;
+    case 3: convolve_tile<3>(p, c0); break;
+    default: convolve_tile<4>(p, c0); break;
   }
 }
 
@@ -279,7 +241,7 @@ __device__ __forceinline__ void store_conv_states(const FkdaLayerParams& p) {
   int64_t end = packed ? load_offset_of(p.call, n + 1) : p.call.seq_len;
   if (end < begin) end = begin;
   const int64_t length = end - begin, batch_row = packed ? 0 : n;
-  const ConvRow row = conv_row_of(p, n);
+  const ConvRow row = conv_row_of(p, p.reads_state != 0, n);
   if (row.row < 0 || length == 0) return;
 
   float old[FKDA_CONV_MAX_WIDTH] = {0.f, 0.f, 0.f, 0.f};
@@ -357,7 +319,7 @@ __device__ __forceinline__ void gate_output_rows(const FkdaLayerParams& p) {
 }  // namespace fkda_dev
 
 extern "C" __global__ void __launch_bounds__(FKDA_CONV_THREADS) fkda_layer_convolve(const FkdaLayerParams p) {
-  fkda_dev::convolve_inputs(p);
+  fkda_dev::convolve_v(p);
 }
 extern "C" __global__ void __launch_bounds__(FKDA_HEAD_DIM) fkda_layer_conv_store(const FkdaLayerParams p) {
   fkda_dev::store_conv_states(p);

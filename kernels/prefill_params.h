@@ -162,6 +162,40 @@ typedef struct FkdaRecurrenceCall {
   int32_t reserved;        /* zero */
 } FkdaRecurrenceCall;
 
+/* The layer step's convolution and output gate (flashkda.h, "The layer
+ * step"; layer_params.h has the kernels that run it around the prefill):
+ * here because the preparation kernel convolves q and k itself. */
+
+/* The widest convolution. */
+#define FKDA_CONV_MAX_WIDTH 4
+
+/* One projection's convolution: weight [H*K, W] and bias [H*K] (NULL: none)
+ * in one dtype; state [rows, H*K, Wc] (NULL: none). Strides in elements. */
+typedef struct FkdaConv {
+  const void* weight;
+  int64_t weight_stride_c;
+  int64_t weight_stride_w;
+  const void* bias;
+  int64_t bias_stride;
+  void* state;
+  int64_t state_stride_row;
+  int64_t state_stride_c;
+  int64_t state_stride_w;
+} FkdaConv;
+
+typedef struct FkdaLayerStep {
+  FkdaConv conv[3];         /* q, k, v */
+  int32_t conv_width;       /* W, 2..4; 0: no convolution */
+  int32_t conv_state_width; /* Wc, W - 1 or W; 0: no states */
+  int32_t conv_is_f32;      /* weights and biases; else bf16 */
+  int32_t conv_state_is_f32;
+  FkdaActivation out_gate;  /* bf16 [B, T, H, V]; data NULL: no output gate */
+  const void* norm_weight;  /* [V] */
+  int64_t norm_weight_stride;
+  int32_t norm_weight_is_f32;
+  float norm_eps;
+} FkdaLayerStep;
+
 typedef struct FkdaPrefillParams {
   FkdaRecurrenceCall call;
 
@@ -222,6 +256,14 @@ typedef struct FkdaPrefillParams {
   int32_t reserved2; /* zero */
   float* trans_m; /* [N, H, K, K] */
   float* trans_e; /* [N, H, V, K] (KV plans: [N, H, K, V]) */
+
+  /* fkda_fwd's convolution (layer.conv_width > 0): q and k are the raw
+   * projections, which the preparation kernel convolves as it loads them
+   * (v comes convolved). Sequence n's conv state row is the pool slot of
+   * its recurrent state (state_indices, pool_slots; padding reads none) or
+   * row n, read where the sequence reads a recurrent state (initial_state
+   * or the pool) unless has_initial_state[n] is 0. */
+  FkdaLayerStep layer;
 } FkdaPrefillParams;
 
 /* The record of segment s (counted from the sequence's chunk 0) of sequence

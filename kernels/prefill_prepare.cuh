@@ -35,11 +35,16 @@
 // per-token floor; 2^c and 2^(c_last - c) are running products of the d
 // from one exp2 per half of the chunk (docs/NUMERICS.md): 20 exp2s a thread
 // instead of 48, besides the gate's own.
+//
+// With the layer step's convolution (the _conv kernels) q and k are the raw
+// projections: each thread convolves its pairs as it loads them, so that
+// they never pass through the workspace.
 #pragma once
 
 #include <type_traits>
 
 #include "device_common.cuh"
+#include "layer_conv.cuh"
 
 namespace fkda_dev {
 
@@ -204,6 +209,9 @@ __device__ __forceinline__ WarpTile negated_unit_lower_inverse(const WarpTile& L
 // faster on the H200 than 5 without spills) from sm_90 on; sm_80's 164 KB
 // of shared memory hold only 5, so 96 registers there. GPUs with about
 // 100 KB (sm_86, sm_89, sm_120) hold 3 of these blocks whatever the bound.
+// With the layer step's convolution the unbounded gates' kernels keep
+// their bounds; the bounded gate's spills at 64 registers on sm_90a too
+// (24 bytes, CUDA 13.0), so it is compiled for 7 blocks everywhere.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define FKDA_PREPARE_BLOCKS_COMPILED 7
 #define FKDA_PREPARE_ANY_DECAY_BLOCKS 5
@@ -211,6 +219,7 @@ __device__ __forceinline__ WarpTile negated_unit_lower_inverse(const WarpTile& L
 #define FKDA_PREPARE_BLOCKS_COMPILED FKDA_PREPARE_MIN_BLOCKS
 #define FKDA_PREPARE_ANY_DECAY_BLOCKS 6
 #endif
+#define FKDA_PREPARE_CONV_BLOCKS_COMPILED 7
 
 namespace fkda_dev {
 
@@ -264,9 +273,11 @@ __device__ __forceinline__ bool is_right(int r, int half) {
 // The functions below are the steps of prepare_chunks, in its order; each is
 // called by every thread of the block unless its comment names the threads.
 
-// The chunk of one workspace slot: its sequence and its tokens [t0, t0 + len).
+// The chunk of one workspace slot: its sequence (the n-th) and its tokens
+// [t0, t0 + len).
 struct ChunkTokens {
   Sequence seq;
+  int64_t n;
   int64_t t0;
   int len;
 };
@@ -280,6 +291,7 @@ __device__ __forceinline__ bool locate_chunk(const FkdaPrefillParams& p, int64_t
     if (slot_base_of(p, mid) <= slot) lo = mid; else hi = mid - 1;
   }
   chunk.seq = sequence_of(p, lo);
+  chunk.n = lo;
   const int64_t index = slot - chunk.seq.slot_base;
   if (index < 0 || index >= num_chunks(chunk.seq)) return false;
   chunk.t0 = chunk.seq.begin + index * FKDA_CHUNK;
@@ -325,8 +337,9 @@ struct TokenPairs {
 
 // Step 1, 2's loads. The addresses step along the tokens whether or not a
 // token is loaded, so the loads are predicated, not branched around, and all
-// issue at once.
-template <bool kGF32>
+// issue at once. kConv: q and k are already convolved (convolve_token_pairs),
+// so only g is loaded.
+template <bool kGF32, bool kConv>
 __device__ __forceinline__ void load_token_pairs(const FkdaPrefillParams& p, const ChunkTokens& chunk, int head,
                                                  const PrepareThread& th, TokenPairs& in) {
   const uint16_t* q = static_cast<const uint16_t*>(p.call.q.data) + token_offset(p.call.q, chunk, head, th);
@@ -335,11 +348,14 @@ __device__ __forceinline__ void load_token_pairs(const FkdaPrefillParams& p, con
   const float* g32 = static_cast<const float*>(p.call.g.data) + token_offset(p.call.g, chunk, head, th);
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
-    in.q[r] = in.k[r] = in.g[r] = 0u;
+    if constexpr (!kConv) in.q[r] = in.k[r] = 0u;
+    in.g[r] = 0u;
     in.g32[r] = make_float2(0.f, 0.f);
     if (r < th.rows) {
-      in.q[r] = __ldg(reinterpret_cast<const unsigned int*>(q));
-      in.k[r] = __ldg(reinterpret_cast<const unsigned int*>(k));
+      if constexpr (!kConv) {
+        in.q[r] = __ldg(reinterpret_cast<const unsigned int*>(q));
+        in.k[r] = __ldg(reinterpret_cast<const unsigned int*>(k));
+      }
       if constexpr (kGF32) in.g32[r] = __ldg(reinterpret_cast<const float2*>(g32));
       else in.g[r] = __ldg(reinterpret_cast<const unsigned int*>(g));
     }
@@ -348,6 +364,83 @@ __device__ __forceinline__ void load_token_pairs(const FkdaPrefillParams& p, con
     g += p.call.g.stride_t;
     g32 += p.call.g.stride_t;
   }
+}
+
+// One projection of the layer step's convolution: x becomes the
+// convolution of the raw pairs of the thread's tokens, rounded to bf16 as
+// fkda_layer_convolve rounds v (0 past the chunk). position: the first
+// token's in its sequence; row: the sequence's conv state row where inputs
+// before its first token are needed. A thread without tokens (the second
+// half of a chunk of at most 8) reads no input before them: those may lie
+// past the tensor.
+__device__ __forceinline__ void convolve_pairs(const FkdaPrefillParams& p, int proj, const ChunkTokens& chunk,
+                                               int head, const PrepareThread& th, int64_t position, ConvRow row,
+                                               uint32_t (&x)[8]) {
+  const FkdaActivation& raw = proj == 0 ? p.call.q : p.call.k;
+  const FkdaConv& conv = p.layer.conv[proj];
+  const int width = p.layer.conv_width;
+  const int64_t c0 = int64_t(head) * FKDA_HEAD_DIM + 2 * th.pair;
+  const uint16_t* first = static_cast<const uint16_t*>(raw.data) + token_offset(raw, chunk, head, th);
+  const uint16_t* token = first;
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {  // predicated, as in load_token_pairs
+    x[r] = 0u;
+    if (r < th.rows) x[r] = __ldg(reinterpret_cast<const unsigned int*>(token));
+    token += raw.stride_t;
+  }
+  // One channel at a time, which keeps the kernels free of spills: channel
+  // 0's outputs wait in y_first.
+  float y_first[8];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int64_t c = c0 + e;
+    const float bias = conv_bias(p.layer, conv, c);
+    float weight_back[FKDA_CONV_MAX_WIDTH];
+    load_weights_back(p.layer, conv, c, width, weight_back);
+    // history[b - 1]: the input b tokens before the current one, from the
+    // sequence or, before its first token, the last W - 1 columns of its
+    // conv state (0 where it reads none).
+    float history[FKDA_CONV_MAX_WIDTH - 1];
+#pragma unroll
+    for (int b = 1; b < FKDA_CONV_MAX_WIDTH; ++b) {
+      const int64_t at = position - b;
+      history[b - 1] = 0.f;
+      if (b < width && at >= 0 && th.rows > 0) {
+        const uint32_t before = __ldg(reinterpret_cast<const unsigned int*>(first - b * raw.stride_t));
+        history[b - 1] = e ? bf16_hi(before) : bf16_lo(before);
+      } else if (b < width && row.reads) {
+        history[b - 1] = conv_state_at(p.layer, conv, row.row, c, p.layer.conv_state_width + int(at));
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const float input = e ? bf16_hi(x[r]) : bf16_lo(x[r]);
+      const float x_back[FKDA_CONV_MAX_WIDTH] = {input, history[0], history[1], history[2]};
+      const float y = convolve_rounded(width, bias, weight_back, x_back);
+#pragma unroll
+      for (int b = FKDA_CONV_MAX_WIDTH - 2; b > 0; --b) history[b] = history[b - 1];
+      history[0] = input;
+      if (e == 0) y_first[r] = y;
+      else x[r] = r < th.rows ? pack_bf16x2(y_first[r], y) : 0u;
+    }
+  }
+}
+
+// The layer step's convolution of q and k (the _conv kernels), before
+// load_token_pairs loads g: one projection at a time, while little else
+// holds registers. The rest of the kernel then runs as on inputs convolved
+// beforehand.
+__device__ __forceinline__ void convolve_token_pairs(const FkdaPrefillParams& p, const ChunkTokens& chunk, int head,
+                                                     const PrepareThread& th, TokenPairs& in) {
+  const int64_t position = chunk.t0 + th.first - chunk.seq.begin;
+  // Only a sequence's first tokens reach back into its conv state; it reads
+  // the state where it reads a recurrent one (initial state or pool).
+  ConvRow row{-1, false};
+  if (position < p.layer.conv_width - 1) {
+    row = conv_row_of(p, p.initial_state != nullptr || p.state_indices.data != nullptr, chunk.n);
+  }
+  convolve_pairs(p, 0, chunk, head, th, position, row, in.q);
+  convolve_pairs(p, 1, chunk, head, th, position, row, in.k);
 }
 
 // g of token r, channel 2 pair + e, widened to f32.
@@ -770,9 +863,10 @@ __device__ __forceinline__ void write_w(const FkdaPrefillParams& p, const WarpTi
 // The preparation kernel's body for the gate form kGate (FKDA_KERNEL_GATE_*):
 // an unbounded gate (SOFTPLUS or LOG_DECAY) takes the chunk products of the
 // levels above, the bounded gate the 2^(+-c) factors. kGF32: g is f32
-// (LOG_DECAY only), else bf16. Steps 1-3 run in every thread; steps 4 and 5
-// by warp role, at the end.
-template <int32_t kGate, bool kGF32>
+// (LOG_DECAY only), else bf16. kConv: q and k are the raw projections of the
+// layer step's convolution. Steps 1-3 run in every thread; steps 4 and 5 by
+// warp role, at the end.
+template <int32_t kGate, bool kGF32, bool kConv>
 __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
   using namespace fkda_dev;
   constexpr bool kAnyDecay = kGate != FKDA_KERNEL_GATE_BOUNDED;
@@ -800,7 +894,8 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
 
   // ---- steps 1, 2: loads, beta, norm partial sums, gate --------------------
   TokenPairs in;
-  load_token_pairs<kGF32>(p, chunk, head, th, in);
+  if constexpr (kConv) convolve_token_pairs(p, chunk, head, th, in);
+  load_token_pairs<kGF32, kConv>(p, chunk, head, th, in);
   if (th.tid < FKDA_CHUNK) store_step_size(p, chunk, head, th.tid, b_of);
   store_norm_parts<kAnyDecay>(in, th, norm_parts);
   float c[8][2];  // a2, then its running sum
@@ -863,23 +958,23 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
 }
 
 // One kernel per gate form and g dtype (LOG_DECAY takes g in bf16 or f32,
-// the others bf16), each compiled for its resident blocks (above).
-extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_BLOCKS_COMPILED)
-    fkda_prefill_prepare_chunks(const FkdaPrefillParams p) {
-  prepare_chunks<FKDA_KERNEL_GATE_BOUNDED, false>(p);
-}
-
-extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_ANY_DECAY_BLOCKS)
-    fkda_prefill_prepare_chunks_softplus(const FkdaPrefillParams p) {
-  prepare_chunks<FKDA_KERNEL_GATE_SOFTPLUS, false>(p);
-}
-
-extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_ANY_DECAY_BLOCKS)
-    fkda_prefill_prepare_chunks_log_decay(const FkdaPrefillParams p) {
-  prepare_chunks<FKDA_KERNEL_GATE_LOG_DECAY, false>(p);
-}
-
-extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, FKDA_PREPARE_ANY_DECAY_BLOCKS)
-    fkda_prefill_prepare_chunks_log_decay_f32_gate(const FkdaPrefillParams p) {
-  prepare_chunks<FKDA_KERNEL_GATE_LOG_DECAY, true>(p);
-}
+// the others bf16), each in two forms, plain and with the layer step's
+// convolution (_conv), each compiled for its resident blocks (above).
+#define FKDA_DEFINE_PREPARE(name, blocks, conv_blocks, gate, g_f32)                  \
+  extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, blocks)        \
+      name(const FkdaPrefillParams p) {                                             \
+    prepare_chunks<gate, g_f32, false>(p);                                          \
+  }                                                                                 \
+  extern "C" __global__ void __launch_bounds__(FKDA_PREPARE_THREADS, conv_blocks)   \
+      name##_conv(const FkdaPrefillParams p) {                                      \
+    prepare_chunks<gate, g_f32, true>(p);                                           \
+  }
+FKDA_DEFINE_PREPARE(fkda_prefill_prepare_chunks, FKDA_PREPARE_BLOCKS_COMPILED, FKDA_PREPARE_CONV_BLOCKS_COMPILED,
+                    FKDA_KERNEL_GATE_BOUNDED, false)
+FKDA_DEFINE_PREPARE(fkda_prefill_prepare_chunks_softplus, FKDA_PREPARE_ANY_DECAY_BLOCKS,
+                    FKDA_PREPARE_ANY_DECAY_BLOCKS, FKDA_KERNEL_GATE_SOFTPLUS, false)
+FKDA_DEFINE_PREPARE(fkda_prefill_prepare_chunks_log_decay, FKDA_PREPARE_ANY_DECAY_BLOCKS,
+                    FKDA_PREPARE_ANY_DECAY_BLOCKS, FKDA_KERNEL_GATE_LOG_DECAY, false)
+FKDA_DEFINE_PREPARE(fkda_prefill_prepare_chunks_log_decay_f32_gate, FKDA_PREPARE_ANY_DECAY_BLOCKS,
+                    FKDA_PREPARE_ANY_DECAY_BLOCKS, FKDA_KERNEL_GATE_LOG_DECAY, true)
+#undef FKDA_DEFINE_PREPARE

@@ -13,13 +13,15 @@ size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 }  // namespace
 
-size_t conv_staging_bytes(int64_t total_tokens, int32_t num_heads, int32_t head_dim) {
+int32_t staged_projections(fkda_backend backend) { return backend == FKDA_BACKEND_GPU ? 1 : 3; }
+
+size_t conv_staging_bytes(int64_t total_tokens, int32_t num_heads, int32_t head_dim, int32_t projections) {
   int64_t elements = 0;
   if (mul_overflows(total_tokens, int64_t(num_heads) * head_dim, &elements) ||
       elements > std::numeric_limits<int64_t>::max() / 8) {
     return std::numeric_limits<size_t>::max();
   }
-  return 3 * round_up_256(size_t(elements) * 2);
+  return size_t(projections) * round_up_256(size_t(elements) * 2);
 }
 
 ActView ConvStaging::view_of(void* data) const {
@@ -31,19 +33,20 @@ ActView ConvStaging::view_of(void* data) const {
   return view;
 }
 
-ConvStaging conv_staging(const RecurrenceCall& call, void* workspace, size_t workspace_bytes) {
+ConvStaging conv_staging(const PrefillProblem& problem, void* workspace, size_t workspace_bytes) {
   ConvStaging s;
-  s.seq_len = call.seq_len;
-  s.num_heads = call.num_heads;
-  s.head_dim = call.head_dim_k;
-  const size_t total = conv_staging_bytes(call.batch * call.seq_len, call.num_heads, call.head_dim_k);
-  const size_t one = total / 3;
+  s.seq_len = problem.seq_len;
+  s.num_heads = problem.num_heads;
+  s.head_dim = problem.head_dim_k;
   unsigned char* base = static_cast<unsigned char*>(workspace);
-  s.q = base;
-  s.k = base + one;
-  s.v = base + 2 * one;
+  const size_t total = problem.conv_staging_bytes;
   s.rest = total > 0 ? base + total : base;
-  s.rest_bytes = workspace_bytes - total;
+  s.rest_bytes = workspace_bytes > total ? workspace_bytes - total : 0;
+  const int32_t staged = problem.conv_staged_projections;
+  if (staged == 0) return s;
+  void** tensors[3] = {&s.q, &s.k, &s.v};
+  const size_t one = total / size_t(staged);
+  for (int32_t i = 0; i < staged; ++i) *tensors[3 - staged + i] = base + size_t(i) * one;
   return s;
 }
 

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // What both backends share of the layer step (flashkda.h, "The layer step
-// around the recurrence"): fkda_fwd stages the convolved q, k and v, bf16,
-// at the front of its workspace and runs the recurrence on them.
+// around the recurrence"): fkda_fwd stages convolved projections, bf16, at
+// the front of its workspace and runs the recurrence on them.
 #pragma once
 
 #include <cstddef>
@@ -11,13 +11,19 @@
 
 namespace fkda {
 
-// The staging area: three packed [total_tokens, H, K] bf16 tensors, each
-// rounded up to 256 bytes. SIZE_MAX when it cannot be counted.
-size_t conv_staging_bytes(int64_t total_tokens, int32_t num_heads, int32_t head_dim);
+// How many projections a backend's fkda_fwd stages, the last ones of q, k,
+// v: the CPU backend all three; the GPU backend v alone, its preparation
+// kernel convolving q and k as it loads them.
+int32_t staged_projections(fkda_backend backend);
 
-// The staged q, k, v of a problem whose workspace starts with the staging
-// area, as [B, T, H, K] views (the problem's B and T), and the workspace
-// left for the backend after it.
+// The staging area: `projections` packed [total_tokens, H, K] bf16 tensors,
+// each rounded up to 256 bytes. SIZE_MAX when it cannot be counted.
+size_t conv_staging_bytes(int64_t total_tokens, int32_t num_heads, int32_t head_dim, int32_t projections);
+
+// The staged projections of a problem whose workspace starts with the
+// staging area (problem.conv_staging_bytes, laid out as counted above), as
+// [B, T, H, K] views (the problem's B and T; NULL: not staged), and the
+// workspace left for the backend after it.
 struct ConvStaging {
   void* q = nullptr;
   void* k = nullptr;
@@ -28,6 +34,6 @@ struct ConvStaging {
   unsigned char* rest = nullptr;
   size_t rest_bytes = 0;
 };
-ConvStaging conv_staging(const RecurrenceCall& call, void* workspace, size_t workspace_bytes);
+ConvStaging conv_staging(const PrefillProblem& problem, void* workspace, size_t workspace_bytes);
 
 }  // namespace fkda

@@ -38,7 +38,7 @@ struct Plan {
   std::atomic<float> lower_bound{-5.0f};  // BOUNDED plans only
   Tuning tuning;  // GPU prefill's launch choices, fixed at creation
   // fkda_fwd may fuse the convolution of the layer step: its workspace
-  // counts the convolved q, k and v.
+  // counts the projections the backend stages (layer_step.h).
   bool layer_step = false;
   // The launch shape of the last GPU fkda_fwd (fkda_plan_get_launch_report).
   mutable std::mutex launch_mutex;

@@ -188,7 +188,9 @@ struct PrefillProblem : RecurrenceCall {
 
   Tuning tuning;  // the plan's, read at its creation
   // Plans with layer_step: the front of the workspace holds the convolved
-  // q, k and v (layer_step.h), the backend's part follows it.
+  // projections the plan's backend stages, the last conv_staged_projections
+  // of q, k, v (layer_step.h); the backend's part follows it.
+  int32_t conv_staged_projections = 0;
   size_t conv_staging_bytes = 0;
 };
 

@@ -128,7 +128,10 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   p.final_state = present(a.final_state) ? a.final_state.data : nullptr;
   check_serving(plan, a, p);
   p.layer = check_layer_step(plan, a.layer, layer_call(plan, a, p));
-  p.conv_staging_bytes = plan.layer_step ? conv_staging_bytes(B * T, plan.num_heads, plan.head_dim_k) : 0;
+  if (plan.layer_step) {
+    p.conv_staged_projections = staged_projections(plan.backend);
+    p.conv_staging_bytes = conv_staging_bytes(B * T, plan.num_heads, plan.head_dim_k, p.conv_staged_projections);
+  }
 
   const size_t required = plan.workspace_size(B * T, N);
   // Written: out, final_state, checkpoints, the pool (read too), the conv

@@ -129,15 +129,16 @@ int choose_vsplit(int64_t seqs_times_heads, const DeviceFacts& facts, int forced
 }
 
 // The preparation kernel of the gate form: one per form, and per g dtype
-// under LOG_DECAY.
-const NamedKernel& prepare_kernel(const Kernels& kernels, const GateForm& gate) {
+// under LOG_DECAY; conv: the one convolving q and k (the layer step).
+const NamedKernel& prepare_kernel(const Kernels& kernels, const GateForm& gate, bool conv) {
+  const int form = conv ? 1 : 0;
   switch (gate.gate_mode) {
     case FKDA_GATE_SOFTPLUS:
-      return kernels.prepare_softplus;
+      return kernels.prepare_softplus[form];
     case FKDA_GATE_LOG_DECAY:
-      return kernels.prepare_log_decay[gate.g_is_f32 ? 1 : 0];
+      return kernels.prepare_log_decay[gate.g_is_f32 ? 1 : 0][form];
     default:
-      return kernels.prepare;
+      return kernels.prepare[form];
   }
 }
 
@@ -238,108 +239,139 @@ std::string unsupported_arch_message(int cc_major, int cc_minor) {
 
 namespace {
 
-// The windows of the recurrence, on the problem's q, k and v as they are.
-LaunchShape fwd_recurrence(const PrefillProblem& problem, void* workspace, size_t workspace_bytes,
-                           CUstream stream) {
-  const int64_t total_tokens = problem.batch * problem.seq_len;
-  Launch l = checked_launch(total_tokens, problem.num_seqs, problem.num_heads, problem.tuning, workspace_bytes,
-                            "fkda_plan_workspace_size");
-  const LaunchContext context = launch_context();
-  // Devices whose shared memory cannot hold the scan, and calls whose
-  // segment grid would not fit, run the serial path (it needs no more
-  // workspace than the segments would have).
-  const int64_t max_grid_x = std::numeric_limits<int32_t>::max();
-  if (!context.facts.segment_scan_fits || l.seg.per_seq > max_grid_x / std::max<int64_t>(problem.num_seqs, 1)) {
-    l.seg = Segments{};
-  }
-  check_grid_limits(l, problem.num_seqs, problem.num_heads, total_tokens);
-  const Windows& windows = l.windows;
-  const Segments& seg = l.seg;
-
+// The windows of the recurrence, on the problem's q, k and v as they are
+// (with the layer step's convolution: q and k raw, which the preparation
+// kernel convolves, and v staged), in the launch checked against the
+// caller's workspace. Everything else is checked, sized and resolved on
+// construction too, so that a call that fails enqueues nothing; enqueue
+// launches the windows.
+struct RecurrenceLaunch {
+  Launch l;
   FkdaPrefillParams params;
-  std::memset(&params, 0, sizeof(params));
-  params.call = kernel_call(problem);
-  params.initial_state = problem.initial_state;
-  params.final_state = problem.final_state;
-  params.vsplit = choose_vsplit(problem.num_seqs * problem.num_heads, context.facts, problem.tuning.vsplit);
-  params.state_pool = problem.pool.data;
-  params.pool_slots = problem.pool.slots;
-  params.pool_slot_stride = problem.pool.slot_stride;
-  params.state_indices = index_table(problem.state_indices);
-  params.has_initial_state = index_table(problem.has_initial_state);
-  params.checkpoint_offsets = index_table(problem.checkpoint_offsets);
-  params.checkpoints = problem.checkpoints;
-  params.checkpoint_stride_n = problem.checkpoint_stride_n;
-  params.checkpoint_stride_c = problem.checkpoint_stride_c;
-  params.checkpoint_slots = index_table(problem.checkpoint_slots);
-  params.checkpoint_is_bf16 = problem.checkpoint_dtype == FKDA_DTYPE_BF16;
+  ResolvedKernel prepare, recurrence, segment_transitions, segment_scan, segment_recurrence;
+  float* carry = nullptr;
+  int64_t total_tokens = 0, num_seqs = 0;
+  unsigned heads = 0;
 
-  const unsigned heads = unsigned(problem.num_heads);
-  const bool serving = params.state_indices.data != nullptr || params.has_initial_state.data != nullptr ||
-                       params.checkpoint_offsets.data != nullptr;
-  // Resolved before the first launch: a kernel that fails to resolve must
-  // not find earlier windows' pools already advanced.
-  const ResolvedKernel prepare =
-      total_tokens > 0 ? resolve(context, prepare_kernel(context.kernels, problem.gate)) : ResolvedKernel{};
-  const ResolvedKernel recurrence = resolve(
-      context,
-      (serving ? context.kernels.recurrence_serving : context.kernels.recurrence)[vsplit_index(params.vsplit)]);
-  ResolvedKernel segment_transitions, segment_scan, segment_recurrence;
-  if (seg.chunks > 0) {
-    segment_transitions = resolve(context, context.kernels.segment_transitions[kSegmentVsplit - 1]);
-    segment_scan = resolve(context, context.kernels.segment_scan);
-    segment_recurrence = resolve(context, context.kernels.segment_recurrence[kSegmentVsplit - 1]);
-  }
-  // After the serial recurrence's kernel is chosen: with segments the V split is theirs.
-  float* carry = place_workspace(l, problem.num_heads, static_cast<unsigned char*>(workspace), params);
-  const int64_t step = carry_step(problem.num_heads);
-  const unsigned segment_threads = unsigned(32 * fkda_recurrence_warps(kSegmentVsplit));
-  const unsigned segment_smem = unsigned(fkda_recurrence_smem_bytes(kSegmentVsplit));
-  const unsigned segment_grid_x = unsigned(problem.num_seqs * seg.per_seq);
-  // Each window's preparation overwrites the records the previous window's
-  // recurrence read: the stream orders them.
-  for (int64_t w = 0; w < windows.count; ++w) {
-    params.window_first = w * windows.slots;
-    params.window_end = std::min(params.window_first + windows.slots, windows.total_slots);
-    params.carry_in = w > 0 ? carry + (w - 1) * step : nullptr;
-    params.carry_out = w + 1 < windows.count ? carry + w * step : nullptr;
+  RecurrenceLaunch(const LaunchContext& context, const PrefillProblem& problem, const Launch& checked,
+                   void* workspace)
+      : l(checked),
+        total_tokens(problem.batch * problem.seq_len),
+        num_seqs(problem.num_seqs),
+        heads(unsigned(problem.num_heads)) {
+    // Devices whose shared memory cannot hold the scan, and calls whose
+    // segment grid would not fit, run the serial path (it needs no more
+    // workspace than the segments would have).
+    const int64_t max_grid_x = std::numeric_limits<int32_t>::max();
+    if (!context.facts.segment_scan_fits || l.seg.per_seq > max_grid_x / std::max<int64_t>(problem.num_seqs, 1)) {
+      l.seg = Segments{};
+    }
+    check_grid_limits(l, problem.num_seqs, problem.num_heads, total_tokens);
+
+    std::memset(&params, 0, sizeof(params));
+    params.call = kernel_call(problem);
+    params.initial_state = problem.initial_state;
+    params.final_state = problem.final_state;
+    params.vsplit = choose_vsplit(problem.num_seqs * problem.num_heads, context.facts, problem.tuning.vsplit);
+    params.state_pool = problem.pool.data;
+    params.pool_slots = problem.pool.slots;
+    params.pool_slot_stride = problem.pool.slot_stride;
+    params.state_indices = index_table(problem.state_indices);
+    params.has_initial_state = index_table(problem.has_initial_state);
+    params.checkpoint_offsets = index_table(problem.checkpoint_offsets);
+    params.checkpoints = problem.checkpoints;
+    params.checkpoint_stride_n = problem.checkpoint_stride_n;
+    params.checkpoint_stride_c = problem.checkpoint_stride_c;
+    params.checkpoint_slots = index_table(problem.checkpoint_slots);
+    params.checkpoint_is_bf16 = problem.checkpoint_dtype == FKDA_DTYPE_BF16;
+    params.layer = kernel_layer(problem.layer);
+
+    const bool serving = params.state_indices.data != nullptr || params.has_initial_state.data != nullptr ||
+                         params.checkpoint_offsets.data != nullptr;
+    // Resolved before the first launch: a kernel that fails to resolve must
+    // not find earlier windows' pools already advanced.
     if (total_tokens > 0) {
-      launch(context, prepare, unsigned(params.window_end - params.window_first), heads, 1,
-             FKDA_PREPARE_THREADS, 0, stream, &params);
+      prepare = resolve(context, prepare_kernel(context.kernels, problem.gate, problem.layer.has_conv()));
     }
-    if (seg.chunks > 0) {
-      launch(context, segment_transitions, segment_grid_x, heads,
-             unsigned(2 * kSegmentVsplit), segment_threads, segment_smem, stream, &params);
-      launch(context, segment_scan, unsigned(problem.num_seqs), heads,
-             unsigned(FKDA_HEAD_DIM / FKDA_SCAN_ROWS), FKDA_SCAN_THREADS, FKDA_SCAN_SMEM_BYTES, stream, &params);
-      launch(context, segment_recurrence, segment_grid_x, heads,
-             unsigned(kSegmentVsplit), segment_threads, segment_smem, stream, &params);
-      continue;
+    recurrence = resolve(
+        context,
+        (serving ? context.kernels.recurrence_serving : context.kernels.recurrence)[vsplit_index(params.vsplit)]);
+    if (l.seg.chunks > 0) {
+      segment_transitions = resolve(context, context.kernels.segment_transitions[kSegmentVsplit - 1]);
+      segment_scan = resolve(context, context.kernels.segment_scan);
+      segment_recurrence = resolve(context, context.kernels.segment_recurrence[kSegmentVsplit - 1]);
     }
-    // Launched even without tokens: zero-length sequences still copy their
-    // initial state (or zeros) to the final state.
-    launch(context, recurrence, unsigned(problem.num_seqs), heads, unsigned(params.vsplit),
-           unsigned(32 * fkda_recurrence_warps(params.vsplit)),
-           unsigned(fkda_recurrence_smem_bytes(params.vsplit)), stream, &params);
+    // After the serial recurrence's kernel is chosen: with segments the V split is theirs.
+    carry = place_workspace(l, problem.num_heads, static_cast<unsigned char*>(workspace), params);
   }
-  return LaunchShape{params.vsplit, windows.count, windows.slots, seg.chunks > 0 ? 1 : 0, seg.chunks};
-}
 
-// fkda_fwd's layer step: its kernels resolved up front, the convolution
-// into the staging area before the recurrence (it writes the workspace
-// only), the conv states and the output gate after it.
+  LaunchShape enqueue(const LaunchContext& context, CUstream stream) {
+    const Windows& windows = l.windows;
+    const Segments& seg = l.seg;
+    const int64_t step = carry_step(int32_t(heads));
+    const unsigned segment_threads = unsigned(32 * fkda_recurrence_warps(kSegmentVsplit));
+    const unsigned segment_smem = unsigned(fkda_recurrence_smem_bytes(kSegmentVsplit));
+    const unsigned segment_grid_x = unsigned(num_seqs * seg.per_seq);
+    // Each window's preparation overwrites the records the previous window's
+    // recurrence read: the stream orders them.
+    for (int64_t w = 0; w < windows.count; ++w) {
+      params.window_first = w * windows.slots;
+      params.window_end = std::min(params.window_first + windows.slots, windows.total_slots);
+      params.carry_in = w > 0 ? carry + (w - 1) * step : nullptr;
+      params.carry_out = w + 1 < windows.count ? carry + w * step : nullptr;
+      if (total_tokens > 0) {
+        launch(context, prepare, unsigned(params.window_end - params.window_first), heads, 1,
+               FKDA_PREPARE_THREADS, 0, stream, &params);
+      }
+      if (seg.chunks > 0) {
+        launch(context, segment_transitions, segment_grid_x, heads,
+               unsigned(2 * kSegmentVsplit), segment_threads, segment_smem, stream, &params);
+        launch(context, segment_scan, unsigned(num_seqs), heads,
+               unsigned(FKDA_HEAD_DIM / FKDA_SCAN_ROWS), FKDA_SCAN_THREADS, FKDA_SCAN_SMEM_BYTES, stream, &params);
+        launch(context, segment_recurrence, segment_grid_x, heads,
+               unsigned(kSegmentVsplit), segment_threads, segment_smem, stream, &params);
+        continue;
+      }
+      // Launched even without tokens: zero-length sequences still copy their
+      // initial state (or zeros) to the final state.
+      launch(context, recurrence, unsigned(num_seqs), heads, unsigned(params.vsplit),
+             unsigned(32 * fkda_recurrence_warps(params.vsplit)),
+             unsigned(fkda_recurrence_smem_bytes(params.vsplit)), stream, &params);
+    }
+    return LaunchShape{params.vsplit, windows.count, windows.slots, seg.chunks > 0 ? 1 : 0, seg.chunks};
+  }
+};
+
+// fkda_fwd's layer step around the recurrence: before it the convolution
+// of v into the staging area (it writes the workspace only), after it the
+// conv states and the output gate. Checked, sized and resolved on
+// construction, like the recurrence.
 struct LayerLaunch {
   FkdaLayerParams params;
   ResolvedKernel convolve, store, gate;
   bool has_conv = false, has_state = false, has_gate = false;
+  int64_t conv_tiles = 0, conv_groups = 0, gate_blocks = 0;
 
   LayerLaunch(const LaunchContext& context, const PrefillProblem& problem, const ConvStaging& staging) {
+    const int64_t tokens = problem.batch * problem.seq_len;
+    const bool any_tokens = tokens > 0 && problem.num_seqs > 0;
+    has_conv = problem.layer.has_conv() && any_tokens;
+    has_state = has_conv && problem.layer.has_conv_state();
+    has_gate = problem.layer.has_out_gate() && any_tokens;
+    conv_tiles = ceil_div(tokens, FKDA_CONV_TILE_TOKENS);
+    conv_groups = ceil_div(int64_t(problem.num_heads) * FKDA_HEAD_DIM, FKDA_CONV_CHANNELS_PER_BLOCK);
+    gate_blocks = ceil_div(tokens * problem.num_heads, FKDA_GATE_ROWS_PER_BLOCK);
+    const int64_t max_grid_x = std::numeric_limits<int32_t>::max();
+    if ((has_conv && conv_tiles > max_grid_x) || (has_gate && gate_blocks > max_grid_x) ||
+        (has_state && (problem.num_seqs > max_grid_x || problem.num_heads > 65535))) {
+      fail(FKDA_ERROR_UNSUPPORTED, "layer step too large for one launch: " + std::to_string(tokens) +
+                                       " tokens of " + std::to_string(problem.num_heads) + " heads");
+    }
+
     std::memset(&params, 0, sizeof(params));
     params.call = kernel_call(problem);
     params.layer = kernel_layer(problem.layer);
-    params.staged[0] = staging.q;
-    params.staged[1] = staging.k;
-    params.staged[2] = staging.v;
+    params.staged_v = staging.v;
     params.batch = problem.batch;
     params.state_indices = index_table(problem.state_indices);
     params.pool_slots = problem.pool.slots;
@@ -349,10 +381,6 @@ struct LayerLaunch {
       params.checkpoint_offsets = index_table(problem.checkpoint_offsets);
       params.checkpoint_slots = index_table(problem.checkpoint_slots);
     }
-    const bool any_tokens = problem.batch * problem.seq_len > 0 && problem.num_seqs > 0;
-    has_conv = problem.layer.has_conv() && any_tokens;
-    has_state = has_conv && problem.layer.has_conv_state();
-    has_gate = problem.layer.has_out_gate() && any_tokens;
     if (has_conv) convolve = resolve(context, context.kernels.layer_convolve);
     if (has_state) store = resolve(context, context.kernels.layer_conv_store);
     if (has_gate) gate = resolve(context, context.kernels.layer_gate);
@@ -360,9 +388,7 @@ struct LayerLaunch {
 
   void before(const LaunchContext& context, CUstream stream) {
     if (!has_conv) return;
-    const int64_t tiles = ceil_div(params.batch * params.call.seq_len, FKDA_CONV_TILE_TOKENS);
-    const int64_t groups = ceil_div(3 * int64_t(params.call.num_heads) * FKDA_HEAD_DIM, FKDA_CONV_CHANNELS_PER_BLOCK);
-    launch(context, convolve, unsigned(tiles), unsigned(groups), 1, FKDA_CONV_THREADS, 0, stream, &params);
+    launch(context, convolve, unsigned(conv_tiles), unsigned(conv_groups), 1, FKDA_CONV_THREADS, 0, stream, &params);
   }
 
   void after(const LaunchContext& context, CUstream stream) {
@@ -371,9 +397,7 @@ struct LayerLaunch {
              stream, &params);
     }
     if (has_gate) {
-      const int64_t rows = params.batch * params.call.seq_len * params.call.num_heads;
-      launch(context, gate, unsigned(ceil_div(rows, FKDA_GATE_ROWS_PER_BLOCK)), 1, 1, 32 * FKDA_GATE_WARPS, 0,
-             stream, &params);
+      launch(context, gate, unsigned(gate_blocks), 1, 1, 32 * FKDA_GATE_WARPS, 0, stream, &params);
     }
   }
 };
@@ -381,34 +405,19 @@ struct LayerLaunch {
 }  // namespace
 
 LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace_bytes, CUstream stream) {
-  if (problem.conv_staging_bytes == 0 && !problem.layer.has_out_gate()) {
-    return fwd_recurrence(problem, workspace, workspace_bytes, stream);
-  }
-  const ConvStaging staging =
-      problem.conv_staging_bytes > 0 ? conv_staging(problem, workspace, workspace_bytes) : ConvStaging{};
+  // Plans with layer_step keep the staging area at the front of the
+  // workspace whether or not the call convolves.
+  const ConvStaging staging = conv_staging(problem, workspace, workspace_bytes);
+  // The launch against the caller's workspace first, before the device.
+  const Launch checked = checked_launch(problem.batch * problem.seq_len, problem.num_seqs, problem.num_heads,
+                                        problem.tuning, staging.rest_bytes, "fkda_plan_workspace_size");
   const LaunchContext context = launch_context();
-  const int64_t tiles = ceil_div(problem.batch * problem.seq_len, FKDA_CONV_TILE_TOKENS);
-  const int64_t gate_blocks = ceil_div(problem.batch * problem.seq_len * problem.num_heads, FKDA_GATE_ROWS_PER_BLOCK);
-  if (tiles > std::numeric_limits<int32_t>::max() || gate_blocks > std::numeric_limits<int32_t>::max() ||
-      problem.num_seqs > std::numeric_limits<int32_t>::max() || problem.num_heads > 65535) {
-    fail(FKDA_ERROR_UNSUPPORTED, "layer step too large for one launch: " + std::to_string(problem.batch * problem.seq_len) +
-                                     " tokens of " + std::to_string(problem.num_heads) + " heads");
-  }
+  PrefillProblem staged = problem;
+  if (problem.layer.has_conv()) staged.v = staging.view_of(staging.v);
+  RecurrenceLaunch recurrence(context, staged, checked, staging.rest);
   LayerLaunch layer(context, problem, staging);
-  PrefillProblem recurrence = problem;
-  void* rest = workspace;
-  size_t rest_bytes = workspace_bytes;
-  if (problem.conv_staging_bytes > 0) {
-    rest = staging.rest;
-    rest_bytes = staging.rest_bytes;
-  }
-  if (problem.layer.has_conv()) {
-    recurrence.q = staging.view_of(staging.q);
-    recurrence.k = staging.view_of(staging.k);
-    recurrence.v = staging.view_of(staging.v);
-  }
   layer.before(context, stream);
-  const LaunchShape shape = fwd_recurrence(recurrence, rest, rest_bytes, stream);
+  const LaunchShape shape = recurrence.enqueue(context, stream);
   layer.after(context, stream);
   return shape;
 }
@@ -459,7 +468,7 @@ void transitions(const TransitionProblem& problem, const Tuning& plan_tuning, vo
   const Segments& seg = l.seg;
 
   const ResolvedKernel prepare =
-      total_tokens > 0 ? resolve(context, prepare_kernel(context.kernels, problem.gate)) : ResolvedKernel{};
+      total_tokens > 0 ? resolve(context, prepare_kernel(context.kernels, problem.gate, false)) : ResolvedKernel{};
   const ResolvedKernel segment_transitions = resolve(context, context.kernels.segment_transitions[kSegmentVsplit - 1]);
   const ResolvedKernel segment_scan = resolve(context, context.kernels.segment_scan);
   const unsigned heads = unsigned(problem.num_heads);

@@ -45,10 +45,14 @@ Kernels load_kernels(const cuda::Driver& d) {
       fail(FKDA_ERROR_DRIVER, std::string("cuLibraryGetKernel(") + name + ") failed: " + cuda::describe(found));
     }
   };
-  get(&kernels.prepare, "fkda_prefill_prepare_chunks");
-  get(&kernels.prepare_softplus, "fkda_prefill_prepare_chunks_softplus");
-  get(&kernels.prepare_log_decay[0], "fkda_prefill_prepare_chunks_log_decay");
-  get(&kernels.prepare_log_decay[1], "fkda_prefill_prepare_chunks_log_decay_f32_gate");
+  get(&kernels.prepare[0], "fkda_prefill_prepare_chunks");
+  get(&kernels.prepare[1], "fkda_prefill_prepare_chunks_conv");
+  get(&kernels.prepare_softplus[0], "fkda_prefill_prepare_chunks_softplus");
+  get(&kernels.prepare_softplus[1], "fkda_prefill_prepare_chunks_softplus_conv");
+  get(&kernels.prepare_log_decay[0][0], "fkda_prefill_prepare_chunks_log_decay");
+  get(&kernels.prepare_log_decay[0][1], "fkda_prefill_prepare_chunks_log_decay_conv");
+  get(&kernels.prepare_log_decay[1][0], "fkda_prefill_prepare_chunks_log_decay_f32_gate");
+  get(&kernels.prepare_log_decay[1][1], "fkda_prefill_prepare_chunks_log_decay_f32_gate_conv");
   const char* recurrence[kVsplitCount] = {"fkda_prefill_chunk_recurrence_v1", "fkda_prefill_chunk_recurrence_v2",
                                           "fkda_prefill_chunk_recurrence_v4", "fkda_prefill_chunk_recurrence_v8"};
   const char* recurrence_serving[kVsplitCount] = {

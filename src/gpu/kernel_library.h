@@ -37,10 +37,14 @@ struct NamedKernel {
   const char* name = "";
 };
 
+// The preparation kernels, each plain ([0]) and convolving q and k for
+// the layer step ([1]).
+constexpr int kPrepareForms = 2;
+
 struct Kernels {
-  NamedKernel prepare;                // bounded gate
-  NamedKernel prepare_softplus;       // SOFTPLUS gate (g bf16)
-  NamedKernel prepare_log_decay[2];   // LOG_DECAY gate: g bf16, g f32
+  NamedKernel prepare[kPrepareForms];               // bounded gate
+  NamedKernel prepare_softplus[kPrepareForms];      // SOFTPLUS gate (g bf16)
+  NamedKernel prepare_log_decay[2][kPrepareForms];  // LOG_DECAY gate: g bf16, g f32
   NamedKernel recurrence[kVsplitCount];          // contiguous states or none
   NamedKernel recurrence_serving[kVsplitCount];  // pool slots, has_initial_state, checkpoints
   // Chunk-parallel prefill: the transition and segment passes (V split 1
@@ -101,6 +105,10 @@ void launch_clusters(const LaunchContext& context, const ResolvedKernel& kernel,
 // The virtual architecture a resolved kernel's code was compiled for (80,
 // 90, ...): what the kernel's source could use, whatever the device.
 int compiled_arch(const LaunchContext& context, const ResolvedKernel& kernel);
+
+// Each kernel's parameters travel in the launch's 4 KB of parameter space.
+static_assert(sizeof(FkdaPrefillParams) <= 4096, "FkdaPrefillParams exceeds the kernel parameter space");
+static_assert(sizeof(FkdaLayerParams) <= 4096, "FkdaLayerParams exceeds the kernel parameter space");
 
 // The kernels' views of an activation and of the output.
 inline FkdaActivation kernel_view(const ActView& view) {

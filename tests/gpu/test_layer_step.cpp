@@ -5,9 +5,12 @@
 // unit tests hold to the fp64 whole step. The raw projections are views into
 // one packed [T, 3*H*K] buffer and the conv states views into one pool (one
 // case channel-last), so strides are exercised; slots are scattered, with a
-// padding sequence. Outputs and pools start poisoned; conv states are copies
-// of raw inputs and must agree bit for bit, the output and the recurrent
-// states to the accuracy of two backends.
+// padding sequence. Sequences are shorter than W, empty, and end part way
+// through either half of a chunk, so that the preparation kernel's
+// convolution of q and k reaches back into conv states, raw tokens of the
+// chunk before and zeros. Outputs and pools start poisoned; conv states are
+// copies of raw inputs and must agree bit for bit, the output and the
+// recurrent states to the accuracy of two backends.
 #include <catch2/catch.hpp>
 
 #include <cuda_runtime.h>
@@ -36,17 +39,23 @@ constexpr double kDecodeState = 2e-6;  // f32 pool, the decode's exact arithmeti
 
 struct LayerCase {
   std::string name;
-  std::vector<int64_t> lengths;  // packed with cu_seqlens
+  std::vector<int64_t> lengths;  // packed with cu_seqlens; empty: B rows of T tokens
+  int64_t B = 0, T = 0;
   int64_t H = 2;
   int32_t width = 4, state_width = 3;
   fkda_dtype weight_dtype = FKDA_DTYPE_F32;
   fkda_dtype conv_state_dtype = FKDA_DTYPE_BF16;
   bool bias = true;
   bool channel_last = false;  // conv states [slots, Wc, 3*H*K]
+  bool states = true;         // conv states passed
   bool conv = true;
   bool gate = true;
   int32_t gate_mode = FKDA_GATE_BOUNDED;
+  bool g_f32 = false;  // LOG_DECAY only
   bool checkpoints = false;  // fwd: a checkpoint at 16 tokens to a pool slot
+  bool fresh_first = false;  // fwd: has_initial_state (bool), 0 for sequence 0
+  fkda_null_slot_rule null_slot_rule = FKDA_NULL_SLOT_NEGATIVE;
+  int64_t window_slots = 0;  // the plan's (fwd)
   uint64_t seed = 7;
 };
 
@@ -97,7 +106,7 @@ struct LayerSetup {
   int64_t slots = 0, channels = 0;
   std::vector<int64_t> indices;  // pool slot of each sequence, one null
   Bytes projections, g, beta, A_log, dt_bias, cu_seqlens, out, pool, weights, biases, conv_states, out_gate,
-      norm_weight, state_indices, checkpoint_offsets, checkpoint_slots;
+      norm_weight, state_indices, checkpoint_offsets, checkpoint_slots, has_initial_state;
 
   static std::vector<uint16_t> packed_projections(const Problem& p) {
     const int64_t rows = p.B * p.T, width = p.H * kDim;
@@ -113,9 +122,19 @@ struct LayerSetup {
     ProblemShape shape;
     shape.H = c.H;
     shape.lengths = c.lengths;
+    shape.B = c.lengths.empty() ? c.B : 1;
+    shape.T = c.T;
     shape.gate_mode = c.gate_mode;
     shape.with_initial_state = false;
-    return random_problem(slow_decay(shape), c.seed);
+    const Problem p = random_problem(slow_decay(shape), c.seed);
+    return c.g_f32 ? as_log_decay(p, true) : p;
+  }
+  // g as the call passes it: f32 where the problem has it so.
+  static std::vector<unsigned char> g_bytes(const Problem& p) {
+    const unsigned char* data = p.g_f32.empty() ? reinterpret_cast<const unsigned char*>(p.g.data())
+                                                : reinterpret_cast<const unsigned char*>(p.g_f32.data());
+    const size_t bytes = p.g_f32.empty() ? p.g.size() * 2 : p.g_f32.size() * 4;
+    return std::vector<unsigned char>(data, data + bytes);
   }
   static std::vector<float> weight_values(const LayerCase& c, int64_t channels, uint64_t seed) {
     return random_floats(size_t(3 * channels * c.width), seed, 0.5f);
@@ -137,7 +156,7 @@ struct LayerSetup {
         slots(int64_t(lc.lengths.size()) + 3),
         channels(lc.H * kDim),
         projections(packed_projections(p)),
-        g(p.g),
+        g(g_bytes(p)),
         beta(p.beta),
         A_log(p.A_log.empty() ? std::vector<float>(1) : p.A_log),
         dt_bias(p.dt_bias.empty() ? std::vector<float>(1) : p.dt_bias),
@@ -152,7 +171,8 @@ struct LayerSetup {
         norm_weight(random_floats(size_t(kDim), lc.seed + 6, 1.f)),
         state_indices(std::vector<int64_t>{}),
         checkpoint_offsets(std::vector<int64_t>{}),
-        checkpoint_slots(std::vector<int64_t>{}) {
+        checkpoint_slots(std::vector<int64_t>{}),
+        has_initial_state(std::vector<uint8_t>{}) {
     const int64_t N = p.num_seqs();
     // Sequence n at slot slots - 1 - n; sequence 2 is padding (null slot -1).
     for (int64_t n = 0; n < N; ++n) indices.push_back(n == 2 ? -1 : slots - 1 - n);
@@ -162,6 +182,9 @@ struct LayerSetup {
     checkpoint_to[0] = 0;  // slot 0 is no sequence's
     checkpoint_offsets = Bytes(offsets);
     checkpoint_slots = Bytes(checkpoint_to);
+    std::vector<uint8_t> flags(size_t(N), 1);
+    flags[0] = 0;
+    has_initial_state = Bytes(flags);
   }
 
   // The three [H*K, W] weight views (or [H*K] biases) into the packed buffer.
@@ -205,9 +228,11 @@ struct LayerSetup {
         l.conv_bias_k = bias(gpu, 1);
         l.conv_bias_v = bias(gpu, 2);
       }
-      l.conv_state_q = conv_state(gpu, 0);
-      l.conv_state_k = conv_state(gpu, 1);
-      l.conv_state_v = conv_state(gpu, 2);
+      if (c.states) {
+        l.conv_state_q = conv_state(gpu, 0);
+        l.conv_state_k = conv_state(gpu, 1);
+        l.conv_state_v = conv_state(gpu, 2);
+      }
     }
     if (c.gate) {
       l.out_gate = tensor(out_gate.at(gpu), FKDA_DTYPE_BF16, {p.B, p.T, p.H, kDim});
@@ -232,6 +257,7 @@ struct LayerSetup {
       a.checkpoint_offsets = tensor(checkpoint_offsets.at(gpu), FKDA_DTYPE_I64, {p.num_seqs(), 1});
       a.checkpoint_slots = tensor(checkpoint_slots.at(gpu), FKDA_DTYPE_I64, {p.num_seqs(), 1});
     }
+    if (c.fresh_first) a.has_initial_state = tensor(has_initial_state.at(gpu), FKDA_DTYPE_BOOL, {p.num_seqs()});
     a.layer = layer(gpu);
     return a;
   }
@@ -252,9 +278,11 @@ struct Outcome {
 };
 
 fkda_plan_desc layer_plan(const LayerSetup& s, fkda_backend backend) {
-  fkda_plan_desc desc = plan_desc(s.p.H, s.p.lower_bound, FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK, backend);
+  fkda_plan_desc desc =
+      plan_desc(s.p.H, s.p.lower_bound, FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK, backend, s.c.null_slot_rule);
   apply_gate(s.p, &desc);
   desc.layer_step = 1;
+  desc.window_slots = s.c.window_slots;
   return desc;
 }
 
@@ -310,7 +338,7 @@ void compare(const Outcome& gpu, const Outcome& cpu, double out_tolerance, doubl
 std::vector<LayerCase> fwd_cases() {
   std::vector<LayerCase> cases;
   LayerCase base;
-  base.lengths = {37, 0, 70, 2, 130};
+  base.lengths = {37, 0, 70, 2, 130, 1, 29};
   base.name = "W4 Wc3 bf16 states, f32 weights, bias, gate, pool checkpoint";
   base.checkpoints = true;
   cases.push_back(base);
@@ -329,6 +357,35 @@ std::vector<LayerCase> fwd_cases() {
   c.state_width = 2;
   c.gate = false;
   c.gate_mode = FKDA_GATE_LOG_DECAY;
+  cases.push_back(c);
+  c = base;
+  c.name = "W3 Wc2, has_initial_state 0 for one sequence, null slot rule NONPOSITIVE, windows of 3 slots";
+  c.width = 3;
+  c.state_width = 2;
+  c.fresh_first = true;
+  c.null_slot_rule = FKDA_NULL_SLOT_NONPOSITIVE;
+  c.window_slots = 3;
+  cases.push_back(c);
+  c = base;
+  c.name = "W4 Wc4 f32 states, no bias, log-decay f32 g";
+  c.state_width = 4;
+  c.conv_state_dtype = FKDA_DTYPE_F32;
+  c.bias = false;
+  c.gate_mode = FKDA_GATE_LOG_DECAY;
+  c.g_f32 = true;
+  cases.push_back(c);
+  c = base;
+  c.name = "W2 Wc1, batch rows without cu_seqlens, softplus";
+  c.lengths = {};
+  c.B = 3;
+  c.T = 41;
+  c.width = 2;
+  c.state_width = 1;
+  c.gate_mode = FKDA_GATE_SOFTPLUS;
+  cases.push_back(c);
+  c = base;
+  c.name = "W4 without conv states";
+  c.states = false;
   cases.push_back(c);
   c = base;
   c.name = "gate only";
@@ -388,9 +445,14 @@ TEST_CASE("layer step: GPU fkda_decode matches the CPU backend", "[gpu][layer_st
 }
 
 TEST_CASE("layer step: GPU calls under the sanitizers", "[gpu][layer_step][sanitize]") {
+  // The last sequence ends a token into its second chunk: the preparation
+  // kernel's threads of that chunk's second half must not reach for inputs
+  // past the projections' end.
+  for (LayerCase c : fwd_cases()) {
+    if (!c.lengths.empty()) c.lengths = {20, 0, 33, 1, 17};
+    (void)run(c, true, fwd_call);
+  }
   LayerCase c = fwd_cases()[0];
-  c.lengths = {20, 0, 33};
-  (void)run(c, true, fwd_call);
   c.lengths = {1, 1, 2};
   c.checkpoints = false;
   (void)run(c, true, decode_call);

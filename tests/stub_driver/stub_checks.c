@@ -10,7 +10,8 @@
  *   stub_checks tuning         a plan's launch tuning is read once, at its
  *                              creation, and is what the launch uses
  *   stub_checks no_partial     a kernel that fails to resolve fails the call
- *                              before any launch of it
+ *                              before any launch of it, the layer step's
+ *                              too; a GPU plan's layer step stages v alone
  * The stub reports every pointer as device memory and runs no kernel, so the
  * GPU calls here only reach the launches, which the stub counts.
  */
@@ -95,8 +96,10 @@ static fkda_plan_t make_plan(fkda_backend backend, const fkda_plan_desc* base) {
   return plan;
 }
 
-static fkda_status run_forward(fkda_plan_t plan, int64_t B, int64_t T) {
+/* layer: NULL, or the layer step the call passes. */
+static fkda_status run_forward_with(fkda_plan_t plan, int64_t B, int64_t T, const fkda_layer_step* layer) {
   struct Call c = forward_call(B, T);
+  if (layer != NULL) c.args.layer = *layer;
   size_t bytes = 0;
   fkda_status status = fkda_plan_workspace_size(plan, B * T, B, &bytes);
   if (status == FKDA_SUCCESS) {
@@ -105,6 +108,35 @@ static fkda_status run_forward(fkda_plan_t plan, int64_t B, int64_t T) {
     free(workspace);
   }
   free(c.memory);
+  return status;
+}
+
+static fkda_status run_forward(fkda_plan_t plan, int64_t B, int64_t T) { return run_forward_with(plan, B, T, NULL); }
+
+/* fkda_fwd of one row of T tokens with the convolution (W = 4, no conv
+ * states) and the output gate: the layer kernels on either side of the
+ * recurrence. */
+static fkda_status run_layer_forward(fkda_plan_t plan, int64_t T) {
+  enum { W = 4 };
+  const int64_t weight_shape[2] = {H * K, W};
+  const int64_t norm_shape[1] = {K};
+  const int64_t gate_shape[4] = {1, T, H, K};
+  float* weights = aligned_alloc(64, 3 * H * K * W * sizeof(float));
+  float* norm = aligned_alloc(64, K * sizeof(float));
+  uint16_t* gate = aligned_alloc(64, (size_t)(T * H * K) * 2);
+  memset(weights, 0, 3 * H * K * W * sizeof(float));
+  memset(norm, 0, K * sizeof(float));
+  memset(gate, 0, (size_t)(T * H * K) * 2);
+  fkda_layer_step layer = FKDA_LAYER_STEP_INIT;
+  layer.conv_weight_q = packed(weights, FKDA_DTYPE_F32, 2, weight_shape);
+  layer.conv_weight_k = packed(weights + H * K * W, FKDA_DTYPE_F32, 2, weight_shape);
+  layer.conv_weight_v = packed(weights + 2 * H * K * W, FKDA_DTYPE_F32, 2, weight_shape);
+  layer.out_gate = packed(gate, FKDA_DTYPE_BF16, 4, gate_shape);
+  layer.out_norm_weight = packed(norm, FKDA_DTYPE_F32, 1, norm_shape);
+  const fkda_status status = run_forward_with(plan, 1, T, &layer);
+  free(weights);
+  free(norm);
+  free(gate);
   return status;
 }
 
@@ -289,6 +321,33 @@ static void no_partial(void* stub) {
   const int before = stub_counter(stub, "fkda_stub_launches");
   expect(run_forward(plan, 1, 64) == FKDA_SUCCESS, "fkda_fwd once every kernel resolves");
   expect(stub_counter(stub, "fkda_stub_launches") - before == 12, "6 windows, 2 launches each");
+
+  /* The layer step: its kernels and the preparation that convolves q and k
+   * are resolved before the convolution of v is launched. */
+  desc.layer_step = 1;
+  fkda_plan_t layer_plan = make_plan(FKDA_BACKEND_GPU, &desc);
+  const char* layer_kernels[] = {"layer_convolve", "prepare_chunks_conv", "chunk_recurrence", "layer_gate"};
+  for (int i = 0; i < 4; ++i) {
+    setenv("FKDA_STUB_FAIL_KERNEL", layer_kernels[i], 1);
+    const int before_layer = stub_counter(stub, "fkda_stub_launches");
+    expect(run_layer_forward(layer_plan, 64) == FKDA_ERROR_DRIVER,
+           "a layer step kernel that does not resolve: FKDA_ERROR_DRIVER");
+    expect_in(fkda_last_error(), layer_kernels[i]);
+    expect(stub_counter(stub, "fkda_stub_launches") == before_layer, "nothing of the layer step launched");
+  }
+  unsetenv("FKDA_STUB_FAIL_KERNEL");
+  const int before_layer = stub_counter(stub, "fkda_stub_launches");
+  expect(run_layer_forward(layer_plan, 64) == FKDA_SUCCESS, "fkda_fwd with the layer step");
+  expect(stub_counter(stub, "fkda_stub_launches") - before_layer == 14,
+         "the convolution of v, 6 windows of 2 launches, the output gate");
+
+  /* The staging area of a GPU plan holds v alone: 64 tokens of H * K bf16. */
+  size_t plain_bytes = 0, layer_bytes = 0;
+  expect(fkda_plan_workspace_size(plan, 64, 1, &plain_bytes) == FKDA_SUCCESS &&
+             fkda_plan_workspace_size(layer_plan, 64, 1, &layer_bytes) == FKDA_SUCCESS,
+         "workspace sizes");
+  expect(layer_bytes - plain_bytes == (size_t)(64 * H * K * 2), "a GPU plan's layer step stages v alone");
+  fkda_plan_destroy(layer_plan);
   fkda_plan_destroy(plan);
 }
 

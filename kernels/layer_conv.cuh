@@ -1,0 +1,79 @@
+// SPDX-License-Identifier: MIT
+// What fkda_fwd's two convolutions of the layer step share: the
+// preparation kernel (prefill_prepare.cuh) convolves q and k as it loads
+// them, fkda_layer_convolve (layer_step.cuh) stages v. One definition of
+// the arithmetic and of a sequence's conv state row, so that the two
+// cannot round or choose rows differently.
+#pragma once
+
+#include "device_common.cuh"
+
+namespace fkda_dev {
+
+__device__ __forceinline__ float load_real(const void* data, bool is_f32, int64_t at) {
+  return is_f32 ? __ldg(static_cast<const float*>(data) + at)
+                : bf16_bits(__ldg(static_cast<const uint16_t*>(data) + at));
+}
+
+// Column `col` of channel c of a conv state row. Plain loads: the store
+// kernel writes these rows in a later launch of the same call.
+__device__ __forceinline__ float conv_state_at(const FkdaLayerStep& layer, const FkdaConv& conv, int64_t row,
+                                               int64_t c, int col) {
+  const int64_t at = row * conv.state_stride_row + c * conv.state_stride_c + col * conv.state_stride_w;
+  return layer.conv_state_is_f32 ? static_cast<const float*>(conv.state)[at]
+                                 : bf16_bits(static_cast<const uint16_t*>(conv.state)[at]);
+}
+
+// The conv state row of sequence n, or -1 (padding: nothing touched), and
+// whether the sequence reads it. The rows are those of the recurrent
+// states, read where the call reads recurrent states (reads_state: an
+// initial state or a pool) unless has_initial_state[n] is 0. Params:
+// FkdaLayerParams or FkdaPrefillParams, which name these fields alike.
+struct ConvRow {
+  int64_t row;
+  bool reads;
+};
+template <typename Params>
+__device__ __forceinline__ ConvRow conv_row_of(const Params& p, bool reads_state, int64_t n) {
+  ConvRow r{n, reads_state};
+  if (p.state_indices.data != nullptr) {
+    r.row = usable_slot(load_index(p.state_indices, n, 0), p.call.first_real_slot, p.pool_slots);
+    if (r.row < 0) return ConvRow{-1, false};
+  }
+  if (p.has_initial_state.data != nullptr && load_index(p.has_initial_state, n, 0) == 0) r.reads = false;
+  if (p.layer.conv[0].state == nullptr) r.reads = false;
+  return r;
+}
+
+// Channel c's bias (0 without biases) and its weights by distance:
+// weight_back[b] multiplies the input b tokens back, weight[c][W - 1 - b]
+// (0 for b >= width).
+__device__ __forceinline__ float conv_bias(const FkdaLayerStep& layer, const FkdaConv& conv, int64_t c) {
+  return conv.bias != nullptr ? load_real(conv.bias, layer.conv_is_f32 != 0, c * conv.bias_stride) : 0.f;
+}
+__device__ __forceinline__ void load_weights_back(const FkdaLayerStep& layer, const FkdaConv& conv, int64_t c,
+                                                  int width, float (&weight_back)[FKDA_CONV_MAX_WIDTH]) {
+#pragma unroll
+  for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) {
+    const int64_t at = c * conv.weight_stride_c + (width - 1 - b) * conv.weight_stride_w;
+    weight_back[b] = b < width ? load_real(conv.weight, layer.conv_is_f32 != 0, at) : 0.f;
+  }
+}
+
+// fkda_fwd's convolution of one channel, silu(bias + sum_j weight[j] x[j])
+// with the inputs oldest first, from x_back[b], the input b tokens back
+// (0: the token's own), and weight_back[b] = weight[W - 1 - b]; entries
+// b >= width are not read. The output is rounded to bf16, so SiLU takes
+// the fast exponential and reciprocal.
+__device__ __forceinline__ float convolve_rounded(int width, float bias,
+                                                  const float (&weight_back)[FKDA_CONV_MAX_WIDTH],
+                                                  const float (&x_back)[FKDA_CONV_MAX_WIDTH]) {
+  float acc = bias;
+#pragma unroll
+  for (int b = FKDA_CONV_MAX_WIDTH - 1; b >= 0; --b) {
+    if (b < width) acc = fmaf(weight_back[b], x_back[b], acc);
+  }
+  return acc * __frcp_rn(1.0f + __expf(-acc));
+}
+
+}  // namespace fkda_dev
