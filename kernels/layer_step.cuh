@@ -97,10 +97,12 @@ __device__ __forceinline__ int64_t sequence_at(const FkdaLayerParams& p, int64_t
 
 // Eight consecutive channels of one raw token row (16 bytes: the
 // activations' rows are 16-byte aligned, validate.cpp check_gpu_alignment).
-__device__ __forceinline__ void load_raw8(const FkdaActivation& raw, int64_t row, int64_t token, int head, int i,
-                                          float (&x)[kConvChannels]) {
-  const uint4 w = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(raw.data) + row * raw.stride_b +
-                                                       token * raw.stride_t + int64_t(head) * raw.stride_h + i));
+__device__ __forceinline__ uint4 load_raw8_bits(const FkdaActivation& raw, int64_t row, int64_t token, int head, int i) {
+  return __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(raw.data) + row * raw.stride_b +
+                                              token * raw.stride_t + int64_t(head) * raw.stride_h + i));
+}
+
+__device__ __forceinline__ void unpack_bf16x8(const uint4& w, float (&x)[kConvChannels]) {
   const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
@@ -109,10 +111,15 @@ __device__ __forceinline__ void load_raw8(const FkdaActivation& raw, int64_t row
   }
 }
 
+__device__ __forceinline__ void load_raw8(const FkdaActivation& raw, int64_t row, int64_t token, int head, int i,
+                                          float (&x)[kConvChannels]) {
+  unpack_bf16x8(load_raw8_bits(raw, row, token, head, i), x);
+}
+
 // Block (token tile, group of 128 x 8 channels of v); a thread takes
 // eight consecutive channels along the tile's tokens, its weights in
 // registers and the last W - 1 inputs of its sequence in a sliding window,
-// so that each raw input is read once. Loads of four tokens are issued
+// so that each raw input is read once. Loads of kAhead tokens are issued
 // together: the thread's chain of tokens is otherwise one memory latency
 // per token.
 template <int kWidth>
@@ -161,17 +168,20 @@ __device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t 
   };
   fill_history(first);
 
-  constexpr int kAhead = 4;
+  // Tokens loaded ahead, held packed (4 registers a token): 6 of them keep
+  // 96 bytes a thread in flight at the three blocks per SM these registers
+  // allow (8 spill, CUDA 13.0).
+  constexpr int kAhead = 6;
   uint16_t* staged = static_cast<uint16_t*>(p.staged_v) + c0;
   // The batch row and index in it of the next token to load, stepped
   // along (no division per token).
   int64_t next_row = packed ? 0 : n, next_index = packed ? first : first - n * p.call.seq_len;
   for (int64_t t0 = first; t0 < last; t0 += kAhead) {
-    float ahead[kAhead][kConvChannels];
+    uint4 ahead[kAhead];
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
       if (t0 + u < last) {
-        load_raw8(raw, next_row, next_index, head, i0, ahead[u]);
+        ahead[u] = load_raw8_bits(raw, next_row, next_index, head, i0);
         if (++next_index == p.call.seq_len && !packed) {
           next_index = 0;
           ++next_row;
@@ -192,13 +202,15 @@ __device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t 
         fill_history(t);
       }
       const float keep = t >= begin ? 1.f : 0.f;  // 0 only for tokens no sequence holds
+      float input[kConvChannels];
+      unpack_bf16x8(ahead[u], input);
       uint32_t packed_out[kConvChannels / 2];
 #pragma unroll
       for (int e = 0; e < kConvChannels; e += 2) {
         float y[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float x_back[FKDA_CONV_MAX_WIDTH] = {keep * ahead[u][e + h], 0.f, 0.f, 0.f};
+          float x_back[FKDA_CONV_MAX_WIDTH] = {keep * input[e + h], 0.f, 0.f, 0.f};
 #pragma unroll
           for (int b = 1; b < kWidth; ++b) x_back[b] = keep * history[b - 1][e + h];
           y[h] = convolve_rounded(kWidth, bias[e + h], weight_back[e + h], x_back);
@@ -212,7 +224,7 @@ __device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t 
 #pragma unroll
         for (int e = 0; e < kConvChannels; ++e) history[k][e] = history[k - 1][e];
 #pragma unroll
-      for (int e = 0; e < kConvChannels; ++e) history[0][e] = ahead[u][e];
+      for (int e = 0; e < kConvChannels; ++e) history[0][e] = input[e];
     }
   }
 }

@@ -210,8 +210,9 @@ __device__ __forceinline__ WarpTile negated_unit_lower_inverse(const WarpTile& L
 // of shared memory hold only 5, so 96 registers there. GPUs with about
 // 100 KB (sm_86, sm_89, sm_120) hold 3 of these blocks whatever the bound.
 // With the layer step's convolution the unbounded gates' kernels keep
-// their bounds; the bounded gate's spills at 64 registers on sm_90a too
-// (24 bytes, CUDA 13.0), so it is compiled for 7 blocks everywhere.
+// their bounds; the bounded gate's, whose loads of q, k and g are all in
+// flight at once, spills at 64 and 72 registers (CUDA 13.0), so it is
+// compiled for 6 blocks (80 registers) everywhere.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define FKDA_PREPARE_BLOCKS_COMPILED 7
 #define FKDA_PREPARE_ANY_DECAY_BLOCKS 5
@@ -219,7 +220,7 @@ __device__ __forceinline__ WarpTile negated_unit_lower_inverse(const WarpTile& L
 #define FKDA_PREPARE_BLOCKS_COMPILED FKDA_PREPARE_MIN_BLOCKS
 #define FKDA_PREPARE_ANY_DECAY_BLOCKS 6
 #endif
-#define FKDA_PREPARE_CONV_BLOCKS_COMPILED 7
+#define FKDA_PREPARE_CONV_BLOCKS_COMPILED 6
 
 namespace fkda_dev {
 
@@ -337,8 +338,8 @@ struct TokenPairs {
 
 // Step 1, 2's loads. The addresses step along the tokens whether or not a
 // token is loaded, so the loads are predicated, not branched around, and all
-// issue at once. kConv: q and k are already convolved (convolve_token_pairs),
-// so only g is loaded.
+// issue at once. kConv: q and k are convolved from the raw projections
+// (convolve_and_load_pairs), so only g is loaded.
 template <bool kGF32, bool kConv>
 __device__ __forceinline__ void load_token_pairs(const FkdaPrefillParams& p, const ChunkTokens& chunk, int head,
                                                  const PrepareThread& th, TokenPairs& in) {
@@ -366,16 +367,22 @@ __device__ __forceinline__ void load_token_pairs(const FkdaPrefillParams& p, con
   }
 }
 
-// One projection of the layer step's convolution: x becomes the
-// convolution of the raw pairs of the thread's tokens, rounded to bf16 as
-// fkda_layer_convolve rounds v (0 past the chunk). position: the first
-// token's in its sequence; row: the sequence's conv state row where inputs
-// before its first token are needed. A thread without tokens (the second
-// half of a chunk of at most 8) reads no input before them: those may lie
-// past the tensor.
-__device__ __forceinline__ void convolve_pairs(const FkdaPrefillParams& p, int proj, const ChunkTokens& chunk,
-                                               int head, const PrepareThread& th, int64_t position, ConvRow row,
-                                               uint32_t (&x)[8]) {
+// One projection's inputs to the layer step's convolution, as loaded: the
+// raw pairs of the thread's tokens (0 past the chunk) and, per channel, the
+// inputs 1 .. W - 1 tokens before its first token (history[e][b - 1]).
+struct ConvInputs {
+  uint32_t x[8];
+  float history[2][FKDA_CONV_MAX_WIDTH - 1];
+};
+
+// Loads one projection's ConvInputs. position: the first token's in its
+// sequence; row: the sequence's conv state row, where inputs before its
+// first token are needed (0 where it reads none). A thread without tokens
+// (the second half of a chunk of at most 8) reads no input before them:
+// those may lie past the tensor.
+__device__ __forceinline__ void load_conv_inputs(const FkdaPrefillParams& p, int proj, const ChunkTokens& chunk,
+                                                 int head, const PrepareThread& th, int64_t position, ConvRow row,
+                                                 ConvInputs& in) {
   const FkdaActivation& raw = proj == 0 ? p.call.q : p.call.k;
   const FkdaConv& conv = p.layer.conv[proj];
   const int width = p.layer.conv_width;
@@ -384,12 +391,35 @@ __device__ __forceinline__ void convolve_pairs(const FkdaPrefillParams& p, int p
   const uint16_t* token = first;
 #pragma unroll
   for (int r = 0; r < 8; ++r) {  // predicated, as in load_token_pairs
-    x[r] = 0u;
-    if (r < th.rows) x[r] = __ldg(reinterpret_cast<const unsigned int*>(token));
+    in.x[r] = 0u;
+    if (r < th.rows) in.x[r] = __ldg(reinterpret_cast<const unsigned int*>(token));
     token += raw.stride_t;
   }
-  // One channel at a time, which keeps the kernels free of spills: channel
-  // 0's outputs wait in y_first.
+#pragma unroll
+  for (int b = 1; b < FKDA_CONV_MAX_WIDTH; ++b) {
+    const int64_t at = position - b;
+    in.history[0][b - 1] = in.history[1][b - 1] = 0.f;
+    if (b < width && at >= 0 && th.rows > 0) {
+      const uint32_t before = __ldg(reinterpret_cast<const unsigned int*>(first - b * raw.stride_t));
+      in.history[0][b - 1] = bf16_lo(before);
+      in.history[1][b - 1] = bf16_hi(before);
+    } else if (b < width && row.reads) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        in.history[e][b - 1] = conv_state_at(p.layer, conv, row.row, c0 + e, p.layer.conv_state_width + int(at));
+      }
+    }
+  }
+}
+
+// The convolution of loaded inputs into x, rounded to bf16 as
+// fkda_layer_convolve rounds v (0 past the chunk); one channel at a time,
+// channel 0's outputs waiting in y_first.
+__device__ __forceinline__ void convolve_loaded(const FkdaPrefillParams& p, int proj, int head, const PrepareThread& th,
+                                                ConvInputs& in, uint32_t (&x)[8]) {
+  const FkdaConv& conv = p.layer.conv[proj];
+  const int width = p.layer.conv_width;
+  const int64_t c0 = int64_t(head) * FKDA_HEAD_DIM + 2 * th.pair;
   float y_first[8];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -397,24 +427,10 @@ __device__ __forceinline__ void convolve_pairs(const FkdaPrefillParams& p, int p
     const float bias = conv_bias(p.layer, conv, c);
     float weight_back[FKDA_CONV_MAX_WIDTH];
     load_weights_back(p.layer, conv, c, width, weight_back);
-    // history[b - 1]: the input b tokens before the current one, from the
-    // sequence or, before its first token, the last W - 1 columns of its
-    // conv state (0 where it reads none).
-    float history[FKDA_CONV_MAX_WIDTH - 1];
-#pragma unroll
-    for (int b = 1; b < FKDA_CONV_MAX_WIDTH; ++b) {
-      const int64_t at = position - b;
-      history[b - 1] = 0.f;
-      if (b < width && at >= 0 && th.rows > 0) {
-        const uint32_t before = __ldg(reinterpret_cast<const unsigned int*>(first - b * raw.stride_t));
-        history[b - 1] = e ? bf16_hi(before) : bf16_lo(before);
-      } else if (b < width && row.reads) {
-        history[b - 1] = conv_state_at(p.layer, conv, row.row, c, p.layer.conv_state_width + int(at));
-      }
-    }
+    float* history = in.history[e];
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
-      const float input = e ? bf16_hi(x[r]) : bf16_lo(x[r]);
+      const float input = e ? bf16_hi(in.x[r]) : bf16_lo(in.x[r]);
       const float x_back[FKDA_CONV_MAX_WIDTH] = {input, history[0], history[1], history[2]};
       const float y = convolve_rounded(width, bias, weight_back, x_back);
 #pragma unroll
@@ -426,12 +442,13 @@ __device__ __forceinline__ void convolve_pairs(const FkdaPrefillParams& p, int p
   }
 }
 
-// The layer step's convolution of q and k (the _conv kernels), before
-// load_token_pairs loads g: one projection at a time, while little else
-// holds registers. The rest of the kernel then runs as on inputs convolved
-// beforehand.
-__device__ __forceinline__ void convolve_token_pairs(const FkdaPrefillParams& p, const ChunkTokens& chunk, int head,
-                                                     const PrepareThread& th, TokenPairs& in) {
+// The layer step's convolution of q and k (the _conv kernels) around
+// load_token_pairs' loads of g: every load of q, k and g is issued before
+// the first is used, so that the thread waits for one memory latency, not
+// three. The rest of the kernel then runs as on inputs convolved beforehand.
+template <bool kGF32>
+__device__ __forceinline__ void convolve_and_load_pairs(const FkdaPrefillParams& p, const ChunkTokens& chunk,
+                                                        int head, const PrepareThread& th, TokenPairs& pairs) {
   const int64_t position = chunk.t0 + th.first - chunk.seq.begin;
   // Only a sequence's first tokens reach back into its conv state; it reads
   // the state where it reads a recurrent one (initial state or pool).
@@ -439,8 +456,12 @@ __device__ __forceinline__ void convolve_token_pairs(const FkdaPrefillParams& p,
   if (position < p.layer.conv_width - 1) {
     row = conv_row_of(p, p.initial_state != nullptr || p.state_indices.data != nullptr, chunk.n);
   }
-  convolve_pairs(p, 0, chunk, head, th, position, row, in.q);
-  convolve_pairs(p, 1, chunk, head, th, position, row, in.k);
+  ConvInputs q, k;
+  load_conv_inputs(p, 0, chunk, head, th, position, row, q);
+  load_conv_inputs(p, 1, chunk, head, th, position, row, k);
+  load_token_pairs<kGF32, true>(p, chunk, head, th, pairs);
+  convolve_loaded(p, 0, head, th, q, pairs.q);
+  convolve_loaded(p, 1, head, th, k, pairs.k);
 }
 
 // g of token r, channel 2 pair + e, widened to f32.
@@ -894,8 +915,11 @@ __device__ __forceinline__ void prepare_chunks(const FkdaPrefillParams& p) {
 
   // ---- steps 1, 2: loads, beta, norm partial sums, gate --------------------
   TokenPairs in;
-  if constexpr (kConv) convolve_token_pairs(p, chunk, head, th, in);
-  load_token_pairs<kGF32, kConv>(p, chunk, head, th, in);
+  if constexpr (kConv) {
+    convolve_and_load_pairs<kGF32>(p, chunk, head, th, in);
+  } else {
+    load_token_pairs<kGF32, false>(p, chunk, head, th, in);
+  }
   if (th.tid < FKDA_CHUNK) store_step_size(p, chunk, head, th.tid, b_of);
   store_norm_parts<kAnyDecay>(in, th, norm_parts);
   float c[8][2];  // a2, then its running sum
