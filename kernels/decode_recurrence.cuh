@@ -364,8 +364,7 @@ __device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, f
       if (lane == 0) partial[t] = x;
     }
   }
-  // The partial sums are visible to the head's blocks, and each of them has
-  // read the old conv states.
+  // The partial sums are visible to the head's blocks.
   head_blocks_sync(vsplit);
   if (gate) {
     for (int item = threadIdx.x; item < tokens * rows; item += blockDim.x) {
