@@ -2,7 +2,8 @@
 // libFuzzer target over the argument checks of the C ABI, on CPU plans.
 //
 // Each fkda_fwd or fkda_decode input builds a valid call (with states,
-// pools, slot tables, checkpoints, padding sequences as its flags say), then
+// pools, slot tables, checkpoints, padding sequences, the layer step's
+// convolution, conv states and output gate as its flags say), then
 // applies faults to it: an extent, a stride, a dtype, a data pointer moved,
 // replaced or pointed into another argument's buffer, an element of an index
 // tensor, a workspace, a scale, a struct_size (every size from 0 to the
@@ -13,7 +14,8 @@
 //  - a call the header forbids (a span that cannot exist, a misaligned or
 //    NULL pointer, a negative stride, a wrong rank or dtype, a struct_size
 //    no release had, memory written by the call shared with another
-//    argument) is rejected;
+//    argument, a layer step part without what it needs, a convolution on
+//    a fkda_fwd plan without layer_step or on a slot table) is rejected;
 //  - a call without faults succeeds, and so does one whose only faults are
 //    to index elements the header says the call never reads;
 //  - a rejected call's message starts with the name of an argument, and no
@@ -30,23 +32,28 @@
 // back, every read past the end is 0; "pick n" is one byte modulo n.
 //   pick 4: 0 fkda_fwd, 1 workspace sizes, 2 fkda_plan_create, 3 fkda_decode
 //   fkda_fwd: flags byte (kFlag*), serving byte (kServing*), leniency byte
-//     (kLenient*), sizes, then faults to the end
+//     (kLenient*), layer, sizes, then faults to the end
 //   fkda_decode: flags byte (kFlag*, with kDecode* in the bits of the
-//     initial and final state flags), leniency byte, sizes (tokens up to
-//     kMaxDecodeTokens), then faults to the end
+//     initial and final state flags), leniency byte, layer, sizes (tokens
+//     up to kMaxDecodeTokens), then faults to the end
+//   layer: a byte (kLayer*), and when it is not 0 a byte (kShape*: W - 2
+//     in its low two bits modulo 3, then Wc, the norm weight's dtype, a
+//     fkda_fwd plan without layer_step)
 //   sizes: pick kMaxHeads (heads - 1), then batched: pick kMaxBatch + 1 (B),
 //     pick kMaxTokens + 1 (T); varlen: pick kMaxSeqs (N - 1) and N lengths
 //     (pick kMaxTokens + 1 each)
 //   a fault: pick (the call's tensor arguments + 1): a tensor argument, in
 //     the order the call adds them, then pick kTensorFields and a value (17:
 //     into another buffer, pick the buffer, a byte: odd at its start, else
-//     2 bytes of offset); or the scalars, then pick kScalarFields: 0
-//     workspace moved, 1 workspace_bytes, 2 scale, 3 struct_size a value,
+//     2 bytes of offset; the layer step's tensors come last, in the
+//     struct's order); or the scalars, then pick kScalarFields: 0 workspace
+//     moved, 1 workspace_bytes, 2 scale, 3 struct_size a value,
 //     4 a cu_seqlens entry (pick its index, a value), 5 an index element
 //     (pick the tensor, 2 bytes of element, a byte: odd one of
 //     kContentValues, else a value), 6 struct_size (2 bytes modulo sizeof +
 //     65, a byte: odd a non-zero byte past the fields, pick 72 its offset, a
-//     byte its value)
+//     byte its value), 7 layer.out_norm_eps (a value's low 4 bytes), 8
+//     layer.reserved (a value)
 //   workspace sizes: pick kMaxSizingHeads (heads - 1), value (total_tokens),
 //     value (num_seqs), 4 bytes (raw num_heads of the GPU sizing)
 //   fkda_plan_create: value for each field of fkda_plan_desc in order
@@ -200,8 +207,11 @@ Reach reach(const Slot& s, const std::vector<const Buffer*>& buffers, Span* span
 
 // What the header says each call writes: such memory is shared with no
 // other argument, but initial_state and final_state may be the same.
+bool conv_state(const std::string& name) { return name.compare(0, 16, "layer.conv_state") == 0; }
+
 bool written_argument(const std::string& name) {
-  return name == "out" || name == "final_state" || name == "checkpoints" || name == "state_pool";
+  return name == "out" || name == "final_state" || name == "checkpoints" || name == "state_pool" ||
+         conv_state(name);
 }
 
 // "q: ...", or an element of one: "state_indices[2]: ...".
@@ -231,6 +241,16 @@ constexpr uint8_t kServingPool = 1, kServingHasInitial = 2, kServingCheckpoints 
 // fkda_decode: indices as an [N, W] slot table, with num_accepted_tokens;
 // padding (the last sequence) and unread entries holding garbage.
 constexpr uint8_t kDecodeTable = 8, kDecodeAccepted = 16, kDecodePadding = 32;
+// The layer step of the valid call (a layer byte): the convolution, with
+// biases, with conv states, f32 weights and biases, f32 conv states, weights
+// and states channel-last, the three states as the channel blocks of one
+// pool tensor; the output gate.
+constexpr uint8_t kLayerConv = 1, kLayerBias = 2, kLayerConvStates = 4, kLayerF32Weights = 8, kLayerF32States = 16,
+                  kLayerChannelLast = 32, kLayerOnePool = 64, kLayerGate = 128;
+// The byte after a non-zero layer byte: W - 2 (its two low bits, modulo 3),
+// Wc = W rather than W - 1, an f32 norm weight, and for fkda_fwd a plan
+// created without layer_step (so that the convolution must be refused).
+constexpr uint8_t kShapeWidths = 3, kShapeFullStateWidth = 4, kShapeF32NormWeight = 8, kShapeNoPlanFlag = 16;
 // Descriptors the header allows although they look odd: junk strides on
 // empty tensors, and on axes of extent 1.
 constexpr uint8_t kLenientEmptyStrides = 1, kLenientUnitAxisStrides = 2;
@@ -243,7 +263,7 @@ constexpr size_t kMaxHeads = 2, kMaxBatch = 2, kMaxSeqs = 3, kMaxTokens = 17, kM
 constexpr size_t kMaxSizingHeads = 4;
 
 constexpr int kTensorFields = 18;
-constexpr int kScalarFields = 7;
+constexpr int kScalarFields = 9;
 constexpr unsigned char kCanary = 0xA5;
 constexpr int64_t kD = 128;
 
@@ -383,9 +403,10 @@ Sizes read_sizes(Input& in, bool varlen, size_t max_tokens) {
 
 int32_t state_dtype_of(uint8_t flags) { return flags & kFlagBf16State ? FKDA_DTYPE_BF16 : FKDA_DTYPE_F32; }
 
-fkda_plan_t cpu_plan(int64_t heads, uint8_t flags) {
+fkda_plan_t cpu_plan(int64_t heads, uint8_t flags, bool layer_step = false) {
   fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
   desc.num_heads = int32_t(heads);
+  desc.layer_step = layer_step ? 1 : 0;
   desc.backend = FKDA_BACKEND_CPU;
   desc.state_dtype = state_dtype_of(flags);
   desc.state_layout = flags & kFlagKvLayout ? FKDA_STATE_LAYOUT_KV : FKDA_STATE_LAYOUT_VK;
@@ -403,10 +424,20 @@ const std::vector<int32_t> kBf16 = {FKDA_DTYPE_BF16}, kF32 = {FKDA_DTYPE_F32},
 // The arguments fkda_fwd and fkda_decode share, with a gap after each
 // head's row when padded. The plan's gate is the bounded one: A_log and
 // dt_bias may be absent, g is bf16; beta (logits) may be bf16 or f32.
+struct Layout {
+  std::vector<int64_t> shape, strides;
+};
+
+// [B, T, H, 128], with a gap after each head's row when padded.
+Layout activation_layout(const Sizes& s, uint8_t flags) {
+  const int64_t pad = flags & kFlagPadded ? 8 : 0, T = s.T, H = s.H;
+  return {{s.B, T, H, kD}, {T * H * (kD + pad), H * (kD + pad), kD + pad, 1}};
+}
+
 template <typename Args>
 void add_shared(Call& call, const Sizes& s, uint8_t flags, Args& a) {
   const int64_t pad = flags & kFlagPadded ? 8 : 0, B = s.B, T = s.T, H = s.H;
-  const std::vector<int64_t> act = {B, T, H, kD}, act_strides = {T * H * (kD + pad), H * (kD + pad), kD + pad, 1};
+  const auto [act, act_strides] = activation_layout(s, flags);
   const std::vector<int64_t> beta = {B, T, H}, beta_strides = {T * (H + pad), H + pad, 1};
   call.add({"q", &a.q, nullptr, true, 4, kBf16}, FKDA_DTYPE_BF16, act, act_strides, false, 0x3e);
   call.add({"k", &a.k, nullptr, true, 4, kBf16}, FKDA_DTYPE_BF16, act, act_strides, false, 0xbe);
@@ -437,6 +468,89 @@ void add_integers(Call& call, Slot slot, bool i32, const std::vector<int64_t>& s
   if (i32) store_integers<int32_t>(b, values, 1);
   else store_integers<int64_t>(b, values, 1);
   call.indices.push_back({slot.name, &b, i32, shape[0], shape.size() == 2 ? shape[1] : 1});
+}
+
+// The layer step's tensors, in the struct's order.
+struct LayerTensor {
+  fkda_tensor fkda_layer_step::*member;
+  const char* name;
+  int32_t rank;
+};
+constexpr LayerTensor kLayerTensors[] = {
+    {&fkda_layer_step::conv_weight_q, "layer.conv_weight_q", 2},
+    {&fkda_layer_step::conv_weight_k, "layer.conv_weight_k", 2},
+    {&fkda_layer_step::conv_weight_v, "layer.conv_weight_v", 2},
+    {&fkda_layer_step::conv_bias_q, "layer.conv_bias_q", 1},
+    {&fkda_layer_step::conv_bias_k, "layer.conv_bias_k", 1},
+    {&fkda_layer_step::conv_bias_v, "layer.conv_bias_v", 1},
+    {&fkda_layer_step::conv_state_q, "layer.conv_state_q", 3},
+    {&fkda_layer_step::conv_state_k, "layer.conv_state_k", 3},
+    {&fkda_layer_step::conv_state_v, "layer.conv_state_v", 3},
+    {&fkda_layer_step::out_gate, "layer.out_gate", 4},
+    {&fkda_layer_step::out_norm_weight, "layer.out_norm_weight", 1},
+};
+// Where each kind starts in kLayerTensors.
+constexpr int kWeightsAt = 0, kBiasesAt = 3, kStatesAt = 6, kGateAt = 9, kNormWeightAt = 10;
+
+Slot layer_slot(fkda_layer_step& l, int i) {
+  const LayerTensor& t = kLayerTensors[i];
+  return {t.name, &(l.*t.member), nullptr, false, t.rank, i == kGateAt ? kBf16 : kBf16OrF32};
+}
+
+// The layer step the layer and shape bytes ask for; conv states have `rows`
+// rows (the pool's slots or the sequences) and start as the canary, as
+// they are written.
+void add_layer(Call& call, fkda_layer_step& l, const Sizes& s, uint8_t flags, uint8_t layer, uint8_t shape,
+               int64_t rows) {
+  const int64_t HK = s.H * kD, W = 2 + (shape & kShapeWidths) % 3, Wc = shape & kShapeFullStateWidth ? W : W - 1;
+  const bool conv = layer & kLayerConv, channel_last = layer & kLayerChannelLast;
+  const int32_t weight_dtype = layer & kLayerF32Weights ? FKDA_DTYPE_F32 : FKDA_DTYPE_BF16;
+  for (int i = kWeightsAt; i < kWeightsAt + 3; ++i) {
+    if (conv) {
+      call.add(layer_slot(l, i), weight_dtype, {HK, W}, channel_last ? std::vector<int64_t>{1, HK}
+                                                                     : std::vector<int64_t>{W, 1}, false, 0x3e);
+    } else {
+      call.absent(layer_slot(l, i));
+    }
+  }
+  for (int i = kBiasesAt; i < kBiasesAt + 3; ++i) {
+    if (conv && (layer & kLayerBias)) call.add(layer_slot(l, i), weight_dtype, {HK}, {1}, false, 0x3d);
+    else call.absent(layer_slot(l, i));
+  }
+  const int32_t state_dtype = layer & kLayerF32States ? FKDA_DTYPE_F32 : FKDA_DTYPE_BF16;
+  if (conv && (layer & kLayerConvStates)) {
+    // [rows, C, Wc] views of [rows, C, Wc] or (channel-last) [rows, Wc, C]
+    // memory, C being 3*H*K for one pool tensor, a gap after each row when
+    // padded.
+    const bool one_pool = layer & kLayerOnePool;
+    const int64_t C = one_pool ? 3 * HK : HK, pad = flags & kFlagPadded ? 64 : 0;
+    const std::vector<int64_t> strides = channel_last ? std::vector<int64_t>{Wc * C + pad, 1, C}
+                                                      : std::vector<int64_t>{Wc * C + pad, Wc, 1};
+    const std::vector<int64_t> view = {rows, HK, Wc};
+    if (one_pool) {
+      Buffer& b = call.add(layer_slot(l, kStatesAt), state_dtype, {rows, C, Wc}, strides, true);
+      l.conv_state_q.shape[1] = HK;
+      for (int i = 1; i < 3; ++i) {
+        call.over(layer_slot(l, kStatesAt + i), b, state_dtype, view, strides);
+        (l.*kLayerTensors[kStatesAt + i].member).data =
+            reinterpret_cast<void*>(b.begin() + uintptr_t(i * HK * strides[1] * element_bytes(state_dtype)));
+      }
+    } else {
+      for (int i = kStatesAt; i < kStatesAt + 3; ++i) call.add(layer_slot(l, i), state_dtype, view, strides, true);
+    }
+  } else {
+    for (int i = kStatesAt; i < kStatesAt + 3; ++i) call.absent(layer_slot(l, i));
+  }
+  if (layer & kLayerGate) {
+    const auto [act, act_strides] = activation_layout(s, flags);
+    call.add(layer_slot(l, kGateAt), FKDA_DTYPE_BF16, act, act_strides, false, 0x3e);
+    call.add(layer_slot(l, kNormWeightAt), shape & kShapeF32NormWeight ? FKDA_DTYPE_F32 : FKDA_DTYPE_BF16, {kD},
+             {1}, false, 0x3f);
+  } else {
+    call.absent(layer_slot(l, kGateAt));
+    call.absent(layer_slot(l, kNormWeightAt));
+  }
+  l.out_norm_eps = 1e-5f;
 }
 
 // Strides the header says are never looked at: all of an empty tensor's,
@@ -486,7 +600,69 @@ struct Scalars {
   void** workspace;  // nullptr: the entry point takes no workspace
   size_t* workspace_bytes;
   const Buffer* workspace_buffer;
+  fkda_layer_step* layer;
+  int64_t channels;       // H*K
+  bool decode;
+  bool plan_layer_step;   // fkda_fwd's plan was created with layer_step
 };
+
+const fkda_tensor* tensor_named(const Call& call, const char* name) {
+  for (const Slot& s : call.slots)
+    if (std::strcmp(s.name, name) == 0) return s.tensor;
+  return nullptr;
+}
+
+// How many of the q, k and v tensors of one kind of the layer step are given.
+int given(const fkda_layer_step& l, int first) {
+  int count = 0;
+  for (int i = first; i < first + 3; ++i) count += present(l.*kLayerTensors[i].member);
+  return count;
+}
+
+// Whether flashkda.h forbids the layer step as the faults left it: parts
+// without what they need, dtypes that differ from q's, a convolution the
+// plan or the call cannot take, a bad eps or reserved field. Shapes are
+// left to the library (a call may then be rejected, never must be).
+bool layer_forbidden(const Call& call, const Scalars& s) {
+  const fkda_layer_step& l = *s.layer;
+  if (l.reserved != 0) return true;
+  const int weights = given(l, kWeightsAt), biases = given(l, kBiasesAt), states = given(l, kStatesAt);
+  if (weights % 3 != 0 || biases % 3 != 0 || states % 3 != 0) return true;
+  if (weights == 0 && (biases > 0 || states > 0)) return true;
+  if (weights > 0) {
+    if (!s.decode && !s.plan_layer_step) return true;
+    const fkda_tensor* indices = tensor_named(call, "state_indices");
+    if (s.decode && present(*indices) && indices->rank == 2) return true;  // speculative verify
+    const fkda_tensor* checkpoint_slots = tensor_named(call, "checkpoint_slots");
+    if (!s.decode && states > 0 && present(*checkpoint_slots) && !present(*indices)) return true;
+    for (int i = 1; i < 3; ++i) {
+      if ((l.*kLayerTensors[kWeightsAt + i].member).dtype != l.conv_weight_q.dtype) return true;
+      if (states > 0 && (l.*kLayerTensors[kStatesAt + i].member).dtype != l.conv_state_q.dtype) return true;
+    }
+    for (int i = 0; i < biases; ++i) {
+      if ((l.*kLayerTensors[kBiasesAt + i].member).dtype != l.conv_weight_q.dtype) return true;
+    }
+  }
+  if (present(l.out_gate) != present(l.out_norm_weight)) return true;
+  return present(l.out_gate) && !(std::isfinite(l.out_norm_eps) && l.out_norm_eps > 0.f);
+}
+
+// Whether the three conv states are the q, k and v channel blocks of one
+// [rows, 3*H*K, Wc] tensor (flashkda.h): the same dtype, shape and strides,
+// k's data H*K channels after q's and v's 2*H*K after. They may then
+// interleave.
+bool conv_state_blocks(const fkda_layer_step& l, int64_t channels) {
+  const fkda_tensor& q = l.conv_state_q;
+  const uint64_t block = uint64_t(channels) * uint64_t(q.strides[1]) * uint64_t(element_bytes(q.dtype));
+  for (int i = 1; i < 3; ++i) {
+    const fkda_tensor& t = l.*kLayerTensors[kStatesAt + i].member;
+    if (t.dtype != q.dtype || t.rank != q.rank) return false;
+    for (int a = 0; a < 3; ++a)
+      if (t.shape[a] != q.shape[a] || t.strides[a] != q.strides[a]) return false;
+    if (reinterpret_cast<uintptr_t>(t.data) - reinterpret_cast<uintptr_t>(q.data) != uint64_t(i) * block) return false;
+  }
+  return true;
+}
 
 // How far past sizeof a newer caller's struct may reach (flashkda.h).
 constexpr size_t kMaxStructGrowth = 4096;
@@ -543,6 +719,12 @@ void check_call(Input& in, Call& call, const Scalars& scalars, uint8_t lenient, 
       case 3:
         *scalars.struct_size = size_t(value(in, int64_t(*scalars.struct_size)));
         break;
+      case 7: {
+        const uint32_t bits = uint32_t(value(in, 0));
+        std::memcpy(&scalars.layer->out_norm_eps, &bits, 4);
+        break;
+      }
+      case 8: scalars.layer->reserved = int32_t(value(in, 0)); break;
       case 4:
         if (call.offsets != nullptr) {
           const size_t i = in.pick(size_t(call.offset_count));
@@ -562,7 +744,7 @@ void check_call(Input& in, Call& call, const Scalars& scalars, uint8_t lenient, 
         contents.push_back({ix.name, e / ix.cols, e % ix.cols});
         break;
       }
-      default: {
+      case 6: {
         // Every size from 0 to this header's plus 64, with a non-zero byte
         // where a newer header's fields would be, or not.
         *scalars.struct_size = size_t(in.bytes(2) % (scalars.args_size + 65));
@@ -593,6 +775,10 @@ void check_call(Input& in, Call& call, const Scalars& scalars, uint8_t lenient, 
   }
 
   bool forbidden = !size_ok || !std::isfinite(*scalars.scale);
+  const size_t layer_offset =
+      size_t(reinterpret_cast<const char*>(scalars.layer) - static_cast<const char*>(scalars.args));
+  const bool layer_read = size_ok && layer_offset < known_end;
+  forbidden = forbidden || (layer_read && layer_forbidden(call, scalars));
   bool outside = false;
   if (scalars.workspace != nullptr) {
     const uintptr_t w = reinterpret_cast<uintptr_t>(*scalars.workspace);
@@ -626,7 +812,9 @@ void check_call(Input& in, Call& call, const Scalars& scalars, uint8_t lenient, 
       const std::set<std::string> pair = {a.slot->name, b.slot->name};
       const bool in_place = pair == std::set<std::string>{"initial_state", "final_state"} &&
                             a.span.first == b.span.first && a.span.last == b.span.last;
-      forbidden = forbidden || !in_place;
+      const bool blocks = conv_state(a.slot->name) && conv_state(b.slot->name) &&
+                          conv_state_blocks(*scalars.layer, scalars.channels);
+      forbidden = forbidden || !(in_place || blocks);
     }
   }
   // The library may read a possible descriptor's contents (cu_seqlens,
@@ -644,9 +832,12 @@ void check_call(Input& in, Call& call, const Scalars& scalars, uint8_t lenient, 
     if (!message.empty()) finding("a successful call left a message: " + message);
     return;
   }
-  if (!faulted) finding("a valid call was rejected: " + message);
-  if (only_unread) finding("an index flashkda.h says is never read was checked: " + message);
-  std::vector<std::string> names = {"args", "plan", "scale", "workspace", "workspace_bytes"};
+  // Valid calls without faults may still be forbidden: a convolution on a
+  // plan without layer_step, or with a slot table.
+  if (!faulted && !forbidden) finding("a valid call was rejected: " + message);
+  if (only_unread && !forbidden) finding("an index flashkda.h says is never read was checked: " + message);
+  std::vector<std::string> names = {"args", "plan", "scale", "workspace", "workspace_bytes", "layer.out_norm_eps",
+                                    "layer.reserved"};
   for (const Slot& s : call.slots) names.push_back(s.name);
   if (!names_an_argument(message, names)) finding("a rejection names no argument: '" + message + "'");
   for (const Buffer* written : call.written) {
@@ -661,8 +852,15 @@ std::pair<size_t, size_t> release_ending(size_t fields_end) {
   return {(fields_end + alignof(S) - 1) / alignof(S) * alignof(S), fields_end};
 }
 
+// The layer byte, and the shape byte after a non-zero one.
+std::pair<uint8_t, uint8_t> read_layer(Input& in) {
+  const uint8_t layer = in.byte();
+  return {layer, layer != 0 ? in.byte() : 0};
+}
+
 void fuzz_fwd(Input& in) {
   const uint8_t flags = in.byte(), serving = in.byte(), lenient = in.byte();
+  const auto [layer, layer_shape] = read_layer(in);
   const Sizes s = read_sizes(in, flags & kFlagVarlen, kMaxTokens);
   fkda_fwd_args a = FKDA_FWD_ARGS_INIT;
   Call call;
@@ -756,8 +954,11 @@ void fuzz_fwd(Input& in) {
     call.absent(to_slots);
   }
   a.scale = 0.088f;
+  // Conv state rows are the pool's slots with state_indices, else sequences.
+  add_layer(call, a.layer, s, flags, layer, layer_shape, pooled ? a.state_pool.shape[0] : N);
 
-  const fkda_plan_t plan = cpu_plan(H, flags);
+  const bool plan_layer_step = (layer & kLayerConv) && !(layer_shape & kShapeNoPlanFlag);
+  const fkda_plan_t plan = cpu_plan(H, flags, plan_layer_step);
   size_t workspace_bytes = 0;
   if (fkda_plan_workspace_size(plan, s.B * s.T, N, &workspace_bytes) != FKDA_SUCCESS) {
     finding("workspace size of a valid call refused: " + std::string(fkda_last_error()));
@@ -774,7 +975,11 @@ void fuzz_fwd(Input& in) {
                            &a.scale,
                            &workspace_data,
                            &workspace_bytes,
-                           &workspace};
+                           &workspace,
+                           &a.layer,
+                           H * kD,
+                           false,
+                           plan_layer_step};
   // What the call never reads (flashkda.h): a padding sequence's
   // checkpoints, and the slot of a negative checkpoint offset.
   auto element = [&](const char* name, int64_t row, int64_t col, int64_t* v) {
@@ -801,6 +1006,7 @@ void fuzz_fwd(Input& in) {
 
 void fuzz_decode(Input& in) {
   const uint8_t flags = in.byte(), lenient = in.byte();
+  const auto [layer, layer_shape] = read_layer(in);
   const Sizes s = read_sizes(in, flags & kFlagVarlen, kMaxDecodeTokens);
   fkda_decode_args a = FKDA_DECODE_ARGS_INIT;
   Call call;
@@ -846,13 +1052,15 @@ void fuzz_decode(Input& in) {
   if (with_accepted) add_integers(call, accepted, i32, {N}, accepted_counts);
   else call.absent(accepted);
   a.scale = 0.088f;
+  // With a slot table the convolution is refused: the valid call is not.
+  add_layer(call, a.layer, s, flags, layer, layer_shape, N * W);
 
   const fkda_plan_t plan = cpu_plan(H, flags);
   // fkda_decode needs no workspace and takes any.
   const Scalars scalars = {&a.struct_size, &a, sizeof a,
                            {release_ending<fkda_decode_args>(FIELD_END(fkda_decode_args, scale)),
                             release_ending<fkda_decode_args>(FIELD_END(fkda_decode_args, layer))},
-                           &a.scale, nullptr, nullptr, nullptr};
+                           &a.scale, nullptr, nullptr, nullptr, &a.layer, H * kD, true, false};
   // What the call never reads (flashkda.h): a zero-length sequence's row and
   // count, columns at and past a sequence's length but its start, and a
   // padding sequence's columns but its start.

@@ -12,13 +12,19 @@ VARLEN, BF16_STATE, KV_LAYOUT, INITIAL, FINAL, IN_PLACE, I32_OFFSETS, PADDED = (
 POOL, HAS_INITIAL, CHECKPOINTS, CHECKPOINT_SLOTS, PADDING, SHARED_STATES = 1, 2, 4, 8, 16, 32
 TABLE, ACCEPTED, DECODE_PADDING = 8, 16, 32
 LENIENT_EMPTY, LENIENT_UNIT_AXES = 1, 2
+# The layer byte, and the shape byte after a non-zero one (W - 2 in its low bits).
+CONV, BIAS, CONV_STATES, F32_WEIGHTS, F32_STATES, CHANNEL_LAST, ONE_POOL, GATE = (1 << i for i in range(8))
+FULL_STATE_WIDTH, F32_NORM_WEIGHT, NO_PLAN_FLAG = 4, 8, 16
 # The tensor arguments in the order each call adds them; the scalars follow.
 SHARED = ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "out", "cu_seqlens"]
+LAYER = ["layer." + name for name in ("conv_weight_q", "conv_weight_k", "conv_weight_v", "conv_bias_q", "conv_bias_k",
+                                      "conv_bias_v", "conv_state_q", "conv_state_k", "conv_state_v", "out_gate",
+                                      "out_norm_weight")]
 FWD_SLOTS = SHARED + ["state_pool", "state_indices", "initial_state", "final_state", "has_initial_state",
-                      "checkpoint_offsets", "checkpoints", "checkpoint_slots"]
-DECODE_SLOTS = SHARED + ["state_pool", "state_indices", "num_accepted_tokens"]
+                      "checkpoint_offsets", "checkpoints", "checkpoint_slots"] + LAYER
+DECODE_SLOTS = SHARED + ["state_pool", "state_indices", "num_accepted_tokens"] + LAYER
 DATA_PLUS, DATA_AT, DTYPE, RANK, SHAPE0, STRIDE0, ABSENT, ALIAS = 0, 1, 2, 3, 4, 10, 16, 17
-WORKSPACE_PLUS, WORKSPACE_BYTES, SCALE, STRUCT_SIZE, OFFSET_VALUE, INDEX_VALUE, STRUCT_BYTES = range(7)
+WORKSPACE_PLUS, WORKSPACE_BYTES, SCALE, STRUCT_SIZE, OFFSET_VALUE, INDEX_VALUE, STRUCT_BYTES, NORM_EPS, RESERVED = range(9)
 # fuzz_validation.cpp's kContentValues.
 CONTENT_VALUES = [-1, 0, 1, 2, 7, 16, 17, 32, 999, -999]
 # The ranges of fuzz_validation.cpp's valid calls (kMax*).
@@ -44,14 +50,22 @@ def sizes(heads, batch=None, tokens=None, lengths=None, max_tokens=MAX_TOKENS):
     return bytes([heads - 1, len(lengths) - 1, *lengths])
 
 
-def fwd(heads, flags=0, serving=0, lenient=0, batch=None, tokens=None, lengths=None):
-    varlen = VARLEN if lengths is not None else 0
-    return bytes([FWD, flags | varlen, serving, lenient]) + sizes(heads, batch, tokens, lengths)
+def layer_bytes(layer, width, shape):
+    """The layer byte, and after a non-zero one the shape byte with W = `width`."""
+    assert 2 <= width <= 4
+    return bytes([layer]) + (bytes([shape | (width - 2)]) if layer else b"")
 
 
-def decode(heads, flags=0, lenient=0, batch=None, tokens=None, lengths=None):
+def fwd(heads, flags=0, serving=0, lenient=0, batch=None, tokens=None, lengths=None, layer=0, width=2, shape=0):
     varlen = VARLEN if lengths is not None else 0
-    return bytes([DECODE, flags | varlen, lenient]) + sizes(heads, batch, tokens, lengths, MAX_DECODE_TOKENS)
+    return (bytes([FWD, flags | varlen, serving, lenient]) + layer_bytes(layer, width, shape)
+            + sizes(heads, batch, tokens, lengths))
+
+
+def decode(heads, flags=0, lenient=0, batch=None, tokens=None, lengths=None, layer=0, width=2, shape=0):
+    varlen = VARLEN if lengths is not None else 0
+    return (bytes([DECODE, flags | varlen, lenient]) + layer_bytes(layer, width, shape)
+            + sizes(heads, batch, tokens, lengths, MAX_DECODE_TOKENS))
 
 
 def workspace_sizes(heads, total_tokens, num_seqs, gpu_heads):
@@ -148,6 +162,27 @@ SEEDS = {
     "struct_size_0_1_with_pool": fwd(1, 0, POOL | CHECKPOINTS | CHECKPOINT_SLOTS, lengths=[16, 3])
     + struct_bytes(FWD_SLOTS, 1248),
     "struct_size_newer_decode_padding_byte": decode(1, batch=1, tokens=1) + struct_bytes(DECODE_SLOTS, 1368, 0, 0x5A),
+    # The layer step: the convolution in each form (W, Wc, dtypes, biases,
+    # channel-last, the three conv states in one pool tensor), the output
+    # gate, and the calls that must refuse the convolution.
+    "valid_layer_conv_states": fwd(2, INITIAL | FINAL, batch=2, tokens=17, layer=CONV | BIAS | CONV_STATES, width=4),
+    "valid_layer_conv_one_pool_channel_last": fwd(1, I32_OFFSETS | PADDED, POOL | HAS_INITIAL | CHECKPOINTS | CHECKPOINT_SLOTS,
+                                                  lengths=[16, 3], layer=CONV | CONV_STATES | F32_STATES | CHANNEL_LAST
+                                                  | ONE_POOL | GATE, width=3, shape=FULL_STATE_WIDTH),
+    "valid_layer_f32_no_states_gate": fwd(2, FINAL, lengths=[5, 0, 7], layer=CONV | BIAS | F32_WEIGHTS | GATE,
+                                          shape=F32_NORM_WEIGHT),
+    "valid_layer_gate_only": fwd(1, batch=1, tokens=9, layer=GATE),
+    "valid_layer_decode_conv_states": decode(2, PADDED, lengths=[1, 0, 3], layer=CONV | BIAS | CONV_STATES | ONE_POOL
+                                             | GATE, width=4, shape=FULL_STATE_WIDTH),
+    "valid_layer_decode_padding": decode(1, DECODE_PADDING, lengths=[2, 1], layer=CONV | CONV_STATES | CHANNEL_LAST
+                                         | F32_WEIGHTS, width=2),
+    "refused_layer_conv_plan_without_flag": fwd(1, batch=1, tokens=3, layer=CONV, shape=NO_PLAN_FLAG),
+    "refused_layer_conv_slot_table": decode(1, TABLE | ACCEPTED, batch=1, tokens=2, layer=CONV | CONV_STATES),
+    "layer_conv_state_over_another": fwd(1, INITIAL, batch=1, tokens=4, layer=CONV | CONV_STATES, width=3)
+    + alias(FWD_SLOTS, "layer.conv_state_k", 14),
+    "layer_conv_state_pool_block_moved": decode(1, batch=2, tokens=1, layer=CONV | CONV_STATES | ONE_POOL)
+    + fault(DECODE_SLOTS, "layer.conv_state_v", DATA_PLUS, plus(-2)),
+    "layer_out_norm_eps_zero": fwd(1, batch=1, tokens=2, layer=GATE) + bytes([len(FWD_SLOTS), NORM_EPS]) + raw(0),
     # struct_size, num_heads 2, head dims, state dtype and layout, backend,
     # lower_bound -5, null slot rule, debug checks, gate and beta modes.
     "valid_plan_desc": plan_create(0, 0),
