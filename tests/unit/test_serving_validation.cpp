@@ -206,7 +206,6 @@ std::vector<BadPrefill> bad_prefill_calls() {
       {"checkpoints with 3 heads", kContiguous, [](A& a, F&) { a.checkpoints.shape[2] = 3; }, "checkpoints: expected shape [3, 2, 1, 128, 128]"},
       {"checkpoints overlapping across C", kContiguous, [](A& a, F&) { a.checkpoints.strides[1] = 0; }, "checkpoints: strides"},
       {"checkpoints rows strided", kContiguous, [](A& a, F&) { a.checkpoints.strides[3] = 256; }, "checkpoints: each state must be contiguous"},
-      {"checkpoints over final_state", kContiguous, [](A& a, F&) { a.checkpoints.data = a.final_state.data; }, "checkpoints: overlaps final_state"},
       {"state_pool over initial_state", kContiguous, [](A& a, F& f) { a.checkpoints = FKDA_TENSOR_NONE; a.checkpoint_slots = f.by_slot().checkpoint_slots; a.state_pool = tensor(a.initial_state.data, FKDA_DTYPE_F32, {1, 1, kD, kD}); }, "state_pool: overlaps initial_state"},
       {"out over q", kBySlot, [](A& a, F&) { a.out.data = a.q.data; }, "out: overlaps q"},
       {"out over the pool", kBySlot, [](A& a, F&) { a.out.data = a.state_pool.data; }, "out: overlaps state_pool"},
@@ -217,6 +216,9 @@ std::vector<BadPrefill> bad_prefill_calls() {
       {"checkpoints over initial_state", kContiguous, [](A& a, F&) { a.initial_state.data = a.checkpoints.data; }, "checkpoints: overlaps initial_state"},
       {"out over has_initial_state", kBySlot, [](A& a, F& f) { a.has_initial_state.data = reinterpret_cast<unsigned char*>(f.out.data()) + 64; }, "out: overlaps has_initial_state"},
       {"state_pool over checkpoint_slots", kBySlot, [](A& a, F&) { a.checkpoint_slots.data = a.state_pool.data; }, "state_pool: overlaps checkpoint_slots"},
+      // The smaller buffer moved into the larger: the other way round, the
+      // checkpoints' span would reach whatever the allocator placed after
+      // final_state, and the message could name that argument instead.
       {"final_state over the checkpoints", kContiguous, [](A& a, F&) { a.final_state.data = a.checkpoints.data; }, "checkpoints: overlaps final_state"},
       {"state index past the pool", kBySlot, [](A&, F& f) { f.slots[1] = 8; }, "state_indices[1]: slot 8 is outside the pool's 8 slots (sequence 1)"},
       {"checkpoint offset not a multiple of 16", kBySlot, [](A&, F& f) { f.offsets[2] = 20; }, "checkpoint_offsets[1][0]: 20 is not a multiple of 16 in [16, 40] (sequence 1 has 40 tokens)"},
