@@ -272,14 +272,22 @@ __device__ __forceinline__ void head_blocks_wait(int vsplit) {
 #endif
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The shared-memory address, in block `rank` of the cluster, of what `local`
+// is in this block.
+__device__ __forceinline__ uint32_t head_block_address(const float* local, int rank) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(local));
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
+  return remote;
+}
+#endif
+
 // `local` (this block's shared memory) as block `rank` of the cluster holds it.
 __device__ __forceinline__ float load_head_block_shared(const float* local, int rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(local));
-  uint32_t remote;
   float x;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(remote) : "memory");
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(head_block_address(local, rank)) : "memory");
   return x;
 #else
   (void)rank;
@@ -289,13 +297,10 @@ __device__ __forceinline__ float load_head_block_shared(const float* local, int 
 
 __device__ __forceinline__ float4 load_head_block_shared4(const float* local, int rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(local));
-  uint32_t remote;
   float4 x;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
   asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
                : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
-               : "r"(remote)
+               : "r"(head_block_address(local, rank))
                : "memory");
   return x;
 #else
