@@ -63,6 +63,14 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_layer_smem_bytes(int32_t max_
   return fkda_decode_layer_conv_offset(max_tokens, warps) + max_tokens * 2 * FKDA_HEAD_DIM * 4;
 }
 
+/* The layer kernels' state, staged: after every array above, each thread's
+ * pieces of its four rows, where its asynchronous copies from the pool put
+ * them: 256 bytes a thread for an f32 pool, 128 for a bf16 one
+ * (decode_recurrence.cuh, "Staging"). */
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_staged_state_bytes(int32_t warps, int32_t state_is_bf16) {
+  return warps * 32 * (state_is_bf16 ? 128 : 256);
+}
+
 typedef struct FkdaDecodeParams {
   FkdaRecurrenceCall call;
 

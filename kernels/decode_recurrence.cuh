@@ -14,18 +14,19 @@
 //   [N] indices: S rounded to the pool dtype -> the slot it came from
 //
 // The rows of S evolve independently, so block (n * vsplit + z, h) takes
-// `rows` = 16 x warps of them, starting at z x rows, and keeps them in
-// registers for all the sequence's tokens: each state element is read once
-// and written once per call ([N] indices) or once per token (table). Within a
-// warp, each group of 8 lanes owns four adjacent rows and splits the 128 K
-// columns into 16 a lane, taken as four runs of 4 ("quads") placed so that
-// every global access of a group is one contiguous 128-byte segment of a row:
-// dot products over K are 16 fused multiply-adds and three shuffles.
+// `rows` = 16 x warps of them, starting at z x rows. Within a warp, each
+// group of 8 lanes owns four adjacent rows and splits the 128 K columns into
+// 16 a lane, taken as four runs of 4 ("quads") placed so that every global
+// access of a group is one contiguous 128-byte segment of a row: dot products
+// over K are 16 fused multiply-adds and three shuffles. Each state element is
+// read once and written once per call ([N] indices) or once per token
+// (table).
 //
-// Before the steps, the block's warps prepare every token's normalised key
-// and query, decay and beta (one warp per token, each lane 4 channels) into
-// shared memory, with the block's rows of v; the state loads are issued
-// first, so they are in flight during that work.
+// The state is staged (below): the block's copies of its rows into shared
+// memory are issued first, and while they are in flight the block's warps
+// prepare every token's normalised key and query, decay and beta (one warp
+// per token, each lane 4 channels) into shared memory, with the block's rows
+// of v. Then each row takes every token in registers and is stored.
 //
 // Every exp, division and square root is the accurate one, not the hardware
 // approximation of the prefill's gate: an f32 pool is compared with the fp64
@@ -46,11 +47,9 @@
 namespace fkda_dev {
 
 constexpr int kDecodeColumnsPerLane = 16;
-// Rows per group of 8 lanes: four, so that a lane keeps 16 independent
-// 16-byte state accesses in flight (8 for a bf16 pool) and the per-block
-// preparation of the tokens serves twice the rows it served with two.
+// Rows per group of 8 lanes: four, so that the per-block preparation of the
+// tokens serves 16 rows a warp.
 constexpr int kDecodeRowsPerGroup = FKDA_DECODE_ROWS_PER_WARP / 4;
-using StateRows = float[kDecodeRowsPerGroup][kDecodeColumnsPerLane];
 
 // First K column of quad m (0..3) of lane l (0..7) of a group. An f32 row
 // is read as four 16-byte pieces, quad m at piece 8 m + l; a bf16 row as two,
@@ -60,13 +59,14 @@ __device__ __forceinline__ int quad_column(int m, int l) {
   return kBf16 ? ((m >> 1) * 8 + l) * 8 + (m & 1) * 4 : (m * 8 + l) * 4;
 }
 
-// A group's kDecodeRowsPerGroup rows e, e + 1, ... of one V x K (or K x V)
-// matrix: s[r][4 m + i] is row e + r, column quad_column(m, l) + i. Every
+// The plain kernels' loads: a group's kDecodeRowsPerGroup rows e, e + 1,
+// ... of one V x K (or K x V) matrix, into registers: s[r][4 m + i] is row e + r, column quad_column(m, l) + i. Every
 // load is issued before any value is used (all unrolled, no dependence
 // between them), so a lane has all of its rows' bytes in flight at once.
 // Streaming cache hints: each element is used once per call.
 template <bool kBf16, bool kKV>
-__device__ __forceinline__ void load_state_rows(const void* matrix, int e, int l, StateRows& s) {
+__device__ __forceinline__ void load_state_rows(const void* matrix, int e, int l,
+                                                float (&s)[kDecodeRowsPerGroup][kDecodeColumnsPerLane]) {
   if (!kKV) {
 #pragma unroll
     for (int r = 0; r < kDecodeRowsPerGroup; ++r) {
@@ -122,47 +122,182 @@ __device__ __forceinline__ void load_state_rows(const void* matrix, int e, int l
   }
 }
 
-// The inverse of load_state_rows, rounding to bf16 (nearest even) for a bf16 pool.
+// ---- Staging of the state (the layer kernels) ----
+// A thread's state bytes reach shared memory through asynchronous copies
+// (cp.async), issued as soon as the slot is known: in flight they hold no
+// register, and a thread then works on one of its rows at a time, so a
+// multiprocessor holds more blocks than it would with all four rows in
+// registers, each with all of its state bytes in flight. Piece j of a thread
+// lies at (j x blockDim + thread) x piece bytes, so a warp's accesses to one
+// piece are contiguous and free of bank conflicts.
 template <bool kBf16, bool kKV>
-__device__ __forceinline__ void store_state_rows(void* matrix, int e, int l, const StateRows& s) {
-  if (!kKV) {
+struct StatePieces {
+  static constexpr int kCount = kBf16 && !kKV ? 8 : 16;
+  static constexpr int kBytes = kBf16 && kKV ? 8 : 16;
+};
+
+// The pool element (of one V x K or K x V matrix) where piece j of the
+// group's rows e .. e + 3 starts. V x K: f32 row e + j / 4, quad j % 4
+// (s[j / 4][4 (j % 4) ..]); bf16 row e + j / 2, quads 2 (j % 2) and the next
+// (s[j / 2][8 (j % 2) ..]). K x V: column quad_column(j / 4, l) + j % 4 of
+// the four rows, which are adjacent (s[0 .. 3][j]); e is a multiple of 4 and
+// the pool 16-byte aligned, so every piece is aligned.
+template <bool kBf16, bool kKV>
+__device__ __forceinline__ int state_piece_element(int j, int e, int l) {
+  if (kKV) return (quad_column<kBf16>(j / 4, l) + j % 4) * FKDA_HEAD_DIM + e;
+  if (kBf16) return (e + j / 2) * FKDA_HEAD_DIM + quad_column<true>(2 * (j % 2), l);
+  return (e + j / 4) * FKDA_HEAD_DIM + quad_column<false>(j % 4, l);
+}
+
+__device__ __forceinline__ unsigned char* staged_piece(unsigned char* staged, int j, int bytes) {
+  return staged + (j * int(blockDim.x) + int(threadIdx.x)) * bytes;
+}
+
+// Issues the copies of the thread's pieces of one matrix (bypassing L1:
+// each element is used once per call).
+template <bool kBf16, bool kKV>
+__device__ __forceinline__ void stage_state(const void* matrix, int e, int l, unsigned char* staged) {
+  using Pieces = StatePieces<kBf16, kKV>;
+  const unsigned char* pool = static_cast<const unsigned char*>(matrix);
 #pragma unroll
-    for (int r = 0; r < kDecodeRowsPerGroup; ++r) {
-      if (kBf16) {
-        uint16_t* row = static_cast<uint16_t*>(matrix) + (e + r) * FKDA_HEAD_DIM;
+  for (int j = 0; j < Pieces::kCount; ++j) {
+    const unsigned char* from = pool + state_piece_element<kBf16, kKV>(j, e, l) * (kBf16 ? 2 : 4);
+    const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(staged_piece(staged, j, Pieces::kBytes)));
+    if (Pieces::kBytes == 16) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(from) : "memory");
+    } else {
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(to), "l"(from) : "memory");
+    }
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// The thread's own copies have landed (each thread reads only its pieces).
+__device__ __forceinline__ void wait_staged_state() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Row e + r of the group's rows, in the order of quad_column: s[4 m + i] is
+// column quad_column(m, l) + i.
+template <bool kBf16, bool kKV>
+__device__ __forceinline__ void read_staged_row(unsigned char* staged, int r, float (&s)[kDecodeColumnsPerLane]) {
+  using Pieces = StatePieces<kBf16, kKV>;
+  if (kKV) {
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          uint4 w;
-          w.x = pack_bf16x2(s[r][8 * j], s[r][8 * j + 1]);
-          w.y = pack_bf16x2(s[r][8 * j + 2], s[r][8 * j + 3]);
-          w.z = pack_bf16x2(s[r][8 * j + 4], s[r][8 * j + 5]);
-          w.w = pack_bf16x2(s[r][8 * j + 6], s[r][8 * j + 7]);
-          __stcs(reinterpret_cast<uint4*>(row + quad_column<true>(2 * j, l)), w);
-        }
-      } else {
-        float* row = static_cast<float*>(matrix) + (e + r) * FKDA_HEAD_DIM;
+    for (int j = 0; j < 16; ++j) {
+      const unsigned char* piece = staged_piece(staged, j, Pieces::kBytes);
+      s[j] = kBf16 ? bf16_bits(*reinterpret_cast<const uint16_t*>(piece + 2 * r))
+                   : *reinterpret_cast<const float*>(piece + 4 * r);
+    }
+  } else if (kBf16) {
 #pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          __stcs(reinterpret_cast<float4*>(row + quad_column<false>(m, l)),
-                 make_float4(s[r][4 * m], s[r][4 * m + 1], s[r][4 * m + 2], s[r][4 * m + 3]));
-        }
+    for (int h = 0; h < 2; ++h) {
+      const uint4 w = *reinterpret_cast<const uint4*>(staged_piece(staged, 2 * r + h, 16));
+      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        s[8 * h + 2 * i] = bf16_lo(words[i]);
+        s[8 * h + 2 * i + 1] = bf16_hi(words[i]);
       }
     }
   } else {
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
+      const float4 f = *reinterpret_cast<const float4*>(staged_piece(staged, 4 * r + m, 16));
+      s[4 * m] = f.x;
+      s[4 * m + 1] = f.y;
+      s[4 * m + 2] = f.z;
+      s[4 * m + 3] = f.w;
+    }
+  }
+}
+
+// Row `row` of a matrix from the lane's 16 values, rounded to bf16 (nearest
+// even) for a bf16 pool. V x K: 16-byte stores, a group's 8 lanes writing
+// 128 contiguous bytes each. K x V: the row is one element of each column's
+// line, so scalar stores; a kernel that takes one row at a time takes them
+// only for a table's per-token states (its call's final state goes through
+// the staged pieces, write_staged_row_kv).
+template <bool kBf16, bool kKV>
+__device__ __forceinline__ void store_state_row(void* matrix, int row, int l, const float (&s)[kDecodeColumnsPerLane]) {
+  if (kKV) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int at = (quad_column<kBf16>(m, l) + i) * FKDA_HEAD_DIM + e;
-        if (kBf16) {
-          __stcs(reinterpret_cast<uint2*>(static_cast<uint16_t*>(matrix) + at),
-                 make_uint2(pack_bf16x2(s[0][4 * m + i], s[1][4 * m + i]),
-                            pack_bf16x2(s[2][4 * m + i], s[3][4 * m + i])));
-        } else {
-          __stcs(reinterpret_cast<float4*>(static_cast<float*>(matrix) + at),
-                 make_float4(s[0][4 * m + i], s[1][4 * m + i], s[2][4 * m + i], s[3][4 * m + i]));
-        }
+    for (int j = 0; j < 16; ++j) {
+      const int at = (quad_column<kBf16>(j / 4, l) + j % 4) * FKDA_HEAD_DIM + row;
+      if (kBf16) {
+        __stcs(static_cast<unsigned short*>(matrix) + at, to_bf16(s[j]));
+      } else {
+        __stcs(static_cast<float*>(matrix) + at, s[j]);
       }
+    }
+  } else if (kBf16) {
+    uint16_t* line = static_cast<uint16_t*>(matrix) + row * FKDA_HEAD_DIM;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint4 w;
+      w.x = pack_bf16x2(s[8 * h], s[8 * h + 1]);
+      w.y = pack_bf16x2(s[8 * h + 2], s[8 * h + 3]);
+      w.z = pack_bf16x2(s[8 * h + 4], s[8 * h + 5]);
+      w.w = pack_bf16x2(s[8 * h + 6], s[8 * h + 7]);
+      __stcs(reinterpret_cast<uint4*>(line + quad_column<true>(2 * h, l)), w);
+    }
+  } else {
+    float* line = static_cast<float*>(matrix) + row * FKDA_HEAD_DIM;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      __stcs(reinterpret_cast<float4*>(line + quad_column<false>(m, l)),
+             make_float4(s[4 * m], s[4 * m + 1], s[4 * m + 2], s[4 * m + 3]));
+    }
+  }
+}
+
+// kRows of the group's rows from r0 on (s[h] is row e + r0 + h). K x V
+// with all four rows: each column's four adjacent elements in one 16- or
+// 8-byte store.
+template <bool kBf16, bool kKV, int kRows>
+__device__ __forceinline__ void store_state_rows(void* matrix, int e, int r0, int l,
+                                                 const float (&s)[kRows][kDecodeColumnsPerLane]) {
+  if constexpr (kKV && kRows == 4) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int at = state_piece_element<kBf16, true>(j, e, l);
+      if (kBf16) {
+        __stcs(reinterpret_cast<uint2*>(static_cast<uint16_t*>(matrix) + at),
+               make_uint2(pack_bf16x2(s[0][j], s[1][j]), pack_bf16x2(s[2][j], s[3][j])));
+      } else {
+        __stcs(reinterpret_cast<float4*>(static_cast<float*>(matrix) + at), make_float4(s[0][j], s[1][j], s[2][j], s[3][j]));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < kRows; ++h) store_state_row<kBf16, kKV>(matrix, e + r0 + h, l, s[h]);
+  }
+}
+
+// K x V, the call's final state: row r back into the staged pieces (which
+// read_staged_row has consumed), then every piece to the pool in one
+// 16- or 8-byte store, as it came.
+template <bool kBf16>
+__device__ __forceinline__ void write_staged_row_kv(unsigned char* staged, int r, const float (&s)[kDecodeColumnsPerLane]) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    unsigned char* piece = staged_piece(staged, j, StatePieces<kBf16, true>::kBytes);
+    if (kBf16) {
+      *reinterpret_cast<uint16_t*>(piece + 2 * r) = to_bf16(s[j]);
+    } else {
+      *reinterpret_cast<float*>(piece + 4 * r) = s[j];
+    }
+  }
+}
+
+template <bool kBf16>
+__device__ __forceinline__ void store_staged_kv(void* matrix, int e, int l, unsigned char* staged) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int at = state_piece_element<kBf16, true>(j, e, l);
+    const unsigned char* piece = staged_piece(staged, j, StatePieces<kBf16, true>::kBytes);
+    if (kBf16) {
+      __stcs(reinterpret_cast<uint2*>(static_cast<uint16_t*>(matrix) + at), *reinterpret_cast<const uint2*>(piece));
+    } else {
+      __stcs(reinterpret_cast<float4*>(static_cast<float*>(matrix) + at), *reinterpret_cast<const float4*>(piece));
     }
   }
 }
@@ -178,6 +313,17 @@ __device__ __forceinline__ void load_lane_columns(const float* row, int l, float
     x[4 * m + 1] = f.y;
     x[4 * m + 2] = f.z;
     x[4 * m + 3] = f.w;
+  }
+}
+
+template <int n>
+__device__ __forceinline__ float sum_of(const float (&x)[n]) {
+  if constexpr (n == 1) {
+    return x[0];
+  } else if constexpr (n == 2) {
+    return x[0] + x[1];
+  } else {
+    return (x[0] + x[1]) + (x[2] + x[3]);
   }
 }
 
@@ -438,8 +584,17 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   auto matrix_of = [&](int64_t slot) {
     return static_cast<unsigned char*>(p.pool) + (slot * p.pool_slot_stride + head_offset) * element_bytes;
   };
-  StateRows s;
-  load_state_rows<kBf16, kKV>(matrix_of(start_slot), e, l, s);
+  // The plain kernels load all four rows into registers; the layer kernels
+  // stage them (see the steps below).
+  constexpr bool kStaged = kLayer;
+  constexpr int kRowsAtOnce = kStaged ? 1 : kDecodeRowsPerGroup;
+  float s[kRowsAtOnce][kDecodeColumnsPerLane];
+  unsigned char* staged = decode_smem + fkda_decode_layer_smem_bytes(p.max_tokens, warps);
+  if constexpr (kStaged) {
+    stage_state<kBf16, kKV>(matrix_of(start_slot), e, l, staged);
+  } else {
+    load_state_rows<kBf16, kKV>(matrix_of(start_slot), e, l, s);
+  }
   // g_out of the thread's first item of the output gate (finish_decode_layer),
   // so that its latency passes during the steps.
   uint16_t first_gate_bits = 0;
@@ -554,59 +709,88 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   __syncthreads();
 
   // ---- the steps ----
-  for (int t = 0; t < tokens; ++t) {
-    float kk[kDecodeColumnsPerLane], dd[kDecodeColumnsPerLane];
-    load_lane_columns<kBf16>(key + t * FKDA_HEAD_DIM, l, kk);
-    load_lane_columns<kBf16>(decay + t * FKDA_HEAD_DIM, l, dd);
-    const float b = beta[t];
-    float u[kDecodeRowsPerGroup];
+  // Rows evolve independently, so the group's rows may take the tokens in
+  // turns. The plain kernels take all four at once: their chains of
+  // dependent steps overlap, and their loads went straight to registers
+  // (127 a thread, four blocks a multiprocessor). The layer kernels, whose
+  // convolution and gate leave them bound by latency rather than by
+  // bandwidth, take one row at a time from the staged state: fewer
+  // registers, five blocks resident, and partial sums to shorten each dot
+  // product's chain.
+  if constexpr (kStaged) wait_staged_state();
+  const bool gate = kLayer && p.layer.out_gate.data != nullptr;
+  constexpr int kPartials = kDecodeRowsPerGroup / kRowsAtOnce;
+#pragma unroll 1
+  for (int r0 = 0; r0 < kDecodeRowsPerGroup; r0 += kRowsAtOnce) {
+    if constexpr (kStaged) {
 #pragma unroll
-    for (int r = 0; r < kDecodeRowsPerGroup; ++r) {
-      float x = 0.f;
-#pragma unroll
-      for (int c = 0; c < kDecodeColumnsPerLane; ++c) {
-        s[r][c] *= dd[c];
-        x = fmaf(s[r][c], kk[c], x);
-      }
-      u[r] = b * (value[t * rows + local_row + r] - group_sum(x));
+      for (int h = 0; h < kRowsAtOnce; ++h) read_staged_row<kBf16, kKV>(staged, r0 + h, s[h]);
     }
-    float qq[kDecodeColumnsPerLane];
-    load_lane_columns<kBf16>(query + t * FKDA_HEAD_DIM, l, qq);
-    float o[kDecodeRowsPerGroup];
+#pragma unroll 1
+    for (int t = 0; t < tokens; ++t) {
+      float kk[kDecodeColumnsPerLane], dd[kDecodeColumnsPerLane], qq[kDecodeColumnsPerLane];
+      load_lane_columns<kBf16>(key + t * FKDA_HEAD_DIM, l, kk);
+      load_lane_columns<kBf16>(decay + t * FKDA_HEAD_DIM, l, dd);
+      load_lane_columns<kBf16>(query + t * FKDA_HEAD_DIM, l, qq);
+      const float b = beta[t];
+      float o[kRowsAtOnce];
 #pragma unroll
-    for (int r = 0; r < kDecodeRowsPerGroup; ++r) {
-      float y = 0.f;
+      for (int h = 0; h < kRowsAtOnce; ++h) {
+        const int r = r0 + h;
+        float x[kPartials] = {}, y[kPartials] = {};
 #pragma unroll
-      for (int c = 0; c < kDecodeColumnsPerLane; ++c) {
-        s[r][c] = fmaf(u[r], kk[c], s[r][c]);
-        y = fmaf(s[r][c], qq[c], y);
+        for (int c = 0; c < kDecodeColumnsPerLane; ++c) {
+          s[h][c] *= dd[c];
+          x[c % kPartials] = fmaf(s[h][c], kk[c], x[c % kPartials]);
+        }
+        const float u = b * (value[t * rows + local_row + r] - group_sum(sum_of(x)));
+#pragma unroll
+        for (int c = 0; c < kDecodeColumnsPerLane; ++c) {
+          s[h][c] = fmaf(u, kk[c], s[h][c]);
+          y[c % kPartials] = fmaf(s[h][c], qq[c], y[c % kPartials]);
+        }
+        o[h] = group_sum(sum_of(y));
       }
-      o[r] = group_sum(y);
-    }
-    // The group's four outputs in one 8-byte store: local_row and block_row
-    // are multiples of 4 and the output's data and strides are 16-byte
-    // aligned (validate.cpp, check_gpu_alignment).
-    static_assert(kDecodeRowsPerGroup == 4, "one 8-byte store of four outputs");
-    if (kLayer && p.layer.out_gate.data != nullptr) {
-      // Gated below, once the block has all 128 values of every token.
-      if (l == 0) {
-        *reinterpret_cast<float4*>(gated + t * FKDA_HEAD_DIM + local_row) = make_float4(o[0], o[1], o[2], o[3]);
+      if (gate) {
+        // Gated below, once the block has all 128 values of every token.
+        if (l == 0) {
+#pragma unroll
+          for (int h = 0; h < kRowsAtOnce; ++h) gated[t * FKDA_HEAD_DIM + local_row + r0 + h] = o[h];
+        }
+      } else if constexpr (kRowsAtOnce == 4) {
+        // The group's four outputs in one 8-byte store: local_row and
+        // block_row are multiples of 4 and the output's data and strides are
+        // 16-byte aligned (validate.cpp, check_gpu_alignment).
+        if (l == 0) {
+          *reinterpret_cast<uint2*>(out + t * p.call.out.stride_t + local_row) =
+              make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < kRowsAtOnce; ++h) {
+          if (l == r0 + h) out[t * p.call.out.stride_t + local_row + r0 + h] = to_bf16(o[h]);
+        }
       }
-    } else if (l == 0) {
-      *reinterpret_cast<uint2*>(out + t * p.call.out.stride_t + local_row) =
-          make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+      if (p.indices_are_table && write_slots[t] >= 0) {
+        store_state_rows<kBf16, kKV, kRowsAtOnce>(matrix_of(write_slots[t]), e, r0, l, s);
+      }
     }
-    if (p.indices_are_table && write_slots[t] >= 0) {
-      store_state_rows<kBf16, kKV>(matrix_of(write_slots[t]), e, l, s);
+    if (!p.indices_are_table) {
+      if constexpr (kKV && kRowsAtOnce < 4) {
+#pragma unroll
+        for (int h = 0; h < kRowsAtOnce; ++h) write_staged_row_kv<kBf16>(staged, r0 + h, s[h]);
+      } else {
+        store_state_rows<kBf16, kKV, kRowsAtOnce>(matrix_of(start_slot), e, r0, l, s);
+      }
     }
   }
+  if (kKV && kRowsAtOnce < 4 && !p.indices_are_table) store_staged_kv<kBf16>(matrix_of(start_slot), e, l, staged);
   if constexpr (kLayer) {
     finish_decode_layer(p, gated, gated + p.max_tokens * FKDA_HEAD_DIM, out, batch_row, begin, tokens, head,
                         start_slot, block_row, rows, first_gate_bits);
+    // No block leaves while another of its head may still read its sums.
+    head_blocks_wait(vsplit);
   }
-  if (!p.indices_are_table) store_state_rows<kBf16, kKV>(matrix_of(start_slot), e, l, s);
-  // No block leaves while another of its head may still read its sums.
-  if constexpr (kLayer) head_blocks_wait(FKDA_HEAD_DIM / rows);
 }
 
 }  // namespace fkda_dev
@@ -618,18 +802,20 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define FKDA_DECODE_LAYER_BOUNDS __launch_bounds__(32 * FKDA_DECODE_LAYER_WARPS, 2)
 #else
-#define FKDA_DECODE_LAYER_BOUNDS __launch_bounds__(32 * FKDA_DECODE_MAX_WARPS, 3) /* no spills, as measured with CUDA 13.0 */
+#define FKDA_DECODE_LAYER_BOUNDS __launch_bounds__(32 * FKDA_DECODE_MAX_WARPS, 5) /* no spills, as measured with CUDA 13.0 */
 #endif
-#define FKDA_DEFINE_DECODE(name, bf16, kv)                                                     \
-  extern "C" __global__ void __launch_bounds__(32 * FKDA_DECODE_MAX_WARPS) name(const FkdaDecodeParams p) { \
+// The plain kernels' blocks a multiprocessor: four (at most 128 registers)
+// where that costs no spill with CUDA 13.0, else three.
+#define FKDA_DEFINE_DECODE(name, bf16, kv, blocks)                                             \
+  extern "C" __global__ void __launch_bounds__(32 * FKDA_DECODE_MAX_WARPS, blocks) name(const FkdaDecodeParams p) { \
     fkda_dev::decode_steps<bf16, kv, false>(p);                                                  \
   }                                                                                             \
   extern "C" __global__ void FKDA_DECODE_LAYER_BOUNDS name##_layer(const FkdaDecodeParams p) {                   \
     fkda_dev::decode_steps<bf16, kv, true>(p);                                                   \
   }
-FKDA_DEFINE_DECODE(fkda_decode_f32_vk, false, false)
-FKDA_DEFINE_DECODE(fkda_decode_f32_kv, false, true)
-FKDA_DEFINE_DECODE(fkda_decode_bf16_vk, true, false)
-FKDA_DEFINE_DECODE(fkda_decode_bf16_kv, true, true)
+FKDA_DEFINE_DECODE(fkda_decode_f32_vk, false, false, 4)
+FKDA_DEFINE_DECODE(fkda_decode_f32_kv, false, true, 3)
+FKDA_DEFINE_DECODE(fkda_decode_bf16_vk, true, false, 4)
+FKDA_DEFINE_DECODE(fkda_decode_bf16_kv, true, true, 4)
 #undef FKDA_DEFINE_DECODE
 #undef FKDA_DECODE_LAYER_BOUNDS

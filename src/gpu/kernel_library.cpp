@@ -121,13 +121,15 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
                                           " bytes of shared memory per block; the recurrence kernel needs " +
                                           std::to_string(fkda_recurrence_smem_bytes(kMaxVsplit)));
   }
-  auto allow_smem = [&](const NamedKernel& kernel, int bytes) {
-    CUresult result = d.cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes, kernel.kernel,
-                                             device);
+  auto set_attribute = [&](const NamedKernel& kernel, CUfunction_attribute attribute, int value, const char* what) {
+    CUresult result = d.cuKernelSetAttribute(attribute, value, kernel.kernel, device);
     if (result != CUDA_SUCCESS) {
-      fail(FKDA_ERROR_DRIVER, std::string("cuKernelSetAttribute(") + kernel.name +
-                                  ", max dynamic shared memory) failed: " + cuda::describe(result));
+      fail(FKDA_ERROR_DRIVER, std::string("cuKernelSetAttribute(") + kernel.name + ", " + what +
+                                  ") failed: " + cuda::describe(result));
     }
+  };
+  auto allow_smem = [&](const NamedKernel& kernel, int bytes) {
+    set_attribute(kernel, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes, "max dynamic shared memory");
   };
   for (int vsplit = 1; vsplit <= kMaxVsplit; vsplit *= 2) {
     const int bytes = fkda_recurrence_smem_bytes(vsplit);
@@ -140,16 +142,32 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
       allow_smem(k.segment_recurrence[vsplit - 1], bytes);
     }
   }
-  // The decode's layer kernels, at their most (16 tokens): above the default
-  // 48 KB with the convolution.
-  const int decode_layer_bytes = std::max(fkda_decode_layer_smem_bytes(FKDA_DECODE_MAX_TOKENS, FKDA_DECODE_MAX_WARPS),
-                                          fkda_decode_layer_smem_bytes(FKDA_DECODE_MAX_TOKENS, FKDA_DECODE_LAYER_WARPS));
+  // The decode's layer kernels, at their most (16 tokens, an f32 pool's
+  // staged state): above the default 48 KB.
+  const int decode_layer_bytes =
+      std::max(fkda_decode_layer_smem_bytes(FKDA_DECODE_MAX_TOKENS, FKDA_DECODE_MAX_WARPS) +
+                   fkda_decode_staged_state_bytes(FKDA_DECODE_MAX_WARPS, 0),
+               fkda_decode_layer_smem_bytes(FKDA_DECODE_MAX_TOKENS, FKDA_DECODE_LAYER_WARPS) +
+                   fkda_decode_staged_state_bytes(FKDA_DECODE_LAYER_WARPS, 0));
   if (decode_layer_bytes > facts.max_dynamic_smem) {
     fail(FKDA_ERROR_UNSUPPORTED_ARCH, "device allows " + std::to_string(facts.max_dynamic_smem) +
                                           " bytes of shared memory per block; the decode's layer step needs " +
                                           std::to_string(decode_layer_bytes));
   }
-  for (const NamedKernel& kernel : k.decode_layer) allow_smem(kernel, decode_layer_bytes);
+  // The decode is bound by how many blocks, and bytes in flight, a
+  // multiprocessor holds, and its shared memory is one of the limits (the
+  // prepared tokens; the layer kernels' staged state): left to choose, the
+  // driver may split the multiprocessor's memory in favour of L1, which the
+  // decode's streaming accesses do not use.
+  auto prefer_shared = [&](const NamedKernel& kernel) {
+    set_attribute(kernel, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED,
+                  "shared memory carveout");
+  };
+  for (const NamedKernel& kernel : k.decode) prefer_shared(kernel);
+  for (const NamedKernel& kernel : k.decode_layer) {
+    allow_smem(kernel, decode_layer_bytes);
+    prefer_shared(kernel);
+  }
   // Devices with less shared memory than the scan needs run prefill serially
   // (chunk_parallel_possible below).
   facts.segment_scan_fits = FKDA_SCAN_SMEM_BYTES <= facts.max_dynamic_smem &&
