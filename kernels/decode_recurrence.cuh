@@ -712,7 +712,8 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   // Rows evolve independently, so the group's rows may take the tokens in
   // turns. The plain kernels take all four at once: their chains of
   // dependent steps overlap, and their loads went straight to registers
-  // (127 a thread, four blocks a multiprocessor). The layer kernels, whose
+  // (about 140 a thread, three blocks a multiprocessor; capped at 128 for
+  // four blocks, the H200 ran D4 6% slower). The layer kernels, whose
   // convolution and gate leave them bound by latency rather than by
   // bandwidth, take one row at a time from the staged state: fewer
   // registers, five blocks resident, and partial sums to shorten each dot
@@ -804,18 +805,16 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
 #else
 #define FKDA_DECODE_LAYER_BOUNDS __launch_bounds__(32 * FKDA_DECODE_MAX_WARPS, 5) /* no spills, as measured with CUDA 13.0 */
 #endif
-// The plain kernels' blocks a multiprocessor: four (at most 128 registers)
-// where that costs no spill with CUDA 13.0, else three.
-#define FKDA_DEFINE_DECODE(name, bf16, kv, blocks)                                             \
-  extern "C" __global__ void __launch_bounds__(32 * FKDA_DECODE_MAX_WARPS, blocks) name(const FkdaDecodeParams p) { \
+#define FKDA_DEFINE_DECODE(name, bf16, kv)                                                     \
+  extern "C" __global__ void __launch_bounds__(32 * FKDA_DECODE_MAX_WARPS) name(const FkdaDecodeParams p) { \
     fkda_dev::decode_steps<bf16, kv, false>(p);                                                  \
   }                                                                                             \
   extern "C" __global__ void FKDA_DECODE_LAYER_BOUNDS name##_layer(const FkdaDecodeParams p) {                   \
     fkda_dev::decode_steps<bf16, kv, true>(p);                                                   \
   }
-FKDA_DEFINE_DECODE(fkda_decode_f32_vk, false, false, 4)
-FKDA_DEFINE_DECODE(fkda_decode_f32_kv, false, true, 3)
-FKDA_DEFINE_DECODE(fkda_decode_bf16_vk, true, false, 4)
-FKDA_DEFINE_DECODE(fkda_decode_bf16_kv, true, true, 4)
+FKDA_DEFINE_DECODE(fkda_decode_f32_vk, false, false)
+FKDA_DEFINE_DECODE(fkda_decode_f32_kv, false, true)
+FKDA_DEFINE_DECODE(fkda_decode_bf16_vk, true, false)
+FKDA_DEFINE_DECODE(fkda_decode_bf16_kv, true, true)
 #undef FKDA_DEFINE_DECODE
 #undef FKDA_DECODE_LAYER_BOUNDS

@@ -154,19 +154,14 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
                                           " bytes of shared memory per block; the decode's layer step needs " +
                                           std::to_string(decode_layer_bytes));
   }
-  // The decode is bound by how many blocks, and bytes in flight, a
-  // multiprocessor holds, and its shared memory is one of the limits (the
-  // prepared tokens; the layer kernels' staged state): left to choose, the
-  // driver may split the multiprocessor's memory in favour of L1, which the
-  // decode's streaming accesses do not use.
-  auto prefer_shared = [&](const NamedKernel& kernel) {
-    set_attribute(kernel, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED,
-                  "shared memory carveout");
-  };
-  for (const NamedKernel& kernel : k.decode) prefer_shared(kernel);
+  // The layer kernels stage their state in shared memory to keep more
+  // blocks, and their bytes, in flight: left to choose, the driver may split
+  // the multiprocessor's memory in favour of L1, which their streaming
+  // accesses do not use.
   for (const NamedKernel& kernel : k.decode_layer) {
     allow_smem(kernel, decode_layer_bytes);
-    prefer_shared(kernel);
+    set_attribute(kernel, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED,
+                  "shared memory carveout");
   }
   // Devices with less shared memory than the scan needs run prefill serially
   // (chunk_parallel_possible below).
