@@ -493,8 +493,7 @@ __device__ __forceinline__ uint16_t out_gate_bits(const FkdaDecodeParams& p, int
                int64_t(head) * g_out.stride_h + col);
 }
 
-// The layer step's end, after the recurrence's steps and before the state's
-// store (a release barrier waits for the stores before it): the output gate over
+// The layer step's end, after the recurrence's steps: the output gate over
 // all 128 values of each token (`gated`, the block's rows at their local
 // place; `partial`, [tokens] sums of squares of them, exchanged between the
 // head's blocks) and the conv states. `out` points at the block's first row;
@@ -514,10 +513,9 @@ __device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, f
       x = warp_sum(x);
       if (lane == 0) partial[t] = x;
     }
-  }
-  // The partial sums are visible to the head's blocks.
-  head_blocks_sync(vsplit);
-  if (gate) {
+    // The partial sums are visible to the head's blocks. (Without the gate
+    // nothing needs a barrier here: the convolution's ordered its reads.)
+    head_blocks_sync(vsplit);
     for (int item = threadIdx.x; item < tokens * rows; item += blockDim.x) {
       const int t = item / rows, local = item % rows;
       const float g = bf16_bits(item == int(threadIdx.x) ? first_gate_bits

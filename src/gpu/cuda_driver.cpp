@@ -85,7 +85,7 @@ Loaded load() {
             resolve(get_proc, "cuKernelSetAttribute", d.cuKernelSetAttribute, r) &&
             resolve(get_proc, "cuLaunchKernel", d.cuLaunchKernel, r) &&
             resolve(get_proc, "cuLaunchKernelEx", d.cuLaunchKernelEx, r) &&
-            resolve(get_proc, "cuFuncGetAttribute", d.cuFuncGetAttribute, r) &&
+            resolve(get_proc, "cuKernelGetAttribute", d.cuKernelGetAttribute, r) &&
             resolve(get_proc, "cuStreamSynchronize", d.cuStreamSynchronize, r) &&
             resolve(get_proc, "cuMemcpyDtoH", d.cuMemcpyDtoH, r);
   if (!ok) return loaded;

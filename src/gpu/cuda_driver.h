@@ -32,7 +32,7 @@ struct Driver {
   // Launches in clusters (the decode's layer step), and what a loaded
   // kernel was compiled for.
   CUresult (*cuLaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**) = nullptr;
-  CUresult (*cuFuncGetAttribute)(int*, CUfunction_attribute, CUfunction) = nullptr;
+  CUresult (*cuKernelGetAttribute)(int*, CUfunction_attribute, CUkernel, CUdevice) = nullptr;
   // Debug checks only: they copy device-side indices to the host.
   CUresult (*cuStreamSynchronize)(CUstream) = nullptr;
   CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t) = nullptr;

@@ -56,7 +56,7 @@ void decode(const DecodeProblem& problem, CUstream stream) {
   const int index = decode_kernel_index(params.call.state_is_bf16 != 0, params.call.state_is_kv != 0);
   const ResolvedKernel kernel =
       resolve(context, layer ? context.kernels.decode_layer[index] : context.kernels.decode[index]);
-  const bool clusters = layer && compiled_arch(context, kernel) >= 90;
+  const bool clusters = layer && context.facts.decode_layer_clusters;
   params.warps = layer && !clusters ? FKDA_DECODE_LAYER_WARPS
                                     : choose_warps(problem.num_seqs * problem.num_heads, context.facts.sm_count);
   if (layer) params.layer = kernel_layer(problem.layer);

@@ -163,6 +163,17 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
     set_attribute(kernel, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED,
                   "shared memory carveout");
   }
+  // The virtual architecture the device's code of the layer kernels was
+  // compiled for (80, 90, ...), what their source could use whatever the
+  // device; every kernel comes from the one embedded image, so one answers.
+  int layer_arch = 0;
+  const CUresult arch_result = d.cuKernelGetAttribute(&layer_arch, CU_FUNC_ATTRIBUTE_PTX_VERSION,
+                                                      k.decode_layer[0].kernel, device);
+  if (arch_result != CUDA_SUCCESS) {
+    fail(FKDA_ERROR_DRIVER, std::string("cuKernelGetAttribute(") + k.decode_layer[0].name +
+                                ", PTX version) failed: " + cuda::describe(arch_result));
+  }
+  facts.decode_layer_clusters = layer_arch >= 90;
   // Devices with less shared memory than the scan needs run prefill serially
   // (chunk_parallel_possible below).
   facts.segment_scan_fits = FKDA_SCAN_SMEM_BYTES <= facts.max_dynamic_smem &&
@@ -246,13 +257,6 @@ void launch_clusters(const LaunchContext& context, const ResolvedKernel& kernel,
     fail(FKDA_ERROR_LAUNCH_FAILED, std::string("launch of ") + kernel.name + " in clusters of " +
                                        std::to_string(cluster_x) + " failed: " + cuda::describe(result));
   }
-}
-
-int compiled_arch(const LaunchContext& context, const ResolvedKernel& kernel) {
-  int version = 0;
-  cuda::check(context.driver.cuFuncGetAttribute(&version, CU_FUNC_ATTRIBUTE_PTX_VERSION, kernel.function),
-              "cuFuncGetAttribute(PTX version)");
-  return version;
 }
 
 }  // namespace fkda::gpu

@@ -68,6 +68,10 @@ struct DeviceFacts {
   int sm_count = 0;
   int max_dynamic_smem = 0;  // opt-in limit per block
   bool segment_scan_fits = false;  // the chunk-parallel kernels' shared memory fits
+  // The decode's layer kernels run as clusters of a head's blocks: their
+  // code for this device was compiled for compute 9.0 or later (a
+  // compute_80-only build keeps its one-block-per-head form on any device).
+  bool decode_layer_clusters = false;
 };
 
 // Everything a launch needs: the driver, the kernels and the current
@@ -101,10 +105,6 @@ void launch(const LaunchContext& context, const NamedKernel& kernel, unsigned gr
 // The same in clusters of cluster_x blocks along x (grid_x a multiple of it).
 void launch_clusters(const LaunchContext& context, const ResolvedKernel& kernel, unsigned cluster_x, unsigned grid_x,
                      unsigned grid_y, unsigned threads, unsigned smem, CUstream stream, void* params);
-
-// The virtual architecture a resolved kernel's code was compiled for (80,
-// 90, ...): what the kernel's source could use, whatever the device.
-int compiled_arch(const LaunchContext& context, const ResolvedKernel& kernel);
 
 // Each kernel's parameters travel in the launch's 4 KB of parameter space.
 static_assert(sizeof(FkdaPrefillParams) <= 4096, "FkdaPrefillParams exceeds the kernel parameter space");

@@ -153,8 +153,8 @@ static CUresult stub_launch_ex(const CUlaunchConfig* config, CUfunction f, void*
 }
 
 /* Every kernel as compiled for compute_90, the build's newest PTX. */
-static CUresult stub_function_attribute(int* value, CUfunction_attribute which, CUfunction f) {
-  (void)f;
+static CUresult stub_kernel_get_attribute(int* value, CUfunction_attribute which, CUkernel kernel, CUdevice device) {
+  (void)kernel, (void)device;
   *value = which == CU_FUNC_ATTRIBUTE_PTX_VERSION ? 90 : 0;
   return CUDA_SUCCESS;
 }
@@ -185,7 +185,7 @@ static const struct entry entries[] = {
     {"cuKernelSetAttribute", (void*)stub_kernel_attribute},
     {"cuLaunchKernel", (void*)stub_launch},
     {"cuLaunchKernelEx", (void*)stub_launch_ex},
-    {"cuFuncGetAttribute", (void*)stub_function_attribute},
+    {"cuKernelGetAttribute", (void*)stub_kernel_get_attribute},
     {"cuStreamGetCtx", (void*)stub_unreached},
     {"cuStreamSynchronize", (void*)stub_unreached},
     {"cuMemcpyDtoH", (void*)stub_unreached},
