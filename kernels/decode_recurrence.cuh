@@ -546,10 +546,6 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   const int local_row = warp * FKDA_DECODE_ROWS_PER_WARP + (lane >> 3) * kDecodeRowsPerGroup;
   const int e = block_row + local_row;
 
-  // Without accepted counts the starting slot is in column 0: its load is
-  // issued with the offsets', so that the state's loads wait on one latency
-  // instead of two in a row (row n of the table exists for every n).
-  const int64_t column0_index = p.num_accepted.data == nullptr ? load_index(p.state_indices, n, 0) : -1;
   int64_t batch_row = n, begin = 0, end = p.call.seq_len;
   if (p.call.cu_seqlens != nullptr) {
     batch_row = 0;
@@ -563,12 +559,14 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   // The slot the state starts from; -1 makes the sequence padding.
   int64_t start_slot = -1;
   if (length <= p.max_tokens) {
-    int64_t index = column0_index;
+    int64_t column = 0;
     if (p.num_accepted.data != nullptr) {
       const int64_t accepted = load_index(p.num_accepted, n, 0);
-      index = accepted >= 1 && accepted <= p.state_indices.cols ? load_index(p.state_indices, n, accepted - 1) : -1;
+      column = accepted >= 1 && accepted <= p.state_indices.cols ? accepted - 1 : -1;
     }
-    start_slot = usable_slot(index, p.call.first_real_slot, p.pool_slots);
+    if (column >= 0) {
+      start_slot = usable_slot(load_index(p.state_indices, n, column), p.call.first_real_slot, p.pool_slots);
+    }
   }
 
   uint16_t* out = static_cast<uint16_t*>(p.call.out.data) + batch_row * p.call.out.stride_b + int64_t(head) * p.call.out.stride_h +
