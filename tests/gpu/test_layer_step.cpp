@@ -36,6 +36,9 @@ constexpr double kFwdOut = 6e-3;
 constexpr double kDecodeOut = 4e-3;
 constexpr double kState = 2e-3;
 constexpr double kDecodeState = 2e-6;  // f32 pool, the decode's exact arithmetic
+// bf16 pool: both round the same f32 state, so they differ where a value
+// sits next to a rounding boundary, by one bf16 step (2^-8 relative).
+constexpr double kDecodeBf16State = 2e-3;
 
 struct LayerCase {
   std::string name;
@@ -56,6 +59,8 @@ struct LayerCase {
   bool fresh_first = false;  // fwd: has_initial_state (bool), 0 for sequence 0
   fkda_null_slot_rule null_slot_rule = FKDA_NULL_SLOT_NEGATIVE;
   int64_t window_slots = 0;  // the plan's (fwd)
+  fkda_dtype pool_dtype = FKDA_DTYPE_F32;  // the recurrent states' pool
+  fkda_state_layout layout = FKDA_STATE_LAYOUT_VK;
   uint64_t seed = 7;
 };
 
@@ -162,7 +167,7 @@ struct LayerSetup {
         dt_bias(p.dt_bias.empty() ? std::vector<float>(1) : p.dt_bias),
         cu_seqlens(p.cu_seqlens),
         out(std::vector<uint16_t>(p.q.size(), 0xFFFF)),
-        pool(random_floats(size_t(slots * lc.H * kDim * kDim), lc.seed + 1, 0.5f)),
+        pool(in_dtype(random_floats(size_t(slots * lc.H * kDim * kDim), lc.seed + 1, 0.5f), lc.pool_dtype)),
         weights(in_dtype(weight_values(lc, channels, lc.seed + 2), lc.weight_dtype)),
         biases(in_dtype(random_floats(size_t(3 * channels), lc.seed + 3, 0.3f), lc.weight_dtype)),
         conv_states(in_dtype(random_floats(size_t(slots * 3 * channels * lc.state_width), lc.seed + 4, 1.f),
@@ -246,7 +251,7 @@ struct LayerSetup {
     b.cu_seqlens = p.cu_seqlens.empty() ? nullptr : cu_seqlens.at(gpu);
     return b;
   }
-  fkda_tensor pool_tensor(bool gpu) { return tensor(pool.at(gpu), FKDA_DTYPE_F32, {slots, p.H, kDim, kDim}); }
+  fkda_tensor pool_tensor(bool gpu) { return tensor(pool.at(gpu), c.pool_dtype, {slots, p.H, kDim, kDim}); }
 
   fkda_fwd_args fwd_args(bool gpu) {
     fkda_fwd_args a = make_args(p, buffers(gpu), FKDA_DTYPE_F32);
@@ -279,7 +284,7 @@ struct Outcome {
 
 fkda_plan_desc layer_plan(const LayerSetup& s, fkda_backend backend) {
   fkda_plan_desc desc =
-      plan_desc(s.p.H, s.p.lower_bound, FKDA_DTYPE_F32, FKDA_STATE_LAYOUT_VK, backend, s.c.null_slot_rule);
+      plan_desc(s.p.H, s.p.lower_bound, s.c.pool_dtype, s.c.layout, backend, s.c.null_slot_rule);
   apply_gate(s.p, &desc);
   desc.layer_step = 1;
   desc.window_slots = s.c.window_slots;
@@ -305,8 +310,14 @@ Outcome run(const LayerCase& c, bool gpu, const Call& call) {
   std::vector<uint16_t> out_bits(s.p.q.size());
   std::memcpy(out_bits.data(), s.out.host.data(), s.out.host.size());
   o.out = bf16_to_float(out_bits);
-  o.pool.resize(s.pool.host.size() / 4);
-  std::memcpy(o.pool.data(), s.pool.host.data(), s.pool.host.size());
+  if (c.pool_dtype == FKDA_DTYPE_F32) {
+    o.pool.resize(s.pool.host.size() / 4);
+    std::memcpy(o.pool.data(), s.pool.host.data(), s.pool.host.size());
+  } else {
+    std::vector<uint16_t> bits(s.pool.host.size() / 2);
+    std::memcpy(bits.data(), s.pool.host.data(), s.pool.host.size());
+    o.pool = bf16_to_float(bits);
+  }
   o.conv_states = s.conv_states.host;
   return o;
 }
@@ -435,11 +446,26 @@ TEST_CASE("layer step: GPU fkda_decode matches the CPU backend", "[gpu][layer_st
   half.H = 4;
   half.lengths = lengths_of(70);
   cases.push_back(half);
+  // The pool's other forms: the layer kernels stage each form's rows in
+  // shared memory in its own pieces (K x V: four rows of a column each).
+  LayerCase bf16_pool = cases[0];
+  bf16_pool.name = "bf16 pool";
+  bf16_pool.pool_dtype = FKDA_DTYPE_BF16;
+  cases.push_back(bf16_pool);
+  LayerCase kv_pool = cases[0];
+  kv_pool.name = "K x V f32 pool";
+  kv_pool.layout = FKDA_STATE_LAYOUT_KV;
+  cases.push_back(kv_pool);
+  LayerCase kv_bf16_pool = wide;
+  kv_bf16_pool.name = "K x V bf16 pool, 16 tokens";
+  kv_bf16_pool.pool_dtype = FKDA_DTYPE_BF16;
+  kv_bf16_pool.layout = FKDA_STATE_LAYOUT_KV;
+  cases.push_back(kv_bf16_pool);
   for (const LayerCase& c : cases) {
     SECTION(c.name) {
       const Outcome gpu = run(c, true, decode_call);
       const Outcome cpu = run(c, false, decode_call);
-      compare(gpu, cpu, kDecodeOut, kDecodeState);
+      compare(gpu, cpu, kDecodeOut, c.pool_dtype == FKDA_DTYPE_F32 ? kDecodeState : kDecodeBf16State);
     }
   }
 }
@@ -455,5 +481,11 @@ TEST_CASE("layer step: GPU calls under the sanitizers", "[gpu][layer_step][sanit
   LayerCase c = fwd_cases()[0];
   c.lengths = {1, 1, 2};
   c.checkpoints = false;
-  (void)run(c, true, decode_call);
+  for (fkda_state_layout layout : {FKDA_STATE_LAYOUT_VK, FKDA_STATE_LAYOUT_KV}) {
+    for (fkda_dtype pool_dtype : {FKDA_DTYPE_F32, FKDA_DTYPE_BF16}) {
+      c.layout = layout;
+      c.pool_dtype = pool_dtype;
+      (void)run(c, true, decode_call);
+    }
+  }
 }
