@@ -63,7 +63,8 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_layer_smem_bytes(int32_t max_
   return fkda_decode_layer_conv_offset(max_tokens, warps) + max_tokens * 2 * FKDA_HEAD_DIM * 4;
 }
 
-/* The layer kernels' state, staged: after every array above, each thread's
+/* The layer kernels' state, staged where they run in clusters (code for
+ * sm_90 and later; decode_recurrence.cuh): after every array above, each thread's
  * pieces of its four rows, where its asynchronous copies from the pool put
  * them: 256 bytes a thread for an f32 pool, 128 for a bf16 one
  * (decode_recurrence.cuh, "Staging"). */

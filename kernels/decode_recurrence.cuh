@@ -134,7 +134,21 @@ template <bool kBf16, bool kKV>
 struct StatePieces {
   static constexpr int kCount = kBf16 && !kKV ? 8 : 16;
   static constexpr int kBytes = kBf16 && kKV ? 8 : 16;
+  static_assert(kCount * kBytes == (kBf16 ? 128 : 256),
+                "a thread's pieces fill its share of fkda_decode_staged_state_bytes");
 };
+
+// The layer kernels stage their state where they run in clusters (sm_90 and
+// later): there a block has 4 warps, and its 32 KB of staged f32 state fit
+// beside the 16-token arrays in every such device's shared memory. sm_80's
+// form, a block of 8 warps per head, would need 64 KB more than the 99 KB
+// that sm_86 and sm_89 devices allow a block, so it keeps its rows in
+// registers, four at once, like the plain kernels.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr bool kDecodeLayerStaged = false;
+#else
+constexpr bool kDecodeLayerStaged = true;
+#endif
 
 // The pool element (of one V x K or K x V matrix) where piece j of the
 // group's rows e .. e + 3 starts. V x K: f32 row e + j / 4, quad j % 4
@@ -583,8 +597,8 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     return static_cast<unsigned char*>(p.pool) + (slot * p.pool_slot_stride + head_offset) * element_bytes;
   };
   // The plain kernels load all four rows into registers; the layer kernels
-  // stage them (see the steps below).
-  constexpr bool kStaged = kLayer;
+  // of sm_90 and later stage them (see the steps below).
+  constexpr bool kStaged = kLayer && kDecodeLayerStaged;
   constexpr int kRowsAtOnce = kStaged ? 1 : kDecodeRowsPerGroup;
   float s[kRowsAtOnce][kDecodeColumnsPerLane];
   unsigned char* staged = decode_smem + fkda_decode_layer_smem_bytes(p.max_tokens, warps);
@@ -711,11 +725,10 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   // turns. The plain kernels take all four at once: their chains of
   // dependent steps overlap, and their loads went straight to registers
   // (about 140 a thread, three blocks a multiprocessor; capped at 128 for
-  // four blocks, the H200 ran D4 6% slower). The layer kernels, whose
-  // convolution and gate leave them bound by latency rather than by
-  // bandwidth, take one row at a time from the staged state: fewer
-  // registers, five blocks resident, and partial sums to shorten each dot
-  // product's chain.
+  // four blocks, the H200 ran D4 6% slower). The staged layer kernels,
+  // whose convolution and gate leave them bound by latency rather than by
+  // bandwidth, take one row at a time: fewer registers, five blocks
+  // resident, and partial sums to shorten each dot product's chain.
   if constexpr (kStaged) wait_staged_state();
   const bool gate = kLayer && p.layer.out_gate.data != nullptr;
   constexpr int kPartials = kDecodeRowsPerGroup / kRowsAtOnce;
@@ -783,7 +796,14 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       }
     }
   }
-  if (kKV && kRowsAtOnce < 4 && !p.indices_are_table) store_staged_kv<kBf16>(matrix_of(start_slot), e, l, staged);
+  if constexpr (kKV && kRowsAtOnce < 4) {
+    if (!p.indices_are_table) {
+      // The write-backs above and these loads meet in shared memory through
+      // different types: keep the compiler from moving them past each other.
+      asm volatile("" ::: "memory");
+      store_staged_kv<kBf16>(matrix_of(start_slot), e, l, staged);
+    }
+  }
   if constexpr (kLayer) {
     finish_decode_layer(p, gated, gated + p.max_tokens * FKDA_HEAD_DIM, out, batch_row, begin, tokens, head,
                         start_slot, block_row, rows, first_gate_bits);

@@ -72,8 +72,9 @@ void decode(const DecodeProblem& problem, CUstream stream) {
            unsigned(fkda_decode_smem_bytes(params.max_tokens, params.warps)), stream, &params);
     return;
   }
+  // The kernels that run in clusters also stage their state (decode_params.h).
   const unsigned smem = unsigned(fkda_decode_layer_smem_bytes(params.max_tokens, params.warps) +
-                                 fkda_decode_staged_state_bytes(params.warps, params.call.state_is_bf16));
+                                 (clusters ? fkda_decode_staged_state_bytes(params.warps, params.call.state_is_bf16) : 0));
   if (clusters) {
     launch_clusters(context, kernel, unsigned(vsplit), grid_x, unsigned(problem.num_heads), threads, smem, stream,
                     &params);

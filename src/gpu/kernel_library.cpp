@@ -142,27 +142,6 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
       allow_smem(k.segment_recurrence[vsplit - 1], bytes);
     }
   }
-  // The decode's layer kernels, at their most (16 tokens, an f32 pool's
-  // staged state): above the default 48 KB.
-  const int decode_layer_bytes =
-      std::max(fkda_decode_layer_smem_bytes(FKDA_DECODE_MAX_TOKENS, FKDA_DECODE_MAX_WARPS) +
-                   fkda_decode_staged_state_bytes(FKDA_DECODE_MAX_WARPS, 0),
-               fkda_decode_layer_smem_bytes(FKDA_DECODE_MAX_TOKENS, FKDA_DECODE_LAYER_WARPS) +
-                   fkda_decode_staged_state_bytes(FKDA_DECODE_LAYER_WARPS, 0));
-  if (decode_layer_bytes > facts.max_dynamic_smem) {
-    fail(FKDA_ERROR_UNSUPPORTED_ARCH, "device allows " + std::to_string(facts.max_dynamic_smem) +
-                                          " bytes of shared memory per block; the decode's layer step needs " +
-                                          std::to_string(decode_layer_bytes));
-  }
-  // The layer kernels stage their state in shared memory to keep more
-  // blocks, and their bytes, in flight: left to choose, the driver may split
-  // the multiprocessor's memory in favour of L1, which their streaming
-  // accesses do not use.
-  for (const NamedKernel& kernel : k.decode_layer) {
-    allow_smem(kernel, decode_layer_bytes);
-    set_attribute(kernel, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED,
-                  "shared memory carveout");
-  }
   // The virtual architecture the device's code of the layer kernels was
   // compiled for (80, 90, ...), what their source could use whatever the
   // device; every kernel comes from the one embedded image, so one answers.
@@ -174,6 +153,29 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
                                 ", PTX version) failed: " + cuda::describe(arch_result));
   }
   facts.decode_layer_clusters = layer_arch >= 90;
+  // The decode's layer kernels, at their most (16 tokens): above the default
+  // 48 KB. In clusters, blocks of FKDA_DECODE_MAX_WARPS warps that also
+  // stage an f32 pool's state; else a block of FKDA_DECODE_LAYER_WARPS per
+  // head, its rows in registers.
+  const int decode_layer_bytes =
+      facts.decode_layer_clusters
+          ? fkda_decode_layer_smem_bytes(FKDA_DECODE_MAX_TOKENS, FKDA_DECODE_MAX_WARPS) +
+                fkda_decode_staged_state_bytes(FKDA_DECODE_MAX_WARPS, 0)
+          : fkda_decode_layer_smem_bytes(FKDA_DECODE_MAX_TOKENS, FKDA_DECODE_LAYER_WARPS);
+  if (decode_layer_bytes > facts.max_dynamic_smem) {
+    fail(FKDA_ERROR_UNSUPPORTED_ARCH, "device allows " + std::to_string(facts.max_dynamic_smem) +
+                                          " bytes of shared memory per block; the decode's layer step needs " +
+                                          std::to_string(decode_layer_bytes));
+  }
+  // In clusters the layer kernels stage their state in shared memory to
+  // keep more blocks, and their bytes, in flight: left to choose, the driver
+  // may split the multiprocessor's memory in favour of L1, which their
+  // streaming accesses do not use.
+  for (const NamedKernel& kernel : k.decode_layer) {
+    allow_smem(kernel, decode_layer_bytes);
+    set_attribute(kernel, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED,
+                  "shared memory carveout");
+  }
   // Devices with less shared memory than the scan needs run prefill serially
   // (chunk_parallel_possible below).
   facts.segment_scan_fits = FKDA_SCAN_SMEM_BYTES <= facts.max_dynamic_smem &&
