@@ -68,10 +68,12 @@ static CUresult stub_device_get(CUdevice* device, int ordinal) {
 static CUresult stub_attribute(int* value, CUdevice_attribute which, CUdevice device) {
   (void)device;
   switch (which) {
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *value = 9; break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *value = 0; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *value = env_int("FKDA_STUB_CC_MAJOR", 9); break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *value = env_int("FKDA_STUB_CC_MINOR", 0); break;
     case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *value = 132; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: *value = 232448; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN:
+      *value = env_int("FKDA_STUB_SMEM_OPTIN", 232448);
+      break;
     default: *value = 0; break;
   }
   return CUDA_SUCCESS;
@@ -152,10 +154,11 @@ static CUresult stub_launch_ex(const CUlaunchConfig* config, CUfunction f, void*
   return CUDA_SUCCESS;
 }
 
-/* Every kernel as compiled for compute_90, the build's newest PTX. */
+/* Every kernel as compiled for compute_90, the build's newest PTX, unless
+ * FKDA_STUB_PTX_VERSION says otherwise (80: the code an sm_8x device runs). */
 static CUresult stub_kernel_get_attribute(int* value, CUfunction_attribute which, CUkernel kernel, CUdevice device) {
   (void)kernel, (void)device;
-  *value = which == CU_FUNC_ATTRIBUTE_PTX_VERSION ? 90 : 0;
+  *value = which == CU_FUNC_ATTRIBUTE_PTX_VERSION ? env_int("FKDA_STUB_PTX_VERSION", 90) : 0;
   return CUDA_SUCCESS;
 }
 

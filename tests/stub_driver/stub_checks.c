@@ -12,6 +12,8 @@
  *   stub_checks no_partial     a kernel that fails to resolve fails the call
  *                              before any launch of it, the layer step's
  *                              too; a GPU plan's layer step stages v alone
+ *   stub_checks small_smem     a device with 99 KB of shared memory a block,
+ *                              running the sm_80 code, serves every call
  * The stub reports every pointer as device memory and runs no kernel, so the
  * GPU calls here only reach the launches, which the stub counts.
  */
@@ -113,35 +115,55 @@ static fkda_status run_forward_with(fkda_plan_t plan, int64_t B, int64_t T, cons
 
 static fkda_status run_forward(fkda_plan_t plan, int64_t B, int64_t T) { return run_forward_with(plan, B, T, NULL); }
 
-/* fkda_fwd of one row of T tokens with the convolution (W = 4, no conv
- * states) and the output gate: the layer kernels on either side of the
- * recurrence. */
-static fkda_status run_layer_forward(fkda_plan_t plan, int64_t T) {
+/* The convolution (W = 4, no conv states) and the output gate for one row
+ * of T tokens, in zeroed host memory: the layer kernels on either side of
+ * the recurrence. */
+struct LayerInputs {
+  float* weights;
+  float* norm;
+  uint16_t* gate;
+  fkda_layer_step layer;
+};
+
+static struct LayerInputs layer_inputs(int64_t T) {
   enum { W = 4 };
   const int64_t weight_shape[2] = {H * K, W};
   const int64_t norm_shape[1] = {K};
   const int64_t gate_shape[4] = {1, T, H, K};
-  float* weights = aligned_alloc(64, 3 * H * K * W * sizeof(float));
-  float* norm = aligned_alloc(64, K * sizeof(float));
-  uint16_t* gate = aligned_alloc(64, (size_t)(T * H * K) * 2);
-  memset(weights, 0, 3 * H * K * W * sizeof(float));
-  memset(norm, 0, K * sizeof(float));
-  memset(gate, 0, (size_t)(T * H * K) * 2);
-  fkda_layer_step layer = FKDA_LAYER_STEP_INIT;
-  layer.conv_weight_q = packed(weights, FKDA_DTYPE_F32, 2, weight_shape);
-  layer.conv_weight_k = packed(weights + H * K * W, FKDA_DTYPE_F32, 2, weight_shape);
-  layer.conv_weight_v = packed(weights + 2 * H * K * W, FKDA_DTYPE_F32, 2, weight_shape);
-  layer.out_gate = packed(gate, FKDA_DTYPE_BF16, 4, gate_shape);
-  layer.out_norm_weight = packed(norm, FKDA_DTYPE_F32, 1, norm_shape);
-  const fkda_status status = run_forward_with(plan, 1, T, &layer);
-  free(weights);
-  free(norm);
-  free(gate);
+  struct LayerInputs in;
+  in.weights = aligned_alloc(64, 3 * H * K * W * sizeof(float));
+  in.norm = aligned_alloc(64, K * sizeof(float));
+  in.gate = aligned_alloc(64, (size_t)(T * H * K) * 2);
+  memset(in.weights, 0, 3 * H * K * W * sizeof(float));
+  memset(in.norm, 0, K * sizeof(float));
+  memset(in.gate, 0, (size_t)(T * H * K) * 2);
+  const fkda_layer_step none = FKDA_LAYER_STEP_INIT;
+  in.layer = none;
+  in.layer.conv_weight_q = packed(in.weights, FKDA_DTYPE_F32, 2, weight_shape);
+  in.layer.conv_weight_k = packed(in.weights + H * K * W, FKDA_DTYPE_F32, 2, weight_shape);
+  in.layer.conv_weight_v = packed(in.weights + 2 * H * K * W, FKDA_DTYPE_F32, 2, weight_shape);
+  in.layer.out_gate = packed(in.gate, FKDA_DTYPE_BF16, 4, gate_shape);
+  in.layer.out_norm_weight = packed(in.norm, FKDA_DTYPE_F32, 1, norm_shape);
+  return in;
+}
+
+static void free_layer_inputs(struct LayerInputs* in) {
+  free(in->weights);
+  free(in->norm);
+  free(in->gate);
+}
+
+/* fkda_fwd of one row of T tokens with the layer step. */
+static fkda_status run_layer_forward(fkda_plan_t plan, int64_t T) {
+  struct LayerInputs in = layer_inputs(T);
+  const fkda_status status = run_forward_with(plan, 1, T, &in.layer);
+  free_layer_inputs(&in);
   return status;
 }
 
-/* fkda_decode of one token per sequence on a pool of two slots. */
-static fkda_status run_decode(fkda_plan_t plan) {
+/* fkda_decode of one token per sequence on a pool of two slots; layer:
+ * NULL, or the layer step the call passes. */
+static fkda_status run_decode_with(fkda_plan_t plan, const fkda_layer_step* layer) {
   struct Call c = forward_call(1, 1);
   const int64_t pool_shape[4] = {2, H, K, K};
   const int64_t index_shape[1] = {1};
@@ -157,11 +179,22 @@ static fkda_status run_decode(fkda_plan_t plan) {
   d.out = c.args.out;
   d.state_pool = packed(pool, FKDA_DTYPE_F32, 4, pool_shape);
   d.state_indices = packed(&index, FKDA_DTYPE_I32, 1, index_shape);
+  if (layer != NULL) d.layer = *layer;
   size_t bytes = 0;
   fkda_status status = fkda_plan_decode_workspace_size(plan, 1, 1, &bytes);
   if (status == FKDA_SUCCESS) status = fkda_decode(plan, &d, NULL, 0, NULL);
   free(pool);
   free(c.memory);
+  return status;
+}
+
+static fkda_status run_decode(fkda_plan_t plan) { return run_decode_with(plan, NULL); }
+
+/* fkda_decode of one token with the layer step. */
+static fkda_status run_layer_decode(fkda_plan_t plan) {
+  struct LayerInputs in = layer_inputs(1);
+  const fkda_status status = run_decode_with(plan, &in.layer);
+  free_layer_inputs(&in);
   return status;
 }
 
@@ -351,13 +384,34 @@ static void no_partial(void* stub) {
   fkda_plan_destroy(plan);
 }
 
+/* A device of compute capability 8.6 that allows a block 99 KB of shared
+ * memory (sm_86 and sm_89 devices), running the sm_80 code: every call
+ * works, the decode's layer step included. */
+static void small_smem(void* stub) {
+  setenv("FKDA_STUB_CC_MAJOR", "8", 1);
+  setenv("FKDA_STUB_CC_MINOR", "6", 1);
+  setenv("FKDA_STUB_SMEM_OPTIN", "101376", 1);
+  setenv("FKDA_STUB_PTX_VERSION", "80", 1);
+  fkda_plan_t plan = make_plan(FKDA_BACKEND_GPU, NULL);
+  int before = stub_counter(stub, "fkda_stub_launches");
+  expect(run_decode(plan) == FKDA_SUCCESS, "fkda_decode on a 99 KB device");
+  expect(stub_counter(stub, "fkda_stub_launches") - before == 1, "one decode launch");
+  before = stub_counter(stub, "fkda_stub_launches");
+  expect(run_layer_decode(plan) == FKDA_SUCCESS, "fkda_decode with the layer step on a 99 KB device");
+  expect(stub_counter(stub, "fkda_stub_launches") - before == 1, "one layer decode launch");
+  before = stub_counter(stub, "fkda_stub_launches");
+  expect(run_forward(plan, 1, 64) == FKDA_SUCCESS, "fkda_fwd on a 99 KB device");
+  expect(stub_counter(stub, "fkda_stub_launches") - before > 0, "fkda_fwd launches");
+  fkda_plan_destroy(plan);
+}
+
 int main(int argc, char** argv) {
   const char* mode = argc > 1 ? argv[1] : "";
   if (strcmp(mode, "cpu_only") == 0) {
     cpu_only();
   } else if (strcmp(mode, "cpu_resident") == 0) {
     cpu_resident();
-  } else if (strcmp(mode, "tuning") == 0 || strcmp(mode, "no_partial") == 0) {
+  } else if (strcmp(mode, "tuning") == 0 || strcmp(mode, "no_partial") == 0 || strcmp(mode, "small_smem") == 0) {
     void* stub = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (stub == NULL) {
       fprintf(stderr, "no libcuda.so.1 on the library path: %s\n", dlerror());
@@ -365,11 +419,13 @@ int main(int argc, char** argv) {
     }
     if (strcmp(mode, "tuning") == 0) {
       tuning(stub);
+    } else if (strcmp(mode, "small_smem") == 0) {
+      small_smem(stub);
     } else {
       no_partial(stub);
     }
   } else {
-    fprintf(stderr, "usage: stub_checks cpu_only|cpu_resident|tuning|no_partial\n");
+    fprintf(stderr, "usage: stub_checks cpu_only|cpu_resident|tuning|no_partial|small_smem\n");
     return 2;
   }
   if (failures == 0) printf("stub_checks %s: all checks passed\n", mode);
