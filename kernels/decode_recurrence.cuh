@@ -60,9 +60,10 @@ __device__ __forceinline__ int quad_column(int m, int l) {
 }
 
 // The plain kernels' loads: a group's kDecodeRowsPerGroup rows e, e + 1,
-// ... of one V x K (or K x V) matrix, into registers: s[r][4 m + i] is row e + r, column quad_column(m, l) + i. Every
-// load is issued before any value is used (all unrolled, no dependence
-// between them), so a lane has all of its rows' bytes in flight at once.
+// ... of one V x K (or K x V) matrix, into registers: s[r][4 m + i] is row
+// e + r, column quad_column(m, l) + i. Every load is issued before any value
+// is used (all unrolled, no dependence between them), so a lane has all of
+// its rows' bytes in flight at once.
 // Streaming cache hints: each element is used once per call.
 template <bool kBf16, bool kKV>
 __device__ __forceinline__ void load_state_rows(const void* matrix, int e, int l,
@@ -235,7 +236,7 @@ __device__ __forceinline__ void store_state_row(void* matrix, int row, int l, co
   if (kKV) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      const int at = (quad_column<kBf16>(j / 4, l) + j % 4) * FKDA_HEAD_DIM + row;
+      const int at = state_piece_element<kBf16, true>(j, row, l);  // element `row` of column j's line
       if (kBf16) {
         __stcs(static_cast<unsigned short*>(matrix) + at, to_bf16(s[j]));
       } else {
@@ -330,12 +331,12 @@ __device__ __forceinline__ void load_lane_columns(const float* row, int l, float
   }
 }
 
+// A dot product's partial sums: one, or four added pairwise.
 template <int n>
 __device__ __forceinline__ float sum_of(const float (&x)[n]) {
+  static_assert(n == 1 || n == 4, "one or four partial sums");
   if constexpr (n == 1) {
     return x[0];
-  } else if constexpr (n == 2) {
-    return x[0] + x[1];
   } else {
     return (x[0] + x[1]) + (x[2] + x[3]);
   }

@@ -173,8 +173,10 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
   // streaming accesses do not use.
   for (const NamedKernel& kernel : k.decode_layer) {
     allow_smem(kernel, decode_layer_bytes);
-    set_attribute(kernel, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED,
-                  "shared memory carveout");
+    if (facts.decode_layer_clusters) {
+      set_attribute(kernel, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED,
+                    "shared memory carveout");
+    }
   }
   // Devices with less shared memory than the scan needs run prefill serially
   // (chunk_parallel_possible below).
