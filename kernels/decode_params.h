@@ -72,6 +72,44 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_staged_state_bytes(int32_t wa
   return warps * 32 * (state_is_bf16 ? 128 : 256);
 }
 
+/* The streamed decode (kernels/decode_streamed.cuh, sm_90 and later): a
+ * persistent block of FKDA_DECODE_MAX_WARPS consumer warps and one producer
+ * warp takes items of FKDA_DECODE_STREAM_ROWS rows of one (sequence, head)
+ * state in turn, the producer's bulk copies filling `stages` stages ahead of
+ * the consumers. A stage holds:
+ *   header    128 bytes        where the item's tokens and state are (FkdaStreamHeader)
+ *   state     rows x 128       the item's rows as in the pool (f32 or bf16)
+ *   dt_bias   f32 [128]        the head's row
+ *   tokens    FKDA_DECODE_STREAM_TOKENS x {q bf16 [128], k bf16 [128], g [128] (f32 room), v bf16 [rows]}
+ * Every stage starts on a 128-byte boundary. Tokens past
+ * the first FKDA_DECODE_STREAM_TOKENS of a sequence are read from global
+ * memory by the consumers. */
+#define FKDA_DECODE_STREAM_ROWS (FKDA_DECODE_MAX_WARPS * FKDA_DECODE_ROWS_PER_WARP)
+#define FKDA_DECODE_STREAM_TOKENS 2
+#define FKDA_DECODE_STREAM_MAX_STAGES 6
+#define FKDA_DECODE_STREAM_HEADER_BYTES 128
+#define FKDA_DECODE_STREAM_TOKEN_BYTES (2 * 256 + 512 + FKDA_DECODE_STREAM_ROWS * 2)
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_state_bytes(int32_t state_is_bf16) {
+  return FKDA_DECODE_STREAM_ROWS * FKDA_HEAD_DIM * (state_is_bf16 ? 2 : 4);
+}
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_stage_bytes(int32_t state_is_bf16) {
+  return FKDA_DECODE_STREAM_HEADER_BYTES + fkda_decode_stream_state_bytes(state_is_bf16) + FKDA_HEAD_DIM * 4 +
+         FKDA_DECODE_STREAM_TOKENS * FKDA_DECODE_STREAM_TOKEN_BYTES;
+}
+/* The consumers prepare one token at a time, into one of two places (the
+ * arrays of fkda_decode_smem_bytes for 2 tokens). Then come the stages'
+ * barriers (two of 8 bytes a stage) and the stages. */
+#define FKDA_DECODE_STREAM_PREPARED_TOKENS 2
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_barriers_offset(void) {
+  return (fkda_decode_smem_bytes(FKDA_DECODE_STREAM_PREPARED_TOKENS, FKDA_DECODE_MAX_WARPS) + 127) / 128 * 128;
+}
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_stages_offset(void) {
+  return fkda_decode_stream_barriers_offset() + 128;
+}
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_smem_bytes(int32_t stages, int32_t state_is_bf16) {
+  return fkda_decode_stream_stages_offset() + stages * fkda_decode_stream_stage_bytes(state_is_bf16);
+}
+
 typedef struct FkdaDecodeParams {
   FkdaRecurrenceCall call;
 
@@ -84,7 +122,7 @@ typedef struct FkdaDecodeParams {
   int32_t indices_are_table;
   int32_t max_tokens; /* sequences longer than this are treated as padding; <= FKDA_DECODE_MAX_TOKENS */
   int32_t warps;      /* per block: 1, 2 or 4; or FKDA_DECODE_LAYER_WARPS (layer step, sm_80) */
-  int32_t reserved;   /* zero */
+  int32_t stages;     /* the streamed kernels' stages a block (below); 0 for the others */
   FkdaLayerStep layer; /* conv states' rows are pool slots */
 } FkdaDecodeParams;
 

@@ -8,5 +8,6 @@
 #include "prefill_prepare.cuh"
 #include "prefill_recurrence.cuh"
 #include "decode_recurrence.cuh"
+#include "decode_streamed.cuh"
 #include "prefill_scan.cuh"
 #include "layer_step.cuh"

@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: MIT
-// Launch code of the decode kernel (kernels/decode_recurrence.cuh): one
-// launch, one block per (sequence, V slice) and head; with the layer step,
-// a head's blocks as one cluster. Allocates nothing and
+// Launch code of the decode kernels: one launch, either the streamed kernel
+// (kernels/decode_streamed.cuh) in a persistent grid, or the plain one
+// (kernels/decode_recurrence.cuh), a block per (sequence, V slice) and head;
+// with the layer step, a head's blocks as one cluster. Allocates nothing and
 // never synchronises, so a call can be captured in a CUDA graph.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -26,6 +28,28 @@ int choose_warps(int64_t seqs_times_heads, int sm_count) {
     warps /= 2;
   }
   return warps;
+}
+
+// The streamed kernels' stages a block (0: the call is not theirs). They
+// serve [N] indices on a V x K pool without the layer step, on devices that
+// run their code, with the head's dt_bias 16-byte aligned for its bulk copy.
+// A persistent grid of two blocks a multiprocessor pays off only when each
+// block has several items to pipeline: below that, the plain kernel's blocks
+// finish sooner.
+constexpr int64_t kStreamBlocksPerMultiprocessor = 2;
+constexpr int64_t kStreamMinItemsPerBlock = 2;
+int stream_stages(const DeviceFacts& facts, const DecodeProblem& problem, const FkdaDecodeParams& params,
+                  bool layer, int64_t items) {
+  if (!facts.decode_streams || layer || problem.indices_are_table || params.call.state_is_kv) return 0;
+  if (reinterpret_cast<uintptr_t>(params.call.dt_bias) % 16 != 0) return 0;
+  if (items < kStreamMinItemsPerBlock * kStreamBlocksPerMultiprocessor * facts.sm_count) return 0;
+  // The driver reserves 1 KB of a multiprocessor's shared memory a block.
+  const int64_t block_bytes = std::min<int64_t>(
+      facts.max_dynamic_smem, facts.smem_per_multiprocessor / kStreamBlocksPerMultiprocessor - 1024);
+  const int64_t room = block_bytes - fkda_decode_stream_stages_offset();
+  const int64_t stages = room / fkda_decode_stream_stage_bytes(params.call.state_is_bf16);
+  if (stages < 2) return 0;
+  return int(std::min<int64_t>(stages, FKDA_DECODE_STREAM_MAX_STAGES));
 }
 
 }  // namespace
@@ -53,6 +77,18 @@ void decode(const DecodeProblem& problem, CUstream stream) {
   // in a cluster where the kernel was compiled for sm_90 or later, else in
   // one block of all 128 rows.
   const bool layer = problem.layer.has_conv() || problem.layer.has_out_gate();
+  const int64_t stream_items = problem.num_seqs * problem.num_heads * (FKDA_HEAD_DIM / FKDA_DECODE_STREAM_ROWS);
+  params.stages = stream_stages(context.facts, problem, params, layer, stream_items);
+  if (params.stages > 0) {
+    params.warps = FKDA_DECODE_MAX_WARPS;
+    const ResolvedKernel streamed = resolve(context, context.kernels.decode_streamed[params.call.state_is_bf16]);
+    const int64_t blocks =
+        std::min<int64_t>(stream_items, kStreamBlocksPerMultiprocessor * context.facts.sm_count);
+    launch(context, streamed, unsigned(blocks), 1, 1, 32 * (FKDA_DECODE_MAX_WARPS + 1),
+           unsigned(fkda_decode_stream_smem_bytes(params.stages, params.call.state_is_bf16)),
+           stream, &params);
+    return;
+  }
   const int index = decode_kernel_index(params.call.state_is_bf16 != 0, params.call.state_is_kv != 0);
   const ResolvedKernel kernel =
       resolve(context, layer ? context.kernels.decode_layer[index] : context.kernels.decode[index]);

@@ -80,6 +80,8 @@ Kernels load_kernels(const cuda::Driver& d) {
   get(&kernels.decode_layer[decode_kernel_index(false, true)], "fkda_decode_f32_kv_layer");
   get(&kernels.decode_layer[decode_kernel_index(true, false)], "fkda_decode_bf16_vk_layer");
   get(&kernels.decode_layer[decode_kernel_index(true, true)], "fkda_decode_bf16_kv_layer");
+  get(&kernels.decode_streamed[0], "fkda_decode_streamed_f32");
+  get(&kernels.decode_streamed[1], "fkda_decode_streamed_bf16");
   get(&kernels.layer_convolve, "fkda_layer_convolve");
   get(&kernels.layer_conv_store, "fkda_layer_conv_store");
   get(&kernels.layer_gate, "fkda_layer_gate");
@@ -144,7 +146,8 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
   }
   // The virtual architecture the device's code of the layer kernels was
   // compiled for (80, 90, ...), what their source could use whatever the
-  // device; every kernel comes from the one embedded image, so one answers.
+  // device; every kernel comes from the one embedded image, so one answers
+  // (for the streamed decode too).
   int layer_arch = 0;
   const CUresult arch_result = d.cuKernelGetAttribute(&layer_arch, CU_FUNC_ATTRIBUTE_PTX_VERSION,
                                                       k.decode_layer[0].kernel, device);
@@ -174,6 +177,16 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
   for (const NamedKernel& kernel : k.decode_layer) {
     allow_smem(kernel, decode_layer_bytes);
     if (facts.decode_layer_clusters) {
+      set_attribute(kernel, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED,
+                    "shared memory carveout");
+    }
+  }
+  // The streamed decode: as many stages as fit (gpu_decode.cpp).
+  facts.smem_per_multiprocessor = attribute(d, device, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR);
+  facts.decode_streams = facts.decode_layer_clusters;
+  if (facts.decode_streams) {
+    for (const NamedKernel& kernel : k.decode_streamed) {
+      allow_smem(kernel, facts.max_dynamic_smem);
       set_attribute(kernel, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED,
                     "shared memory carveout");
     }

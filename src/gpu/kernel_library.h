@@ -55,6 +55,8 @@ struct Kernels {
   NamedKernel apply_transitions;  // fkda_apply_transitions
   NamedKernel decode[kDecodeKernelCount];
   NamedKernel decode_layer[kDecodeKernelCount];  // with the layer step
+  // The streamed decode (V x K pools, f32 [0] and bf16 [1]; sm_90 and later).
+  NamedKernel decode_streamed[2];
   // fkda_fwd's layer step (kernels/layer_step.cuh).
   NamedKernel layer_convolve;
   NamedKernel layer_conv_store;
@@ -72,6 +74,10 @@ struct DeviceFacts {
   // code for this device was compiled for compute 9.0 or later (a
   // compute_80-only build keeps its one-block-per-head form on any device).
   bool decode_layer_clusters = false;
+  // The streamed decode kernels can run: their code for this device was
+  // compiled for compute 9.0 or later (bulk copies).
+  bool decode_streams = false;
+  int smem_per_multiprocessor = 0;
 };
 
 // Everything a launch needs: the driver, the kernels and the current

@@ -690,3 +690,69 @@ TEST_CASE("decode: small cases for compute-sanitizer", "[gpu][decode][sanitize]"
   run_and_check(make_setup(b));
   run_and_check(make_setup(batched("sanitize 4 warps a block", 70, 1, 2, 72)));
 }
+
+namespace {
+
+// The batches the streamed kernel takes (src/gpu/gpu_decode.cpp: [N]
+// indices, V x K pools, at least two 64-row items for each of the two
+// blocks a multiprocessor): the fewest sequences of H heads that make it.
+int64_t streamed_sequences(int64_t H) {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int64_t items = 4 * int64_t(sms);
+  return (items + 2 * H - 1) / (2 * H);
+}
+
+// Sequences of 0 to 16 tokens: one and two tokens come whole with their
+// stage, longer ones read the rest from global memory.
+std::vector<int64_t> streamed_lengths(int64_t N) {
+  const int64_t pattern[] = {1, 3, 0, 1, 16, 2, 1, 4, 5, 1, 2, 1};
+  std::vector<int64_t> lengths;
+  for (int64_t n = 0; n < N; ++n) lengths.push_back(pattern[n % 12]);
+  return lengths;
+}
+
+}  // namespace
+
+TEST_CASE("decode: large batches (the streamed kernel) against the fp64 recurrence", "[gpu][decode][streamed]") {
+  const int64_t H = 12, N = streamed_sequences(H) + 5;
+  DecodeCase c = packed("streamed f32 packed 0-16 tokens", streamed_lengths(N), H, 80);
+  c.padded = {4, 9, 30};
+  std::vector<DecodeCase> cases = {c};
+  c = batched("streamed bf16 pool batched T=1", N, 1, H, 81);
+  c.state_dtype = FKDA_DTYPE_BF16;
+  c.rule = FKDA_NULL_SLOT_NEGATIVE;
+  c.index_dtype = FKDA_DTYPE_I64;
+  c.padded = {0, 7};
+  cases.push_back(c);
+  c = packed("streamed bf16 pool packed 0-16 tokens", streamed_lengths(N), H, 82);
+  c.state_dtype = FKDA_DTYPE_BF16;
+  cases.push_back(c);
+  c = batched("streamed log-decay gate T=2", N, 2, H, 83);
+  c.gate_mode = FKDA_GATE_LOG_DECAY;
+  cases.push_back(c);
+  c = packed("streamed softplus gate packed", streamed_lengths(N), H, 84);
+  c.gate_mode = FKDA_GATE_SOFTPLUS;
+  cases.push_back(c);
+  for (const DecodeCase& one : cases) {
+    std::printf("%-44s  %lld sequences x %lld heads, streamed\n", one.name.c_str(), (long long)(N), (long long)(H));
+    run_and_check(make_setup(one));
+  }
+}
+
+TEST_CASE("decode: the streamed kernel under bad device values, for compute-sanitizer",
+          "[gpu][decode][sanitize][streamed]") {
+  const int64_t H = 12, N = streamed_sequences(H) + 1;
+  std::vector<int64_t> lengths = streamed_lengths(N);
+  lengths[7] = 17;  // longer than a decode call serves: padding
+  Setup s = make_setup(packed("streamed bad device values", lengths, H, 90));
+  s.indices[0] = s.pool.slots;      // one past the pool
+  s.indices[5] = int64_t(1) << 30;  // far outside
+  s.indices[6] = std::numeric_limits<int32_t>::min();
+  run_and_check(s, false);
+  DecodeCase b = batched("streamed bf16 pool with padding", N, 1, H, 91);
+  b.state_dtype = FKDA_DTYPE_BF16;
+  b.padded = {1, 2, 3};
+  run_and_check(make_setup(b));
+}

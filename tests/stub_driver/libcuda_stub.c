@@ -74,6 +74,9 @@ static CUresult stub_attribute(int* value, CUdevice_attribute which, CUdevice de
     case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN:
       *value = env_int("FKDA_STUB_SMEM_OPTIN", 232448);
       break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR:
+      *value = env_int("FKDA_STUB_SMEM_PER_SM", 233472);
+      break;
     default: *value = 0; break;
   }
   return CUDA_SUCCESS;

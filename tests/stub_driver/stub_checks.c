@@ -391,6 +391,7 @@ static void small_smem(void* stub) {
   setenv("FKDA_STUB_CC_MAJOR", "8", 1);
   setenv("FKDA_STUB_CC_MINOR", "6", 1);
   setenv("FKDA_STUB_SMEM_OPTIN", "101376", 1);
+  setenv("FKDA_STUB_SMEM_PER_SM", "102400", 1);
   setenv("FKDA_STUB_PTX_VERSION", "80", 1);
   fkda_plan_t plan = make_plan(FKDA_BACKEND_GPU, NULL);
   int before = stub_counter(stub, "fkda_stub_launches");
