@@ -143,17 +143,33 @@ static CUresult stub_kernel_attribute(CUfunction_attribute which, int value, CUk
   return CUDA_SUCCESS;
 }
 
+/* The last launch: its kernel's name, grid (x), threads and dynamic shared
+ * memory, for the checks of which kernel a call chose. */
+static const char* last_kernel = "";
+static unsigned last_grid_x, last_threads, last_smem;
+STUB_API const char* fkda_stub_last_kernel(void) { return last_kernel; }
+STUB_API int fkda_stub_last_grid_x(void) { return (int)last_grid_x; }
+STUB_API int fkda_stub_last_threads(void) { return (int)last_threads; }
+STUB_API int fkda_stub_last_smem(void) { return (int)last_smem; }
+
+static void record_launch(CUfunction f, unsigned gx, unsigned bx, unsigned smem) {
+  ++launches;
+  last_kernel = (const char*)f;
+  last_grid_x = gx;
+  last_threads = bx;
+  last_smem = smem;
+}
+
 static CUresult stub_launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                             unsigned bz, unsigned smem, CUstream stream, void** params, void** extra) {
-  (void)f, (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)smem, (void)stream;
-  (void)params, (void)extra;
-  ++launches;
+  (void)gy, (void)gz, (void)by, (void)bz, (void)stream, (void)params, (void)extra;
+  record_launch(f, gx, bx, smem);
   return CUDA_SUCCESS;
 }
 
 static CUresult stub_launch_ex(const CUlaunchConfig* config, CUfunction f, void** params, void** extra) {
-  (void)config, (void)f, (void)params, (void)extra;
-  ++launches;
+  (void)params, (void)extra;
+  record_launch(f, config->gridDimX, config->blockDimX, config->sharedMemBytes);
   return CUDA_SUCCESS;
 }
 

@@ -14,6 +14,11 @@
  *                              too; a GPU plan's layer step stages v alone
  *   stub_checks small_smem     a device with 99 KB of shared memory a block,
  *                              running the sm_80 code, serves every call
+ *   stub_checks decode_routes  fkda_decode launches the streamed kernel for
+ *                              large batches on [N] indices and V x K pools,
+ *                              the plain kernels otherwise
+ *   stub_checks decode_routes_sm80  ... and only the plain ones where the
+ *                              device runs sm_80 code
  * The stub reports every pointer as device memory and runs no kernel, so the
  * GPU calls here only reach the launches, which the stub counts.
  */
@@ -161,14 +166,17 @@ static fkda_status run_layer_forward(fkda_plan_t plan, int64_t T) {
   return status;
 }
 
-/* fkda_decode of one token per sequence on a pool of two slots; layer:
- * NULL, or the layer step the call passes. */
-static fkda_status run_decode_with(fkda_plan_t plan, const fkda_layer_step* layer) {
-  struct Call c = forward_call(1, 1);
-  const int64_t pool_shape[4] = {2, H, K, K};
-  const int64_t index_shape[1] = {1};
-  float* pool = calloc(2 * H * K * K, sizeof(float));
-  int32_t index = 1;
+/* fkda_decode of one token for each of N sequences, sequence n on slot n + 1
+ * of a pool of the plan's state dtype (a slot table of one column when
+ * `table`); layer: NULL, or the layer step the call passes. */
+static fkda_status run_decode_of(fkda_plan_t plan, int32_t state_dtype, int64_t N, int table,
+                                 const fkda_layer_step* layer) {
+  struct Call c = forward_call(N, 1);
+  const int64_t pool_shape[4] = {N + 1, H, K, K};
+  const int64_t index_shape[2] = {N, 1};
+  float* pool = calloc((size_t)((N + 1) * H * K * K), sizeof(float));
+  int32_t* indices = malloc((size_t)N * sizeof(int32_t));
+  for (int64_t n = 0; n < N; ++n) indices[n] = (int32_t)(n + 1);
   fkda_decode_args d = FKDA_DECODE_ARGS_INIT;
   d.q = c.args.q;
   d.k = c.args.k;
@@ -177,15 +185,20 @@ static fkda_status run_decode_with(fkda_plan_t plan, const fkda_layer_step* laye
   d.beta = c.args.beta;
   d.dt_bias = c.args.dt_bias;
   d.out = c.args.out;
-  d.state_pool = packed(pool, FKDA_DTYPE_F32, 4, pool_shape);
-  d.state_indices = packed(&index, FKDA_DTYPE_I32, 1, index_shape);
+  d.state_pool = packed(pool, state_dtype, 4, pool_shape);
+  d.state_indices = packed(indices, FKDA_DTYPE_I32, table ? 2 : 1, index_shape);
   if (layer != NULL) d.layer = *layer;
   size_t bytes = 0;
-  fkda_status status = fkda_plan_decode_workspace_size(plan, 1, 1, &bytes);
+  fkda_status status = fkda_plan_decode_workspace_size(plan, N, N, &bytes);
   if (status == FKDA_SUCCESS) status = fkda_decode(plan, &d, NULL, 0, NULL);
+  free(indices);
   free(pool);
   free(c.memory);
   return status;
+}
+
+static fkda_status run_decode_with(fkda_plan_t plan, const fkda_layer_step* layer) {
+  return run_decode_of(plan, FKDA_DTYPE_F32, 1, 0, layer);
 }
 
 static fkda_status run_decode(fkda_plan_t plan) { return run_decode_with(plan, NULL); }
@@ -406,13 +419,73 @@ static void small_smem(void* stub) {
   fkda_plan_destroy(plan);
 }
 
+static const char* stub_text(void* stub, const char* name) {
+  const char* (*text)(void) = (const char* (*)(void))dlsym(stub, name);
+  if (text == NULL) {
+    fprintf(stderr, "FAILED: the stub driver lacks %s\n", name);
+    ++failures;
+    return "";
+  }
+  return text();
+}
+
+/* Which kernel fkda_decode launches: the streamed one for [N] indices on a
+ * V x K pool without the layer step, from two 64-row items for each of the
+ * two blocks a multiprocessor (N H >= 2 x 132 on the stub's device), in a
+ * grid of two blocks a multiprocessor with as many stages as fit; the plain
+ * kernels otherwise, and wherever the device runs sm_80 code. */
+static void expect_decode_kernel(void* stub, fkda_plan_t plan, int32_t state_dtype, int64_t N, int table,
+                                 const fkda_layer_step* layer, const char* kernel, const char* what) {
+  const int before = stub_counter(stub, "fkda_stub_launches");
+  expect(run_decode_of(plan, state_dtype, N, table, layer) == FKDA_SUCCESS, what);
+  expect(stub_counter(stub, "fkda_stub_launches") - before == 1, what);
+  const char* launched = stub_text(stub, "fkda_stub_last_kernel");
+  if (strcmp(launched, kernel) != 0) {
+    fprintf(stderr, "FAILED: %s: launched %s, expected %s\n", what, launched, kernel);
+    ++failures;
+  }
+}
+
+static void decode_routes(void* stub, int sm80_code) {
+  const int64_t fewest = 132;  /* N x H = 264 */
+  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
+  desc.state_dtype = FKDA_DTYPE_F32;
+  fkda_plan_t plan = make_plan(FKDA_BACKEND_GPU, &desc);
+  const char* streamed = sm80_code ? "fkda_decode_f32_vk" : "fkda_decode_streamed_f32";
+  expect_decode_kernel(stub, plan, FKDA_DTYPE_F32, fewest, 0, NULL, streamed, "f32 pool, N x H = 264");
+  if (!sm80_code) {
+    expect(stub_counter(stub, "fkda_stub_last_grid_x") == 264, "two blocks a multiprocessor");
+    expect(stub_counter(stub, "fkda_stub_last_threads") == 160, "four consumer warps and a producer");
+    /* 233,472 bytes a multiprocessor: 115,712 a block, three f32 stages. */
+    const int smem = stub_counter(stub, "fkda_stub_last_smem");
+    expect(smem > 3 * 32768 && smem <= 115712, "three f32 stages in half a multiprocessor's shared memory");
+  }
+  expect_decode_kernel(stub, plan, FKDA_DTYPE_F32, fewest - 1, 0, NULL, "fkda_decode_f32_vk", "f32 pool, N x H = 262");
+  expect_decode_kernel(stub, plan, FKDA_DTYPE_F32, fewest, 1, NULL, "fkda_decode_f32_vk", "a slot table");
+  struct LayerInputs in = layer_inputs(1);
+  expect_decode_kernel(stub, plan, FKDA_DTYPE_F32, 1, 0, &in.layer, "fkda_decode_f32_vk_layer", "the layer step");
+  free_layer_inputs(&in);
+  fkda_plan_destroy(plan);
+  desc.state_layout = FKDA_STATE_LAYOUT_KV;
+  plan = make_plan(FKDA_BACKEND_GPU, &desc);
+  expect_decode_kernel(stub, plan, FKDA_DTYPE_F32, fewest, 0, NULL, "fkda_decode_f32_kv", "a K x V pool");
+  fkda_plan_destroy(plan);
+  desc.state_layout = FKDA_STATE_LAYOUT_VK;
+  desc.state_dtype = FKDA_DTYPE_BF16;
+  plan = make_plan(FKDA_BACKEND_GPU, &desc);
+  expect_decode_kernel(stub, plan, FKDA_DTYPE_BF16, 4 * fewest, 0, NULL,
+                       sm80_code ? "fkda_decode_bf16_vk" : "fkda_decode_streamed_bf16", "bf16 pool");
+  fkda_plan_destroy(plan);
+}
+
 int main(int argc, char** argv) {
   const char* mode = argc > 1 ? argv[1] : "";
   if (strcmp(mode, "cpu_only") == 0) {
     cpu_only();
   } else if (strcmp(mode, "cpu_resident") == 0) {
     cpu_resident();
-  } else if (strcmp(mode, "tuning") == 0 || strcmp(mode, "no_partial") == 0 || strcmp(mode, "small_smem") == 0) {
+  } else if (strcmp(mode, "tuning") == 0 || strcmp(mode, "no_partial") == 0 || strcmp(mode, "small_smem") == 0 ||
+             strcmp(mode, "decode_routes") == 0 || strcmp(mode, "decode_routes_sm80") == 0) {
     void* stub = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (stub == NULL) {
       fprintf(stderr, "no libcuda.so.1 on the library path: %s\n", dlerror());
@@ -422,11 +495,17 @@ int main(int argc, char** argv) {
       tuning(stub);
     } else if (strcmp(mode, "small_smem") == 0) {
       small_smem(stub);
+    } else if (strcmp(mode, "decode_routes") == 0) {
+      decode_routes(stub, 0);
+    } else if (strcmp(mode, "decode_routes_sm80") == 0) {
+      setenv("FKDA_STUB_PTX_VERSION", "80", 1);
+      decode_routes(stub, 1);
     } else {
       no_partial(stub);
     }
   } else {
-    fprintf(stderr, "usage: stub_checks cpu_only|cpu_resident|tuning|no_partial|small_smem\n");
+    fprintf(stderr, "usage: stub_checks cpu_only|cpu_resident|tuning|no_partial|small_smem|decode_routes|"
+                    "decode_routes_sm80\n");
     return 2;
   }
   if (failures == 0) printf("stub_checks %s: all checks passed\n", mode);
