@@ -77,7 +77,7 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_staged_state_bytes(int32_t wa
  * warp takes items of FKDA_DECODE_STREAM_ROWS rows of one (sequence, head)
  * state in turn, the producer's bulk copies filling `stages` stages ahead of
  * the consumers. A stage holds:
- *   header    128 bytes        where the item's tokens and state are (FkdaStreamHeader)
+ *   header    128 bytes        where the item's tokens and state are (StreamHeader)
  *   state     rows x 128       the item's rows as in the pool (f32 or bf16)
  *   dt_bias   f32 [128]        the head's row
  *   tokens    FKDA_DECODE_STREAM_TOKENS x {q bf16 [128], k bf16 [128], g [128] (f32 room), v bf16 [rows]}
@@ -103,8 +103,12 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_stage_bytes(int32_t st
 static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_barriers_offset(void) {
   return (fkda_decode_smem_bytes(FKDA_DECODE_STREAM_PREPARED_TOKENS, FKDA_DECODE_MAX_WARPS) + 127) / 128 * 128;
 }
+#define FKDA_DECODE_STREAM_BARRIER_BYTES 128
+#if 2 * 8 * FKDA_DECODE_STREAM_MAX_STAGES > FKDA_DECODE_STREAM_BARRIER_BYTES
+#error "the stages' barriers exceed their place"
+#endif
 static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_stages_offset(void) {
-  return fkda_decode_stream_barriers_offset() + 128;
+  return fkda_decode_stream_barriers_offset() + FKDA_DECODE_STREAM_BARRIER_BYTES;
 }
 static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_smem_bytes(int32_t stages, int32_t state_is_bf16) {
   return fkda_decode_stream_stages_offset() + stages * fkda_decode_stream_stage_bytes(state_is_bf16);

@@ -364,6 +364,9 @@ __device__ __forceinline__ void decode_streamed(const FkdaDecodeParams& p) {
       barrier_init(full + 8 * stage, 1);
       barrier_init(empty + 8 * stage, 32 * FKDA_DECODE_MAX_WARPS);
     }
+    // The bulk copies complete on these barriers through the async proxy,
+    // which sees their initialisation only after this fence.
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   if (threadIdx.x >= 32 * FKDA_DECODE_MAX_WARPS) {
