@@ -119,6 +119,11 @@ struct StreamItem {
   StreamHeader header;
 };
 
+// Element offset of (batch row, head, token) in an activation.
+__device__ __forceinline__ int64_t token_element(const FkdaActivation& a, int64_t batch_row, int head, int64_t token) {
+  return batch_row * a.stride_b + int64_t(head) * a.stride_h + token * a.stride_t;
+}
+
 __device__ __forceinline__ StreamItem stream_item(const FkdaDecodeParams& p, int64_t item, bool bf16) {
   StreamItem it;
   const int64_t pair = item >> 1;
@@ -151,10 +156,8 @@ __device__ __forceinline__ StreamItem stream_item(const FkdaDecodeParams& p, int
   h.rate = gate_rate(p.call.A_log, it.head, true);
 #pragma unroll
   for (int t = 0; t < FKDA_DECODE_STREAM_TOKENS; ++t) {
-    const FkdaActivation& b = p.call.beta;
     if (t < h.length) {
-      h.beta[t] = load_beta(p.call.gate, b.data, h.batch_row * b.stride_b + int64_t(it.head) * b.stride_h +
-                                                     (h.begin + t) * b.stride_t);
+      h.beta[t] = load_beta(p.call.gate, p.call.beta.data, token_element(p.call.beta, h.batch_row, it.head, h.begin + t));
     }
   }
   return it;
@@ -162,8 +165,7 @@ __device__ __forceinline__ StreamItem stream_item(const FkdaDecodeParams& p, int
 
 __device__ __forceinline__ const unsigned char* token_address(const FkdaActivation& a, int64_t batch_row,
                                                               int64_t token, int head, int element_bytes) {
-  return static_cast<const unsigned char*>(a.data) +
-         (batch_row * a.stride_b + int64_t(head) * a.stride_h + token * a.stride_t) * element_bytes;
+  return static_cast<const unsigned char*>(a.data) + token_element(a, batch_row, head, token) * element_bytes;
 }
 
 // The producer: item j's copies into stage j % stages, once the consumers
@@ -328,10 +330,8 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
         value[place * rows + tid] = bf16_bits(v_row[tid]);
       }
       if (tid == 0) {
-        const FkdaActivation& b = p.call.beta;
         const float raw = staged ? s.header().beta[t]
-                                 : load_beta(p.call.gate, b.data, h.batch_row * b.stride_b + int64_t(head) * b.stride_h +
-                                                                      token * b.stride_t);
+                                 : load_beta(p.call.gate, p.call.beta.data, token_element(p.call.beta, h.batch_row, head, token));
         beta[place] = step_size(p.call.gate, raw, true);
       }
       consumers_sync();
@@ -380,7 +380,7 @@ __device__ __forceinline__ void decode_streamed(const FkdaDecodeParams& p) {
 
 // One kernel per pool dtype (V x K). Only code for sm_90 and later has the
 // bulk copies; the host launches these only where the device runs such
-// code (DeviceFacts.decode_streams).
+// code (DeviceFacts.runs_sm90_code).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define FKDA_DECODE_STREAMED_BODY(bf16)
 #else

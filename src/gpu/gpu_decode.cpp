@@ -38,9 +38,8 @@ int choose_warps(int64_t seqs_times_heads, int sm_count) {
 // finish sooner.
 constexpr int64_t kStreamBlocksPerMultiprocessor = 2;
 constexpr int64_t kStreamMinItemsPerBlock = 2;
-int stream_stages(const DeviceFacts& facts, const DecodeProblem& problem, const FkdaDecodeParams& params,
-                  bool layer, int64_t items) {
-  if (!facts.decode_streams || layer || problem.indices_are_table || params.call.state_is_kv) return 0;
+int stream_stages(const DeviceFacts& facts, const FkdaDecodeParams& params, bool layer, int64_t items) {
+  if (!facts.runs_sm90_code || layer || params.indices_are_table || params.call.state_is_kv) return 0;
   if (reinterpret_cast<uintptr_t>(params.call.dt_bias) % 16 != 0) return 0;
   if (items < kStreamMinItemsPerBlock * kStreamBlocksPerMultiprocessor * facts.sm_count) return 0;
   // The driver reserves 1 KB of a multiprocessor's shared memory a block.
@@ -78,7 +77,7 @@ void decode(const DecodeProblem& problem, CUstream stream) {
   // one block of all 128 rows.
   const bool layer = problem.layer.has_conv() || problem.layer.has_out_gate();
   const int64_t stream_items = problem.num_seqs * problem.num_heads * (FKDA_HEAD_DIM / FKDA_DECODE_STREAM_ROWS);
-  params.stages = stream_stages(context.facts, problem, params, layer, stream_items);
+  params.stages = stream_stages(context.facts, params, layer, stream_items);
   if (params.stages > 0) {
     params.warps = FKDA_DECODE_MAX_WARPS;
     const ResolvedKernel streamed = resolve(context, context.kernels.decode_streamed[params.call.state_is_bf16]);
@@ -92,7 +91,7 @@ void decode(const DecodeProblem& problem, CUstream stream) {
   const int index = decode_kernel_index(params.call.state_is_bf16 != 0, params.call.state_is_kv != 0);
   const ResolvedKernel kernel =
       resolve(context, layer ? context.kernels.decode_layer[index] : context.kernels.decode[index]);
-  const bool clusters = layer && context.facts.decode_layer_clusters;
+  const bool clusters = layer && context.facts.runs_sm90_code;
   params.warps = layer && !clusters ? FKDA_DECODE_LAYER_WARPS
                                     : choose_warps(problem.num_seqs * problem.num_heads, context.facts.sm_count);
   if (layer) params.layer = kernel_layer(problem.layer);

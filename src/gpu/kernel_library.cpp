@@ -133,6 +133,13 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
   auto allow_smem = [&](const NamedKernel& kernel, int bytes) {
     set_attribute(kernel, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes, "max dynamic shared memory");
   };
+  // For kernels that stage streamed bytes in shared memory: left to choose,
+  // the driver may split the multiprocessor's memory in favour of L1, which
+  // their streaming accesses do not use.
+  auto prefer_smem = [&](const NamedKernel& kernel) {
+    set_attribute(kernel, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED,
+                  "shared memory carveout");
+  };
   for (int vsplit = 1; vsplit <= kMaxVsplit; vsplit *= 2) {
     const int bytes = fkda_recurrence_smem_bytes(vsplit);
     if (bytes > facts.max_dynamic_smem) continue;
@@ -144,24 +151,23 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
       allow_smem(k.segment_recurrence[vsplit - 1], bytes);
     }
   }
-  // The virtual architecture the device's code of the layer kernels was
-  // compiled for (80, 90, ...), what their source could use whatever the
-  // device; every kernel comes from the one embedded image, so one answers
-  // (for the streamed decode too).
-  int layer_arch = 0;
-  const CUresult arch_result = d.cuKernelGetAttribute(&layer_arch, CU_FUNC_ATTRIBUTE_PTX_VERSION,
+  // The virtual architecture the device's code was compiled for (80, 90,
+  // ...), what the kernels' source could use whatever the device; every
+  // kernel comes from the one embedded image, so one answers for all.
+  int code_arch = 0;
+  const CUresult arch_result = d.cuKernelGetAttribute(&code_arch, CU_FUNC_ATTRIBUTE_PTX_VERSION,
                                                       k.decode_layer[0].kernel, device);
   if (arch_result != CUDA_SUCCESS) {
     fail(FKDA_ERROR_DRIVER, std::string("cuKernelGetAttribute(") + k.decode_layer[0].name +
                                 ", PTX version) failed: " + cuda::describe(arch_result));
   }
-  facts.decode_layer_clusters = layer_arch >= 90;
+  facts.runs_sm90_code = code_arch >= 90;
   // The decode's layer kernels, at their most (16 tokens): above the default
   // 48 KB. In clusters, blocks of FKDA_DECODE_MAX_WARPS warps that also
   // stage an f32 pool's state; else a block of FKDA_DECODE_LAYER_WARPS per
   // head, its rows in registers.
   const int decode_layer_bytes =
-      facts.decode_layer_clusters
+      facts.runs_sm90_code
           ? fkda_decode_layer_smem_bytes(FKDA_DECODE_MAX_TOKENS, FKDA_DECODE_MAX_WARPS) +
                 fkda_decode_staged_state_bytes(FKDA_DECODE_MAX_WARPS, 0)
           : fkda_decode_layer_smem_bytes(FKDA_DECODE_MAX_TOKENS, FKDA_DECODE_LAYER_WARPS);
@@ -171,24 +177,17 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
                                           std::to_string(decode_layer_bytes));
   }
   // In clusters the layer kernels stage their state in shared memory to
-  // keep more blocks, and their bytes, in flight: left to choose, the driver
-  // may split the multiprocessor's memory in favour of L1, which their
-  // streaming accesses do not use.
+  // keep more blocks, and their bytes, in flight.
   for (const NamedKernel& kernel : k.decode_layer) {
     allow_smem(kernel, decode_layer_bytes);
-    if (facts.decode_layer_clusters) {
-      set_attribute(kernel, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED,
-                    "shared memory carveout");
-    }
+    if (facts.runs_sm90_code) prefer_smem(kernel);
   }
   // The streamed decode: as many stages as fit (gpu_decode.cpp).
   facts.smem_per_multiprocessor = attribute(d, device, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR);
-  facts.decode_streams = facts.decode_layer_clusters;
-  if (facts.decode_streams) {
+  if (facts.runs_sm90_code) {
     for (const NamedKernel& kernel : k.decode_streamed) {
       allow_smem(kernel, facts.max_dynamic_smem);
-      set_attribute(kernel, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, CU_SHAREDMEM_CARVEOUT_MAX_SHARED,
-                    "shared memory carveout");
+      prefer_smem(kernel);
     }
   }
   // Devices with less shared memory than the scan needs run prefill serially

@@ -70,13 +70,11 @@ struct DeviceFacts {
   int sm_count = 0;
   int max_dynamic_smem = 0;  // opt-in limit per block
   bool segment_scan_fits = false;  // the chunk-parallel kernels' shared memory fits
-  // The decode's layer kernels run as clusters of a head's blocks: their
-  // code for this device was compiled for compute 9.0 or later (a
-  // compute_80-only build keeps its one-block-per-head form on any device).
-  bool decode_layer_clusters = false;
-  // The streamed decode kernels can run: their code for this device was
-  // compiled for compute 9.0 or later (bulk copies).
-  bool decode_streams = false;
+  // The device runs the kernels' code compiled for compute 9.0 or later (a
+  // compute_80-only build runs its sm_80 forms on any device): the decode's
+  // layer kernels then run as clusters of a head's blocks, and the streamed
+  // decode kernels, which need bulk copies, can run.
+  bool runs_sm90_code = false;
   int smem_per_multiprocessor = 0;
 };
 

@@ -373,12 +373,16 @@ DecodeCase packed(std::string name, std::vector<int64_t> lengths, int64_t H, uin
 }
 
 // The warps per block the library picks (src/gpu/gpu_decode.cpp), for the report.
-int expected_warps(int64_t seqs_times_heads) {
+int64_t multiprocessors() {
   int device = 0, sms = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms;
+}
+
+int expected_warps(int64_t seqs_times_heads) {
   int warps = 4;
-  while (warps > 1 && seqs_times_heads * (16 / warps) < 2 * int64_t(sms)) warps /= 2;
+  while (warps > 1 && seqs_times_heads * (16 / warps) < 2 * multiprocessors()) warps /= 2;
   return warps;
 }
 
@@ -697,10 +701,7 @@ namespace {
 // indices, V x K pools, at least two 64-row items for each of the two
 // blocks a multiprocessor): the fewest sequences of H heads that make it.
 int64_t streamed_sequences(int64_t H) {
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int64_t items = 4 * int64_t(sms);
+  const int64_t items = 4 * multiprocessors();
   return (items + 2 * H - 1) / (2 * H);
 }
 

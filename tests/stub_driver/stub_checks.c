@@ -218,14 +218,19 @@ static int libcuda_resident(void) {
   return 1;
 }
 
-static int stub_counter(void* stub, const char* name) {
-  int (*counter)(void) = (int (*)(void))dlsym(stub, name);
-  if (counter == NULL) {
+/* One of the stub's own functions (fkda_stub_*), or NULL, a failure. */
+static void* stub_symbol(void* stub, const char* name) {
+  void* symbol = dlsym(stub, name);
+  if (symbol == NULL) {
     fprintf(stderr, "FAILED: the stub driver lacks %s\n", name);
     ++failures;
-    return -1;
   }
-  return counter();
+  return symbol;
+}
+
+static int stub_counter(void* stub, const char* name) {
+  int (*counter)(void) = (int (*)(void))stub_symbol(stub, name);
+  return counter == NULL ? -1 : counter();
 }
 
 static void cpu_only(void) {
@@ -420,13 +425,8 @@ static void small_smem(void* stub) {
 }
 
 static const char* stub_text(void* stub, const char* name) {
-  const char* (*text)(void) = (const char* (*)(void))dlsym(stub, name);
-  if (text == NULL) {
-    fprintf(stderr, "FAILED: the stub driver lacks %s\n", name);
-    ++failures;
-    return "";
-  }
-  return text();
+  const char* (*text)(void) = (const char* (*)(void))stub_symbol(stub, name);
+  return text == NULL ? "" : text();
 }
 
 /* Which kernel fkda_decode launches: the streamed one for [N] indices on a
