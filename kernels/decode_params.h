@@ -73,45 +73,68 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_staged_state_bytes(int32_t wa
 }
 
 /* The streamed decode (kernels/decode_streamed.cuh, sm_90 and later): a
- * persistent block of FKDA_DECODE_MAX_WARPS consumer warps and one producer
- * warp takes items of FKDA_DECODE_STREAM_ROWS rows of one (sequence, head)
- * state in turn, the producer's bulk copies filling `stages` stages ahead of
- * the consumers. A stage holds:
+ * persistent block of consumer warps and one producer warp takes items of
+ * `rows` rows of one (sequence, head) state in turn, the producer's bulk
+ * copies filling `stages` stages ahead of the consumers. The plain form:
+ * items of FKDA_DECODE_STREAM_ROWS (64) rows, FKDA_DECODE_MAX_WARPS
+ * consumer warps, two blocks a multiprocessor. The layer form (the layer
+ * step): items of a whole head, FKDA_DECODE_STREAM_LAYER_WARPS consumer
+ * warps, one block a multiprocessor, so that a block sees all 128 values
+ * of a token's output for the output gate's RMSNorm. A stage holds:
  *   header    128 bytes        where the item's tokens and state are (StreamHeader)
  *   state     rows x 128       the item's rows as in the pool (f32 or bf16)
  *   dt_bias   f32 [128]        the head's row
- *   tokens    FKDA_DECODE_STREAM_TOKENS x {q bf16 [128], k bf16 [128], g [128] (f32 room), v bf16 [rows]}
- * Every stage starts on a 128-byte boundary. Tokens past
+ *   tokens    FKDA_DECODE_STREAM_TOKENS x {q bf16 [128], k bf16 [128], g [128] (bf16 or f32), v bf16 [rows]}
+ *   conv      the layer form's conv states, in their dtype: q, k, v [128][Wc]
+ *             (none without conv states; the layer form copies them, so it
+ *             serves conv states whose channels are contiguous, stride_c =
+ *             Wc and stride_w = 1, with 16-byte aligned rows)
+ * Every part, so every stage, starts on a 128-byte boundary. Tokens past
  * the first FKDA_DECODE_STREAM_TOKENS of a sequence are read from global
  * memory by the consumers. */
 #define FKDA_DECODE_STREAM_ROWS (FKDA_DECODE_MAX_WARPS * FKDA_DECODE_ROWS_PER_WARP)
+#define FKDA_DECODE_STREAM_LAYER_WARPS 8
 #define FKDA_DECODE_STREAM_TOKENS 2
 #define FKDA_DECODE_STREAM_MAX_STAGES 6
 #define FKDA_DECODE_STREAM_HEADER_BYTES 128
-#define FKDA_DECODE_STREAM_TOKEN_BYTES (2 * 256 + 512 + FKDA_DECODE_STREAM_ROWS * 2)
-static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_state_bytes(int32_t state_is_bf16) {
-  return FKDA_DECODE_STREAM_ROWS * FKDA_HEAD_DIM * (state_is_bf16 ? 2 : 4);
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_state_bytes(int32_t rows, int32_t state_is_bf16) {
+  return rows * FKDA_HEAD_DIM * (state_is_bf16 ? 2 : 4);
 }
-static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_stage_bytes(int32_t state_is_bf16) {
-  return FKDA_DECODE_STREAM_HEADER_BYTES + fkda_decode_stream_state_bytes(state_is_bf16) + FKDA_HEAD_DIM * 4 +
-         FKDA_DECODE_STREAM_TOKENS * FKDA_DECODE_STREAM_TOKEN_BYTES;
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_token_bytes(int32_t rows, int32_t g_is_f32) {
+  return 2 * FKDA_HEAD_DIM * 2 + FKDA_HEAD_DIM * (g_is_f32 ? 4 : 2) + rows * 2;
 }
-/* The consumers prepare one token at a time, into one of two places (the
- * arrays of fkda_decode_smem_bytes for 2 tokens). Then come the stages'
+/* conv_state_width 0: no conv states (or the plain form). */
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_conv_bytes(int32_t conv_state_width,
+                                                                     int32_t conv_state_is_f32) {
+  return 3 * FKDA_HEAD_DIM * conv_state_width * (conv_state_is_f32 ? 4 : 2);
+}
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_stage_bytes(int32_t rows, int32_t state_is_bf16,
+                                                                      int32_t g_is_f32, int32_t conv_bytes) {
+  return FKDA_DECODE_STREAM_HEADER_BYTES + fkda_decode_stream_state_bytes(rows, state_is_bf16) + FKDA_HEAD_DIM * 4 +
+         FKDA_DECODE_STREAM_TOKENS * fkda_decode_stream_token_bytes(rows, g_is_f32) + conv_bytes;
+}
+/* A block's shared memory, for `warps` consumer warps: the consumers
+ * prepare one token at a time, into one of two places (the arrays of
+ * fkda_decode_smem_bytes for 2 tokens); then come the layer form's outputs
+ * of one token (f32 [128], waiting for the output gate), the stages'
  * barriers (two of 8 bytes a stage) and the stages. */
 #define FKDA_DECODE_STREAM_PREPARED_TOKENS 2
-static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_barriers_offset(void) {
-  return (fkda_decode_smem_bytes(FKDA_DECODE_STREAM_PREPARED_TOKENS, FKDA_DECODE_MAX_WARPS) + 127) / 128 * 128;
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_outputs_offset(int32_t warps) {
+  return (fkda_decode_smem_bytes(FKDA_DECODE_STREAM_PREPARED_TOKENS, warps) + 127) / 128 * 128;
+}
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_barriers_offset(int32_t warps) {
+  return fkda_decode_stream_outputs_offset(warps) + FKDA_HEAD_DIM * 4;
 }
 #define FKDA_DECODE_STREAM_BARRIER_BYTES 128
 #if 2 * 8 * FKDA_DECODE_STREAM_MAX_STAGES > FKDA_DECODE_STREAM_BARRIER_BYTES
 #error "the stages' barriers exceed their place"
 #endif
-static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_stages_offset(void) {
-  return fkda_decode_stream_barriers_offset() + FKDA_DECODE_STREAM_BARRIER_BYTES;
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_stages_offset(int32_t warps) {
+  return fkda_decode_stream_barriers_offset(warps) + FKDA_DECODE_STREAM_BARRIER_BYTES;
 }
-static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_smem_bytes(int32_t stages, int32_t state_is_bf16) {
-  return fkda_decode_stream_stages_offset() + stages * fkda_decode_stream_stage_bytes(state_is_bf16);
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_smem_bytes(int32_t warps, int32_t stages,
+                                                                     int32_t stage_bytes) {
+  return fkda_decode_stream_stages_offset(warps) + stages * stage_bytes;
 }
 
 typedef struct FkdaDecodeParams {
@@ -125,7 +148,8 @@ typedef struct FkdaDecodeParams {
   FkdaIndexTable num_accepted;    /* [N], with a table; data NULL means 1 */
   int32_t indices_are_table;
   int32_t max_tokens; /* sequences longer than this are treated as padding; <= FKDA_DECODE_MAX_TOKENS */
-  int32_t warps;      /* per block: 1, 2 or 4; or FKDA_DECODE_LAYER_WARPS (layer step, sm_80) */
+  int32_t warps;      /* per block: 1, 2 or 4; or FKDA_DECODE_LAYER_WARPS (layer step, sm_80);
+                       * the streamed kernels: their consumer warps */
   int32_t stages;     /* the streamed kernels' stages a block (below); 0 for the others */
   FkdaLayerStep layer; /* conv states' rows are pool slots */
 } FkdaDecodeParams;

@@ -576,15 +576,25 @@ __device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, f
 // step; decode_steps spells the same arithmetic out in its loop, where
 // this function, inlined, made the compiler schedule the layer kernels'
 // address arithmetic differently (W1 on the H200: 0.504 ms, against 0.469).
-template <bool kBf16, int kRows>
+// kScaled: the key and query rows are not yet normalised, and key_scale and
+// query_scale multiply them as they are loaded (the streamed layer form).
+template <bool kBf16, int kRows, bool kScaled = false>
 __device__ __forceinline__ void step_token_rows(float (&s)[kRows][kDecodeColumnsPerLane], const float* key_row,
                                                 const float* decay_row, const float* query_row, float b,
-                                                const float* values, int l, float (&o)[kRows]) {
+                                                const float* values, int l, float (&o)[kRows],
+                                                float key_scale = 1.f, float query_scale = 1.f) {
   constexpr int kPartials = kDecodeRowsPerGroup / kRows;
   float kk[kDecodeColumnsPerLane], dd[kDecodeColumnsPerLane], qq[kDecodeColumnsPerLane];
   load_lane_columns<kBf16>(key_row, l, kk);
   load_lane_columns<kBf16>(decay_row, l, dd);
   load_lane_columns<kBf16>(query_row, l, qq);
+  if (kScaled) {
+#pragma unroll
+    for (int c = 0; c < kDecodeColumnsPerLane; ++c) {
+      kk[c] *= key_scale;
+      qq[c] *= query_scale;
+    }
+  }
 #pragma unroll
   for (int h = 0; h < kRows; ++h) {
     float x[kPartials] = {}, y[kPartials] = {};

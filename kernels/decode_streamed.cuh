@@ -14,22 +14,32 @@
 // item j from shared memory, and the producer writes each item's rows back
 // to the pool with one bulk store once the consumers are done with them.
 //
-// Items are FKDA_DECODE_STREAM_ROWS (64) rows of one (sequence, head) state,
-// item i = (n H + h) 2 + half; block b takes items b, b + grid, ... Within an
-// item the consumer threads own their rows as the plain kernel's 4-warp
+// The plain form's items are FKDA_DECODE_STREAM_ROWS (64) rows of one
+// (sequence, head) state, item i = (n H + h) 2 + half; the layer form's are
+// whole heads, item i = n H + h. Block b takes items b, b + grid, ... Within
+// an item the consumer threads own their rows as the plain kernel's 4-warp
 // block does (decode_recurrence.cuh), and the arithmetic is the same
 // (step_token_rows), so the results are bit-identical to the plain kernel's.
 //
+// The layer form adds the layer step (flashkda.h, "The layer step"): the
+// producer also copies the head's conv states in, and writes them back; as
+// the consumers prepare a token, thread c convolves channel c of q (threads
+// 0-127) or of k and v (threads 128-255), its last inputs in registers;
+// each warp normalises q and k as it steps; the output gate then takes all
+// 128 values of the token from shared memory.
+//
 // Served: [N] indices (no table), V x K pools (an item's rows are then one
-// contiguous run of the pool), no layer step. The host chooses this kernel
-// (src/gpu/gpu_decode.cpp). Untrusted device values are handled as in the
-// plain kernel: offsets clamped, a null, out-of-range or overlong sequence
-// is padding (outputs zero, no state touched).
+// contiguous run of the pool); the layer form, conv states whose channels
+// are contiguous. The host chooses these kernels (src/gpu/gpu_decode.cpp).
+// Untrusted device values are handled as in the plain kernel: offsets
+// clamped, a null, out-of-range or overlong sequence is padding (outputs
+// zero, no state touched).
 #pragma once
 
 #include "decode_params.h"
 #include "decode_recurrence.cuh"
 #include "device_common.cuh"
+#include "layer_conv.cuh"
 
 namespace fkda_dev {
 
@@ -39,7 +49,10 @@ struct StreamHeader {
   int64_t begin;          // first token along the row
   int64_t batch_row;      // the tokens' batch row
   unsigned char* matrix;  // the item's first row in the pool; null: padding
+  int64_t slot;           // the pool slot (also the conv states' row)
   int32_t length;         // tokens; 0 leaves everything untouched
+  int32_t head;
+  int32_t half;           // which 64 rows of the head
   float rate;             // exp(A_log[h])
   float beta[FKDA_DECODE_STREAM_TOKENS];  // the first tokens' beta, as stored
 };
@@ -91,32 +104,57 @@ __device__ __forceinline__ void fence_for_bulk_copies() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 // The consumer warps' own barrier (the producer warp does not take part).
+template <int kThreads>
 __device__ __forceinline__ void consumers_sync() {
-  asm volatile("bar.sync 1, %0;" ::"n"(32 * FKDA_DECODE_MAX_WARPS) : "memory");
+  asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
 }
 
+// ---- the two forms ----
+template <bool kLayer>
+struct StreamForm {
+  static constexpr int kWarps = kLayer ? FKDA_DECODE_STREAM_LAYER_WARPS : FKDA_DECODE_MAX_WARPS;  // consumers
+  static constexpr int kRows = kWarps * FKDA_DECODE_ROWS_PER_WARP;                               // an item's
+  static constexpr int kItemsPerHead = FKDA_HEAD_DIM / kRows;
+};
+static_assert(StreamForm<true>::kRows == FKDA_HEAD_DIM, "the layer form's item is a whole head");
+
 // ---- a stage ----
+// The sizes of a stage's parts for this call (decode_params.h).
+struct StreamLayout {
+  int state_bytes, token_bytes, stage_bytes;
+  int conv_channel_bytes;  // Wc values of one channel; 0: no conv states
+};
+template <bool kLayer>
+__device__ __forceinline__ StreamLayout stream_layout(const FkdaDecodeParams& p, bool bf16) {
+  constexpr int rows = StreamForm<kLayer>::kRows;
+  StreamLayout layout;
+  const int conv_width = kLayer ? p.layer.conv_state_width : 0;
+  layout.state_bytes = fkda_decode_stream_state_bytes(rows, bf16);
+  layout.token_bytes = fkda_decode_stream_token_bytes(rows, p.call.gate.g_is_f32);
+  layout.conv_channel_bytes = conv_width * (p.layer.conv_state_is_f32 ? 4 : 2);
+  layout.stage_bytes = fkda_decode_stream_stage_bytes(
+      rows, bf16, p.call.gate.g_is_f32, fkda_decode_stream_conv_bytes(conv_width, p.layer.conv_state_is_f32));
+  return layout;
+}
+
 struct StreamStage {
   unsigned char* base;
+  StreamLayout layout;
   __device__ StreamHeader& header() const { return *reinterpret_cast<StreamHeader*>(base); }
   __device__ unsigned char* state() const { return base + FKDA_DECODE_STREAM_HEADER_BYTES; }
-  __device__ float* dt_bias(bool bf16) const {
-    return reinterpret_cast<float*>(state() + fkda_decode_stream_state_bytes(bf16));
+  __device__ float* dt_bias() const { return reinterpret_cast<float*>(state() + layout.state_bytes); }
+  __device__ unsigned char* token(int t) const {
+    return reinterpret_cast<unsigned char*>(dt_bias() + FKDA_HEAD_DIM) + t * layout.token_bytes;
   }
-  __device__ unsigned char* token(bool bf16, int t) const {
-    return reinterpret_cast<unsigned char*>(dt_bias(bf16) + FKDA_HEAD_DIM) + t * FKDA_DECODE_STREAM_TOKEN_BYTES;
+  __device__ uint16_t* q(int t) const { return reinterpret_cast<uint16_t*>(token(t)); }
+  __device__ uint16_t* k(int t) const { return reinterpret_cast<uint16_t*>(token(t) + 2 * FKDA_HEAD_DIM); }
+  __device__ void* g(int t) const { return token(t) + 4 * FKDA_HEAD_DIM; }
+  // The item's rows of v: last in the token's place.
+  __device__ uint16_t* v(int t, int rows) const { return reinterpret_cast<uint16_t*>(token(t + 1) - 2 * rows); }
+  // The layer form's conv states of projection proj, [128][Wc].
+  __device__ unsigned char* conv(int proj) const {
+    return token(FKDA_DECODE_STREAM_TOKENS) + proj * FKDA_HEAD_DIM * layout.conv_channel_bytes;
   }
-  __device__ uint16_t* q(bool bf16, int t) const { return reinterpret_cast<uint16_t*>(token(bf16, t)); }
-  __device__ uint16_t* k(bool bf16, int t) const { return reinterpret_cast<uint16_t*>(token(bf16, t) + 256); }
-  __device__ void* g(bool bf16, int t) const { return token(bf16, t) + 512; }
-  __device__ uint16_t* v(bool bf16, int t) const { return reinterpret_cast<uint16_t*>(token(bf16, t) + 1024); }
-};
-
-// The item's (sequence, head, half) and its header, from the device's
-// offsets and indices (each lane of the producer one item).
-struct StreamItem {
-  int head, half;
-  StreamHeader header;
 };
 
 // Element offset of (batch row, head, token) in an activation.
@@ -124,13 +162,16 @@ __device__ __forceinline__ int64_t token_element(const FkdaActivation& a, int64_
   return batch_row * a.stride_b + int64_t(head) * a.stride_h + token * a.stride_t;
 }
 
-__device__ __forceinline__ StreamItem stream_item(const FkdaDecodeParams& p, int64_t item, bool bf16) {
-  StreamItem it;
-  const int64_t pair = item >> 1;
-  const int64_t n = pair / p.call.num_heads;
-  it.head = int(pair % p.call.num_heads);
-  it.half = int(item & 1);
-  StreamHeader& h = it.header;
+// The item's header, from the device's offsets and indices (each lane of
+// the producer one item).
+template <bool kLayer>
+__device__ __forceinline__ StreamHeader stream_item(const FkdaDecodeParams& p, int64_t item, bool bf16) {
+  using Form = StreamForm<kLayer>;
+  StreamHeader h;
+  const int64_t head_item = item / Form::kItemsPerHead;
+  const int64_t n = head_item / p.call.num_heads;
+  h.head = int32_t(head_item % p.call.num_heads);
+  h.half = int32_t(item % Form::kItemsPerHead);
   h.batch_row = n;
   h.begin = 0;
   int64_t end = p.call.seq_len;
@@ -142,25 +183,44 @@ __device__ __forceinline__ StreamItem stream_item(const FkdaDecodeParams& p, int
   }
   h.length = int32_t(end - h.begin < 0x7fffffff ? end - h.begin : 0x7fffffff);
   h.matrix = nullptr;
+  h.slot = -1;
   h.rate = 1.f;
 #pragma unroll
   for (int t = 0; t < FKDA_DECODE_STREAM_TOKENS; ++t) h.beta[t] = 0.f;
-  if (h.length == 0 || h.length > p.max_tokens) return it;
-  const int64_t slot = usable_slot(load_index(p.state_indices, n, 0), p.call.first_real_slot, p.pool_slots);
-  if (slot < 0) return it;
+  if (h.length == 0 || h.length > p.max_tokens) return h;
+  h.slot = usable_slot(load_index(p.state_indices, n, 0), p.call.first_real_slot, p.pool_slots);
+  if (h.slot < 0) return h;
   const int64_t element_bytes = bf16 ? 2 : 4;
   h.matrix = static_cast<unsigned char*>(p.pool) +
-             (slot * p.pool_slot_stride + int64_t(it.head) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM) +
-              int64_t(it.half) * FKDA_DECODE_STREAM_ROWS * FKDA_HEAD_DIM) *
+             (h.slot * p.pool_slot_stride + int64_t(h.head) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM) +
+              int64_t(h.half) * Form::kRows * FKDA_HEAD_DIM) *
                  element_bytes;
-  h.rate = gate_rate(p.call.A_log, it.head, true);
+  h.rate = gate_rate(p.call.A_log, h.head, true);
 #pragma unroll
   for (int t = 0; t < FKDA_DECODE_STREAM_TOKENS; ++t) {
     if (t < h.length) {
-      h.beta[t] = load_beta(p.call.gate, p.call.beta.data, token_element(p.call.beta, h.batch_row, it.head, h.begin + t));
+      h.beta[t] = load_beta(p.call.gate, p.call.beta.data, token_element(p.call.beta, h.batch_row, h.head, h.begin + t));
     }
   }
-  return it;
+  return h;
+}
+
+// Lane `from`'s header, in every lane.
+__device__ __forceinline__ StreamHeader shuffle_header(const StreamHeader& mine, int from) {
+  constexpr unsigned kAll = 0xffffffffu;
+  StreamHeader h;
+  h.begin = __shfl_sync(kAll, mine.begin, from);
+  h.batch_row = __shfl_sync(kAll, mine.batch_row, from);
+  h.matrix = reinterpret_cast<unsigned char*>(
+      __shfl_sync(kAll, reinterpret_cast<unsigned long long>(mine.matrix), from));
+  h.slot = __shfl_sync(kAll, mine.slot, from);
+  h.length = __shfl_sync(kAll, mine.length, from);
+  h.head = __shfl_sync(kAll, mine.head, from);
+  h.half = __shfl_sync(kAll, mine.half, from);
+  h.rate = __shfl_sync(kAll, mine.rate, from);
+#pragma unroll
+  for (int t = 0; t < FKDA_DECODE_STREAM_TOKENS; ++t) h.beta[t] = __shfl_sync(kAll, mine.beta[t], from);
+  return h;
 }
 
 __device__ __forceinline__ const unsigned char* token_address(const FkdaActivation& a, int64_t batch_row,
@@ -168,73 +228,84 @@ __device__ __forceinline__ const unsigned char* token_address(const FkdaActivati
   return static_cast<const unsigned char*>(a.data) + token_element(a, batch_row, head, token) * element_bytes;
 }
 
+// The conv states of a head's channels of projection `proj` in pool slot
+// `slot`: contiguous where the layer form runs (decode_params.h).
+__device__ __forceinline__ unsigned char* conv_state_channels(const FkdaDecodeParams& p, int proj, int64_t slot,
+                                                              int head) {
+  const FkdaConv& conv = p.layer.conv[proj];
+  return static_cast<unsigned char*>(conv.state) +
+         (slot * conv.state_stride_row + int64_t(head) * FKDA_HEAD_DIM * p.layer.conv_state_width) *
+             (p.layer.conv_state_is_f32 ? 4 : 2);
+}
+
+// The item in stage s back to the pool: its rows, and in the layer form the
+// head's conv states.
+__device__ __forceinline__ void store_stage(const FkdaDecodeParams& p, const StreamStage& s) {
+  const StreamHeader& h = s.header();
+  if (h.matrix == nullptr) return;
+  bulk_store(h.matrix, smem_address(s.state()), s.layout.state_bytes);
+  for (int proj = 0; proj < 3 && s.layout.conv_channel_bytes > 0; ++proj) {
+    bulk_store(conv_state_channels(p, proj, h.slot, h.head), smem_address(s.conv(proj)),
+               FKDA_HEAD_DIM * s.layout.conv_channel_bytes);
+  }
+}
+
 // The producer: item j's copies into stage j % stages, once the consumers
 // have released it and the item that held it has been stored.
-template <bool kBf16>
+template <bool kBf16, bool kLayer>
 __device__ __forceinline__ void produce(const FkdaDecodeParams& p, int64_t items, unsigned char* stages_base,
                                         uint32_t full, uint32_t empty) {
+  constexpr int rows = StreamForm<kLayer>::kRows;
   const int lane = threadIdx.x & 31;
-  const int stage_bytes = fkda_decode_stream_stage_bytes(kBf16);
-  const int state_bytes = fkda_decode_stream_state_bytes(kBf16);
-  const int g_bytes = p.call.gate.g_is_f32 ? 512 : 256;
-  StreamItem mine = {};  // lane i: item j + i of the current run of 32
+  const StreamLayout layout = stream_layout<kLayer>(p, kBf16);
+  const int g_bytes = p.call.gate.g_is_f32 ? 4 * FKDA_HEAD_DIM : 2 * FKDA_HEAD_DIM;
+  const int conv_bytes = FKDA_HEAD_DIM * layout.conv_channel_bytes;  // a projection's
+  StreamHeader mine = {};  // lane i: item j + i of the current run of 32
   int64_t j = 0;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x, ++j) {
     // The lanes look 32 items ahead at once, so that the chain of dependent
     // loads (offsets, then the slot, then beta) is paid once per 32 items.
     if (j % 32 == 0) {
       const int64_t ahead = item + int64_t(lane) * gridDim.x;
-      if (ahead < items) mine = stream_item(p, ahead, kBf16);
+      if (ahead < items) mine = stream_item<kLayer>(p, ahead, kBf16);
     }
-    const int from = int(j % 32);
-    StreamItem it;
-    it.head = __shfl_sync(0xffffffffu, mine.head, from);
-    it.half = __shfl_sync(0xffffffffu, mine.half, from);
-    it.header.begin = __shfl_sync(0xffffffffu, mine.header.begin, from);
-    it.header.batch_row = __shfl_sync(0xffffffffu, mine.header.batch_row, from);
-    it.header.matrix = reinterpret_cast<unsigned char*>(
-        __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(mine.header.matrix), from));
-    it.header.length = __shfl_sync(0xffffffffu, mine.header.length, from);
-    it.header.rate = __shfl_sync(0xffffffffu, mine.header.rate, from);
-#pragma unroll
-    for (int t = 0; t < FKDA_DECODE_STREAM_TOKENS; ++t) it.header.beta[t] = __shfl_sync(0xffffffffu, mine.header.beta[t], from);
+    const StreamHeader h = shuffle_header(mine, int(j % 32));
     if (lane == 0) {
       const int stage = int(j % p.stages);
       const uint32_t stage_full = full + 8 * stage, stage_empty = empty + 8 * stage;
-      const StreamStage s{stages_base + stage * stage_bytes};
+      const StreamStage s{stages_base + stage * layout.stage_bytes, layout};
       if (j >= p.stages) {
         barrier_wait(stage_empty, uint32_t((j / p.stages - 1) & 1));
-        if (s.header().matrix != nullptr) {
-          bulk_store(s.header().matrix, smem_address(s.state()), state_bytes);
-          bulk_stores_read();
-        }
+        store_stage(p, s);
+        bulk_stores_read();
       }
-      s.header() = it.header;
-      const StreamHeader& h = it.header;
+      s.header() = h;
       if (h.matrix == nullptr) {
         barrier_arrive(stage_full);
       } else {
         const int staged_tokens = h.length < FKDA_DECODE_STREAM_TOKENS ? h.length : FKDA_DECODE_STREAM_TOKENS;
         const bool dt = p.call.dt_bias != nullptr;
-        barrier_arrive_expecting(stage_full, state_bytes + (dt ? FKDA_HEAD_DIM * 4 : 0) +
-                                                 staged_tokens * (512 + g_bytes + FKDA_DECODE_STREAM_ROWS * 2));
-        bulk_load(smem_address(s.state()), h.matrix, state_bytes, stage_full);
+        barrier_arrive_expecting(stage_full, layout.state_bytes + (dt ? FKDA_HEAD_DIM * 4 : 0) +
+                                                 staged_tokens * layout.token_bytes + 3 * conv_bytes);
+        bulk_load(smem_address(s.state()), h.matrix, layout.state_bytes, stage_full);
         if (dt) {
-          bulk_load(smem_address(s.dt_bias(kBf16)), p.call.dt_bias + int64_t(it.head) * FKDA_HEAD_DIM,
-                    FKDA_HEAD_DIM * 4, stage_full);
+          bulk_load(smem_address(s.dt_bias()), p.call.dt_bias + int64_t(h.head) * FKDA_HEAD_DIM, FKDA_HEAD_DIM * 4,
+                    stage_full);
         }
         for (int t = 0; t < staged_tokens; ++t) {
           const int64_t token = h.begin + t;
-          bulk_load(smem_address(s.q(kBf16, t)), token_address(p.call.q, h.batch_row, token, it.head, 2), 256,
+          bulk_load(smem_address(s.q(t)), token_address(p.call.q, h.batch_row, token, h.head, 2), 2 * FKDA_HEAD_DIM,
                     stage_full);
-          bulk_load(smem_address(s.k(kBf16, t)), token_address(p.call.k, h.batch_row, token, it.head, 2), 256,
+          bulk_load(smem_address(s.k(t)), token_address(p.call.k, h.batch_row, token, h.head, 2), 2 * FKDA_HEAD_DIM,
                     stage_full);
-          bulk_load(smem_address(s.g(kBf16, t)),
-                    token_address(p.call.g, h.batch_row, token, it.head, p.call.gate.g_is_f32 ? 4 : 2), g_bytes,
+          bulk_load(smem_address(s.g(t)),
+                    token_address(p.call.g, h.batch_row, token, h.head, p.call.gate.g_is_f32 ? 4 : 2), g_bytes,
                     stage_full);
-          bulk_load(smem_address(s.v(kBf16, t)),
-                    token_address(p.call.v, h.batch_row, token, it.head, 2) + it.half * FKDA_DECODE_STREAM_ROWS * 2,
-                    FKDA_DECODE_STREAM_ROWS * 2, stage_full);
+          bulk_load(smem_address(s.v(t, rows)),
+                    token_address(p.call.v, h.batch_row, token, h.head, 2) + h.half * rows * 2, rows * 2, stage_full);
+        }
+        for (int proj = 0; proj < 3 && conv_bytes > 0; ++proj) {
+          bulk_load(smem_address(s.conv(proj)), conv_state_channels(p, proj, h.slot, h.head), conv_bytes, stage_full);
         }
       }
     }
@@ -245,153 +316,292 @@ __device__ __forceinline__ void produce(const FkdaDecodeParams& p, int64_t items
     const int64_t count = j;
     for (int64_t last = count > p.stages ? count - p.stages : 0; last < count; ++last) {
       const int stage = int(last % p.stages);
-      const StreamStage s{stages_base + stage * stage_bytes};
       barrier_wait(empty + 8 * stage, uint32_t((last / p.stages) & 1));
-      if (s.header().matrix != nullptr) bulk_store(s.header().matrix, smem_address(s.state()), state_bytes);
+      store_stage(p, StreamStage{stages_base + stage * layout.stage_bytes, layout});
     }
     bulk_stores_done();
   }
 }
 
-// The consumers: for each token of an item, its preparation (all four
-// warps: warp w the decays of channels 32 w .. 32 w + 31, so that one
-// token's preparation is short) into one of two places, then the step of
-// every row; then the rows back into the stage for the producer's store.
-// Preparing token u into place u % 2 needs one barrier a token: the step
-// that last read that place (token u - 2) is behind every consumer once
-// they have all passed token u - 1's barrier.
-template <bool kBf16>
+// ---- the layer form's convolution ----
+__device__ __forceinline__ void prefetch_l1(const void* at) { asm volatile("prefetch.global.L1 [%0];" ::"l"(at)); }
+__device__ __forceinline__ void prefetch_channel_weights(const FkdaDecodeParams& p, int proj, int64_t c) {
+  const FkdaConv& conv = p.layer.conv[proj];
+  const int bytes = p.layer.conv_is_f32 ? 4 : 2;
+  prefetch_l1(static_cast<const unsigned char*>(conv.weight) + c * conv.weight_stride_c * bytes);
+  if (conv.bias != nullptr) prefetch_l1(static_cast<const unsigned char*>(conv.bias) + c * conv.bias_stride * bytes);
+}
+
+// A channel's convolution weights, by distance (layer_conv.cuh), and bias.
+struct ChannelWeights {
+  float back[FKDA_CONV_MAX_WIDTH];
+  float bias;
+};
+__device__ __forceinline__ ChannelWeights channel_weights(const FkdaDecodeParams& p, int proj, int64_t c) {
+  ChannelWeights w;
+  w.bias = conv_bias(p.layer, p.layer.conv[proj], c);
+  load_weights_back(p.layer, p.layer.conv[proj], c, p.layer.conv_width, w.back);
+  return w;
+}
+
+// A channel's last inputs, history[b] the one b + 1 tokens back: from its
+// conv state before the sequence's first token (zeros without one), then
+// each token's raw input as it is convolved. Wc <= 4 of them make the new
+// conv state.
+struct ChannelHistory {
+  float back[FKDA_CONV_MAX_WIDTH];
+
+  // Column col of channel c's conv state in stage s ([128][Wc], its dtype).
+  __device__ static float state_at(const FkdaDecodeParams& p, const StreamStage& s, int proj, int c, int col) {
+    const int at = c * p.layer.conv_state_width + col;
+    return p.layer.conv_state_is_f32 ? reinterpret_cast<const float*>(s.conv(proj))[at]
+                                     : bf16_bits(reinterpret_cast<const uint16_t*>(s.conv(proj))[at]);
+  }
+  __device__ void start(const FkdaDecodeParams& p, const StreamStage& s, int proj, int c) {
+    const int width = p.layer.conv_state_width;
+#pragma unroll
+    for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) back[b] = b < width ? state_at(p, s, proj, c, width - 1 - b) : 0.f;
+  }
+  // The convolution of input x with the history, which then takes x.
+  __device__ float convolve(const FkdaDecodeParams& p, const ChannelWeights& w, float x) {
+    const float x_back[FKDA_CONV_MAX_WIDTH] = {x, back[0], back[1], back[2]};
+    const float y = convolve_back<false>(p.layer.conv_width, w.bias, w.back, x_back);
+#pragma unroll
+    for (int b = FKDA_CONV_MAX_WIDTH - 1; b > 0; --b) back[b] = back[b - 1];
+    back[0] = x;
+    return y;
+  }
+  // The new conv state, the last Wc inputs oldest first, over the old one in the stage.
+  __device__ void keep(const FkdaDecodeParams& p, const StreamStage& s, int proj, int c) const {
+    const int width = p.layer.conv_state_width;
+#pragma unroll
+    for (int col = 0; col < FKDA_CONV_MAX_WIDTH; ++col) {
+      if (col >= width) continue;
+      float x = 0.f;
+#pragma unroll
+      for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) x = b == width - 1 - col ? back[b] : x;
+      const int at = c * width + col;
+      if (p.layer.conv_state_is_f32) {
+        reinterpret_cast<float*>(s.conv(proj))[at] = x;
+      } else {
+        reinterpret_cast<uint16_t*>(s.conv(proj))[at] = to_bf16(x);  // a bf16 input or old state: exact
+      }
+    }
+  }
+};
+
+// ---- the consumers ----
+// For each token of an item, its preparation (all consumer warps: thread c
+// the decay of channel c, so that one token's preparation is short) into
+// one of two places, then the step of every row; then the rows back into
+// the stage for the producer's store. Preparing token u into place u % 2
+// needs one barrier a token: the step that last read that place (token
+// u - 2) is behind every consumer once they have all passed token u - 1's
+// barrier. The layer form's output gate takes a second barrier a token.
+template <bool kBf16, bool kLayer>
 __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items, unsigned char* smem,
                                         unsigned char* stages_base, uint32_t full, uint32_t empty) {
-  constexpr int rows = FKDA_DECODE_STREAM_ROWS;
+  using Form = StreamForm<kLayer>;
+  constexpr int rows = Form::kRows, threads = 32 * Form::kWarps;
   constexpr int places = FKDA_DECODE_STREAM_PREPARED_TOKENS;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, l = lane & 7;
   const int local_row = warp * FKDA_DECODE_ROWS_PER_WARP + (lane >> 3) * kDecodeRowsPerGroup;
-  const int channel = 32 * warp + lane;
   float* key = reinterpret_cast<float*>(smem + fkda_decode_key_offset());
   float* query = reinterpret_cast<float*>(smem + fkda_decode_query_offset(places));
   float* decay = reinterpret_cast<float*>(smem + fkda_decode_decay_offset(places));
   float* value = reinterpret_cast<float*>(smem + fkda_decode_value_offset(places));
-  float* beta = reinterpret_cast<float*>(smem + fkda_decode_beta_offset(places, FKDA_DECODE_MAX_WARPS));
-  const int stage_bytes = fkda_decode_stream_stage_bytes(kBf16);
+  float* beta = reinterpret_cast<float*>(smem + fkda_decode_beta_offset(places, Form::kWarps));
+  float* outputs = reinterpret_cast<float*>(smem + fkda_decode_stream_outputs_offset(Form::kWarps));
+  const StreamLayout layout = stream_layout<kLayer>(p, kBf16);
+  const bool convolved = kLayer && p.layer.conv_width > 0;
+  const bool gated = kLayer && p.layer.out_gate.data != nullptr;
+  // The layer form: thread c < 128 takes channel c of q (and its decay);
+  // thread 128 + c channel c of k and of v.
+  const int channel = tid & (FKDA_HEAD_DIM - 1), qk = tid >> 7;
   uint32_t prepared = 0;  // tokens this block has prepared
   int64_t j = 0;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x, ++j) {
     const int stage = int(j % p.stages);
-    const StreamStage s{stages_base + stage * stage_bytes};
+    const StreamStage s{stages_base + stage * layout.stage_bytes, layout};
+    const int head = int((item / Form::kItemsPerHead) % p.call.num_heads);
+    const int block_row = int(item % Form::kItemsPerHead) * rows;
+    // The layer form's weights, brought to L1 before the wait so that their
+    // latency passes with it (held in registers from here, they would spill).
+    const int64_t head_channel = int64_t(head) * FKDA_HEAD_DIM + channel;
+    if (convolved) {
+      prefetch_channel_weights(p, qk, head_channel);
+      if (qk == 1) prefetch_channel_weights(p, 2, head_channel);
+    }
     barrier_wait(full + 8 * stage, uint32_t((j / p.stages) & 1));
-    const StreamHeader h = s.header();
-    const int head = int((item >> 1) % p.call.num_heads), block_row = int(item & 1) * rows;
-    uint16_t* out = static_cast<uint16_t*>(p.call.out.data) + h.batch_row * p.call.out.stride_b +
-                    int64_t(head) * p.call.out.stride_h + h.begin * p.call.out.stride_t + block_row;
+    const StreamHeader& h = s.header();
+    const int64_t begin = h.begin, batch_row = h.batch_row;
+    uint16_t* out = static_cast<uint16_t*>(p.call.out.data) + batch_row * p.call.out.stride_b +
+                    int64_t(head) * p.call.out.stride_h + begin * p.call.out.stride_t + block_row;
     const int tokens = h.length;
     if (h.matrix == nullptr) {
-      for (int64_t i = tid; i < int64_t(tokens) * rows; i += 32 * FKDA_DECODE_MAX_WARPS) {
+      for (int64_t i = tid; i < int64_t(tokens) * rows; i += threads) {
         out[(i / rows) * p.call.out.stride_t + i % rows] = 0;
       }
       barrier_arrive(empty + 8 * stage);
       continue;
     }
+    ChannelHistory history_qk = {}, history_v = {};
+    if (kLayer && layout.conv_channel_bytes > 0) {
+      history_qk.start(p, s, qk, channel);
+      if (qk == 1) history_v.start(p, s, 2, channel);
+    }
+    // Input t of the sequence (bf16 bits) of q, k or v (proj 0 to 2), channel
+    // c of the item's: the stage holds the first tokens.
+    auto raw_input = [&](int proj, int t, int c) -> float {
+      if (t < FKDA_DECODE_STREAM_TOKENS) return bf16_bits((proj == 0 ? s.q(t) : proj == 1 ? s.k(t) : s.v(t, rows))[c]);
+      const FkdaActivation& a = proj == 0 ? p.call.q : proj == 1 ? p.call.k : p.call.v;
+      return bf16_bits(reinterpret_cast<const uint16_t*>(token_address(a, batch_row, begin + t, head, 2))[c]);
+    };
     float st[kDecodeRowsPerGroup][kDecodeColumnsPerLane];
     // The rows lie in the stage as in the pool: the plain kernel's
     // accesses, each group's 8 lanes on 128 contiguous bytes of a row.
     load_state_rows<kBf16, false, true>(s.state(), local_row, l, st);
-    const float dt = p.call.dt_bias != nullptr ? s.dt_bias(kBf16)[channel] : 0.f;
+    const float dt = p.call.dt_bias != nullptr && tid < FKDA_HEAD_DIM ? s.dt_bias()[channel] : 0.f;
 #pragma unroll 1
     for (int t = 0; t < tokens; ++t, ++prepared) {
       const int place = int(prepared % places);
       const bool staged = t < FKDA_DECODE_STREAM_TOKENS;
-      const int64_t token = h.begin + t;
-      const uint16_t* q_row = staged ? s.q(kBf16, t)
-                                     : reinterpret_cast<const uint16_t*>(token_address(p.call.q, h.batch_row, token, head, 2));
-      const uint16_t* k_row = staged ? s.k(kBf16, t)
-                                     : reinterpret_cast<const uint16_t*>(token_address(p.call.k, h.batch_row, token, head, 2));
-      const uint2 qw = *reinterpret_cast<const uint2*>(q_row + 4 * lane);
-      const uint2 kw = *reinterpret_cast<const uint2*>(k_row + 4 * lane);
-      const float4 q = make_float4(bf16_lo(qw.x), bf16_hi(qw.x), bf16_lo(qw.y), bf16_hi(qw.y));
-      const float4 k = make_float4(bf16_lo(kw.x), bf16_hi(kw.x), bf16_lo(kw.y), bf16_hi(kw.y));
-      const void* g_row = staged ? s.g(kBf16, t)
-                                 : token_address(p.call.g, h.batch_row, token, head, p.call.gate.g_is_f32 ? 4 : 2);
-      const float g = p.call.gate.g_is_f32 ? static_cast<const float*>(g_row)[channel]
-                                           : bf16_bits(static_cast<const uint16_t*>(g_row)[channel]);
-      const float rq = 1.0f / sqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f);
-      const float rk = 1.0f / sqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
-      const float qs = rq * p.call.scale;
-      // Lanes 8 w .. 8 w + 7 hold channels 32 w .., this warp's share.
-      if ((lane >> 3) == warp) {
-        reinterpret_cast<float4*>(key + place * FKDA_HEAD_DIM)[lane] = make_float4(k.x * rk, k.y * rk, k.z * rk, k.w * rk);
-        reinterpret_cast<float4*>(query + place * FKDA_HEAD_DIM)[lane] =
-            make_float4(q.x * qs, q.y * qs, q.z * qs, q.w * qs);
+      const int64_t token = begin + t;
+      float gate_g = 0.f;  // the layer form's g_out of value `channel`, used after the step
+      if constexpr (kLayer) {
+        if (gated && qk == 0) {
+          const FkdaActivation& g_out = p.layer.out_gate;
+          gate_g = bf16_bits(__ldg(static_cast<const uint16_t*>(g_out.data) + token_element(g_out, batch_row, head, token) + channel));
+        }
+        // As they are: each warp normalises q and k after the barrier.
+        const float x = raw_input(qk, t, channel);
+        (qk == 0 ? query : key)[place * FKDA_HEAD_DIM + channel] = convolved ? history_qk.convolve(p, channel_weights(p, qk, head_channel), x) : x;
+        if (qk == 1) {
+          const float xv = raw_input(2, t, channel);
+          value[place * rows + channel] = convolved ? history_v.convolve(p, channel_weights(p, 2, head_channel), xv) : xv;
+        }
+      } else {
+        const uint16_t* q_row = staged ? s.q(t) : reinterpret_cast<const uint16_t*>(token_address(p.call.q, batch_row, token, head, 2));
+        const uint16_t* k_row = staged ? s.k(t) : reinterpret_cast<const uint16_t*>(token_address(p.call.k, batch_row, token, head, 2));
+        const uint2 qw = *reinterpret_cast<const uint2*>(q_row + 4 * lane);
+        const uint2 kw = *reinterpret_cast<const uint2*>(k_row + 4 * lane);
+        const float4 q = make_float4(bf16_lo(qw.x), bf16_hi(qw.x), bf16_lo(qw.y), bf16_hi(qw.y));
+        const float4 k = make_float4(bf16_lo(kw.x), bf16_hi(kw.x), bf16_lo(kw.y), bf16_hi(kw.y));
+        const float rq = 1.0f / sqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f);
+        const float rk = 1.0f / sqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
+        const float qs = rq * p.call.scale;
+        // Lanes 8 w .. 8 w + 7 hold channels 32 w .., this warp's share.
+        if ((lane >> 3) == warp) {
+          reinterpret_cast<float4*>(key + place * FKDA_HEAD_DIM)[lane] = make_float4(k.x * rk, k.y * rk, k.z * rk, k.w * rk);
+          reinterpret_cast<float4*>(query + place * FKDA_HEAD_DIM)[lane] =
+              make_float4(q.x * qs, q.y * qs, q.z * qs, q.w * qs);
+        }
+        if (tid < rows) {
+          const uint16_t* v_row =
+              staged ? s.v(t, rows)
+                     : reinterpret_cast<const uint16_t*>(token_address(p.call.v, batch_row, token, head, 2)) + block_row;
+          value[place * rows + tid] = bf16_bits(v_row[tid]);
+        }
       }
-      decay[place * FKDA_HEAD_DIM + channel] = decay_accurate(p.call.gate, p.call.gate_scale, g, h.rate, dt);
-      if (tid < rows) {
-        const uint16_t* v_row = staged ? s.v(kBf16, t)
-                                       : reinterpret_cast<const uint16_t*>(token_address(p.call.v, h.batch_row, token, head, 2)) + block_row;
-        value[place * rows + tid] = bf16_bits(v_row[tid]);
+      if (tid < FKDA_HEAD_DIM) {
+        const void* g_row = staged ? s.g(t) : token_address(p.call.g, batch_row, token, head, p.call.gate.g_is_f32 ? 4 : 2);
+        const float g = p.call.gate.g_is_f32 ? static_cast<const float*>(g_row)[channel]
+                                             : bf16_bits(static_cast<const uint16_t*>(g_row)[channel]);
+        decay[place * FKDA_HEAD_DIM + channel] = decay_accurate(p.call.gate, p.call.gate_scale, g, h.rate, dt);
       }
       if (tid == 0) {
-        const float raw = staged ? s.header().beta[t]
-                                 : load_beta(p.call.gate, p.call.beta.data, token_element(p.call.beta, h.batch_row, head, token));
+        const float raw = staged ? h.beta[t]
+                                 : load_beta(p.call.gate, p.call.beta.data, token_element(p.call.beta, batch_row, head, token));
         beta[place] = step_size(p.call.gate, raw, true);
       }
-      consumers_sync();
+      consumers_sync<threads>();
       float o[kDecodeRowsPerGroup];
-      step_token_rows<kBf16, kDecodeRowsPerGroup>(st, key + place * FKDA_HEAD_DIM, decay + place * FKDA_HEAD_DIM,
-                                                  query + place * FKDA_HEAD_DIM, beta[place],
-                                                  value + place * rows + local_row, l, o);
-      // The group's four outputs in one 8-byte store (as the plain kernel).
-      if (l == 0) {
+      if constexpr (kLayer) {
+        const float4 q = reinterpret_cast<const float4*>(query + place * FKDA_HEAD_DIM)[lane];
+        const float4 k = reinterpret_cast<const float4*>(key + place * FKDA_HEAD_DIM)[lane];
+        const float rq = 1.0f / sqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f);
+        const float rk = 1.0f / sqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
+        step_token_rows<kBf16, kDecodeRowsPerGroup, true>(st, key + place * FKDA_HEAD_DIM, decay + place * FKDA_HEAD_DIM,
+                                                          query + place * FKDA_HEAD_DIM, beta[place],
+                                                          value + place * rows + local_row, l, o, rk, rq * p.call.scale);
+      } else {
+        step_token_rows<kBf16, kDecodeRowsPerGroup>(st, key + place * FKDA_HEAD_DIM, decay + place * FKDA_HEAD_DIM,
+                                                    query + place * FKDA_HEAD_DIM, beta[place],
+                                                    value + place * rows + local_row, l, o);
+      }
+      if (gated) {
+        // RMSNorm(o) w sigmoid(g_out) over the token's 128 values, once
+        // every warp's are in `outputs` (read before any thread passes the
+        // next token's barrier, after which the next step writes them).
+        if (l == 0) *reinterpret_cast<float4*>(outputs + local_row) = make_float4(o[0], o[1], o[2], o[3]);
+        consumers_sync<threads>();
+        if (tid < FKDA_HEAD_DIM) {
+          const float4 x = reinterpret_cast<const float4*>(outputs)[lane];
+          const float squares = warp_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w);
+          out[t * p.call.out.stride_t + channel] =
+              to_bf16(gate_one(p.layer, inverse_rms(p.layer, squares), channel, gate_g, outputs[channel]));
+        }
+      } else if (l == 0) {
+        // The group's four outputs in one 8-byte store (as the plain kernel).
         *reinterpret_cast<uint2*>(out + t * p.call.out.stride_t + local_row) =
             make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
       }
     }
 #pragma unroll
     for (int r = 0; r < kDecodeRowsPerGroup; ++r) store_state_row<kBf16, false, true>(s.state(), local_row + r, l, st[r]);
+    if (kLayer && layout.conv_channel_bytes > 0) {
+      // Each thread rewrites only the states it alone read.
+      history_qk.keep(p, s, qk, channel);
+      if (qk == 1) history_v.keep(p, s, 2, channel);
+    }
     fence_for_bulk_copies();
     barrier_arrive(empty + 8 * stage);
   }
 }
 
-template <bool kBf16>
+template <bool kBf16, bool kLayer>
 __device__ __forceinline__ void decode_streamed(const FkdaDecodeParams& p) {
+  using Form = StreamForm<kLayer>;
   extern __shared__ __align__(16) unsigned char decode_smem[];
-  const int64_t items = p.call.num_seqs * p.call.num_heads * (FKDA_HEAD_DIM / FKDA_DECODE_STREAM_ROWS);
-  const uint32_t barriers = smem_address(decode_smem + fkda_decode_stream_barriers_offset());
+  const int64_t items = p.call.num_seqs * p.call.num_heads * Form::kItemsPerHead;
+  const uint32_t barriers = smem_address(decode_smem + fkda_decode_stream_barriers_offset(Form::kWarps));
   const uint32_t full = barriers, empty = barriers + 8 * FKDA_DECODE_STREAM_MAX_STAGES;
-  unsigned char* stages_base = decode_smem + fkda_decode_stream_stages_offset();
+  unsigned char* stages_base = decode_smem + fkda_decode_stream_stages_offset(Form::kWarps);
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < p.stages; ++stage) {
       barrier_init(full + 8 * stage, 1);
-      barrier_init(empty + 8 * stage, 32 * FKDA_DECODE_MAX_WARPS);
+      barrier_init(empty + 8 * stage, 32 * Form::kWarps);
     }
     // The bulk copies complete on these barriers through the async proxy,
     // which sees their initialisation only after this fence.
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (threadIdx.x >= 32 * FKDA_DECODE_MAX_WARPS) {
-    produce<kBf16>(p, items, stages_base, full, empty);
+  if (threadIdx.x >= 32 * Form::kWarps) {
+    produce<kBf16, kLayer>(p, items, stages_base, full, empty);
   } else {
-    consume<kBf16>(p, items, decode_smem, stages_base, full, empty);
+    consume<kBf16, kLayer>(p, items, decode_smem, stages_base, full, empty);
   }
 }
 
 }  // namespace fkda_dev
 
-// One kernel per pool dtype (V x K). Only code for sm_90 and later has the
-// bulk copies; the host launches these only where the device runs such
-// code (DeviceFacts.runs_sm90_code).
+// One kernel per pool dtype (V x K), each plain and with the layer step.
+// Only code for sm_90 and later has the bulk copies; the host launches
+// these only where the device runs such code (DeviceFacts.runs_sm90_code).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define FKDA_DECODE_STREAMED_BODY(bf16)
+#define FKDA_DECODE_STREAMED_BODY(bf16, layer)
 #else
-#define FKDA_DECODE_STREAMED_BODY(bf16) fkda_dev::decode_streamed<bf16>(p);
+#define FKDA_DECODE_STREAMED_BODY(bf16, layer) fkda_dev::decode_streamed<bf16, layer>(p);
 #endif
-#define FKDA_DEFINE_DECODE_STREAMED(name, bf16)                                                \
-  extern "C" __global__ void __launch_bounds__(32 * (FKDA_DECODE_MAX_WARPS + 1), 2)            \
+#define FKDA_DEFINE_DECODE_STREAMED(name, bf16, layer, warps, blocks)                          \
+  extern "C" __global__ void __launch_bounds__(32 * ((warps) + 1), blocks)                     \
       name(const FkdaDecodeParams p) {                                                         \
-    FKDA_DECODE_STREAMED_BODY(bf16)                                                            \
+    FKDA_DECODE_STREAMED_BODY(bf16, layer)                                                     \
   }
-FKDA_DEFINE_DECODE_STREAMED(fkda_decode_streamed_f32, false)
-FKDA_DEFINE_DECODE_STREAMED(fkda_decode_streamed_bf16, true)
+FKDA_DEFINE_DECODE_STREAMED(fkda_decode_streamed_f32, false, false, FKDA_DECODE_MAX_WARPS, 2)
+FKDA_DEFINE_DECODE_STREAMED(fkda_decode_streamed_bf16, true, false, FKDA_DECODE_MAX_WARPS, 2)
+FKDA_DEFINE_DECODE_STREAMED(fkda_decode_streamed_f32_layer, false, true, FKDA_DECODE_STREAM_LAYER_WARPS, 1)
+FKDA_DEFINE_DECODE_STREAMED(fkda_decode_streamed_bf16_layer, true, true, FKDA_DECODE_STREAM_LAYER_WARPS, 1)
 #undef FKDA_DEFINE_DECODE_STREAMED
 #undef FKDA_DECODE_STREAMED_BODY

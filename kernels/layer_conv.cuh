@@ -60,20 +60,30 @@ __device__ __forceinline__ void load_weights_back(const FkdaLayerStep& layer, co
   }
 }
 
-// fkda_fwd's convolution of one channel, silu(bias + sum_j weight[j] x[j])
-// with the inputs oldest first, from x_back[b], the input b tokens back
-// (0: the token's own), and weight_back[b] = weight[W - 1 - b]; entries
-// b >= width are not read. The output is rounded to bf16, so SiLU takes
-// the fast exponential and reciprocal.
-__device__ __forceinline__ float convolve_rounded(int width, float bias,
-                                                  const float (&weight_back)[FKDA_CONV_MAX_WIDTH],
-                                                  const float (&x_back)[FKDA_CONV_MAX_WIDTH]) {
+// Accurate exp: the decode's convolution feeds the f32 state directly.
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+// The convolution of one channel, silu(bias + sum_j weight[j] x[j]) with
+// the inputs oldest first, from x_back[b], the input b tokens back (0: the
+// token's own), and weight_back[b] = weight[W - 1 - b]; entries b >= width
+// are not read. kRounded: the output is rounded to bf16 (fkda_fwd's), so
+// SiLU takes the fast exponential and reciprocal; else (the decode's, which
+// feeds the f32 state directly) the accurate ones.
+template <bool kRounded>
+__device__ __forceinline__ float convolve_back(int width, float bias, const float (&weight_back)[FKDA_CONV_MAX_WIDTH],
+                                               const float (&x_back)[FKDA_CONV_MAX_WIDTH]) {
   float acc = bias;
 #pragma unroll
   for (int b = FKDA_CONV_MAX_WIDTH - 1; b >= 0; --b) {
     if (b < width) acc = fmaf(weight_back[b], x_back[b], acc);
   }
-  return acc * __frcp_rn(1.0f + __expf(-acc));
+  if (kRounded) return acc * __frcp_rn(1.0f + __expf(-acc));
+  return silu(acc);
+}
+__device__ __forceinline__ float convolve_rounded(int width, float bias,
+                                                  const float (&weight_back)[FKDA_CONV_MAX_WIDTH],
+                                                  const float (&x_back)[FKDA_CONV_MAX_WIDTH]) {
+  return convolve_back<true>(width, bias, weight_back, x_back);
 }
 
 }  // namespace fkda_dev

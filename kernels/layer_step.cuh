@@ -32,9 +32,6 @@ __device__ __forceinline__ void store_real(void* data, bool is_f32, int64_t at, 
   }
 }
 
-// Accurate exp: the convolution feeds the decode's f32 state directly.
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-
 __device__ __forceinline__ void store_conv_state(const FkdaLayerStep& layer, const FkdaConv& conv, int64_t row,
                                                  int64_t c, int col, float x) {
   store_real(conv.state, layer.conv_state_is_f32 != 0,

@@ -2,8 +2,9 @@
 // Launch code of the decode kernels: one launch, either the streamed kernel
 // (kernels/decode_streamed.cuh) in a persistent grid, or the plain one
 // (kernels/decode_recurrence.cuh), a block per (sequence, V slice) and head;
-// with the layer step, a head's blocks as one cluster. Allocates nothing and
-// never synchronises, so a call can be captured in a CUDA graph.
+// with the layer step, the plain kernel's blocks of a head as one cluster.
+// Allocates nothing and never synchronises, so a call can be captured in a
+// CUDA graph.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -30,25 +31,61 @@ int choose_warps(int64_t seqs_times_heads, int sm_count) {
   return warps;
 }
 
-// The streamed kernels' stages a block (0: the call is not theirs). They
-// serve [N] indices on a V x K pool without the layer step, on devices that
-// run their code, with the head's dt_bias 16-byte aligned for its bulk copy.
-// A persistent grid of two blocks a multiprocessor pays off only when each
-// block has several items to pipeline: below that, the plain kernel's blocks
-// finish sooner.
-constexpr int64_t kStreamBlocksPerMultiprocessor = 2;
+// The layer form of the streamed kernels bulk-copies the conv states of a
+// head's channels: each projection's channels contiguous (stride_c = Wc,
+// stride_w = 1) and every row 16-byte aligned.
+bool conv_states_copyable(const FkdaLayerStep& layer) {
+  if (layer.conv_state_width == 0) return true;  // none
+  const int64_t element_bytes = layer.conv_state_is_f32 ? 4 : 2;
+  for (const FkdaConv& conv : layer.conv) {
+    if (conv.state_stride_c != layer.conv_state_width) return false;
+    if (layer.conv_state_width > 1 && conv.state_stride_w != 1) return false;
+    if (reinterpret_cast<uintptr_t>(conv.state) % 16 != 0 || (conv.state_stride_row * element_bytes) % 16 != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The streamed kernels' launch (stages 0: the call is not theirs). They
+// serve [N] indices on a V x K pool, with conv states they can copy, on
+// devices that run their code, with the head's dt_bias 16-byte aligned for
+// its bulk copy. A persistent grid (the plain form: two blocks a
+// multiprocessor, each items of 64 rows; the layer form: one, each items of
+// a whole head) pays off only when each block has several items to
+// pipeline: below that, the plain kernel's blocks finish sooner.
 constexpr int64_t kStreamMinItemsPerBlock = 2;
-int stream_stages(const DeviceFacts& facts, const FkdaDecodeParams& params, bool layer, int64_t items) {
-  if (!facts.runs_sm90_code || layer || params.indices_are_table || params.call.state_is_kv) return 0;
-  if (reinterpret_cast<uintptr_t>(params.call.dt_bias) % 16 != 0) return 0;
-  if (items < kStreamMinItemsPerBlock * kStreamBlocksPerMultiprocessor * facts.sm_count) return 0;
+struct StreamShape {
+  int stages = 0;
+  int64_t blocks = 0;
+  unsigned threads = 0;
+  int32_t smem_bytes = 0;
+};
+StreamShape stream_shape(const DeviceFacts& facts, const FkdaDecodeParams& params, bool layer, int64_t num_seqs,
+                         int64_t num_heads) {
+  if (!facts.runs_sm90_code || params.indices_are_table || params.call.state_is_kv) return {};
+  if (layer && !conv_states_copyable(params.layer)) return {};
+  if (reinterpret_cast<uintptr_t>(params.call.dt_bias) % 16 != 0) return {};
+  const int32_t warps = layer ? FKDA_DECODE_STREAM_LAYER_WARPS : FKDA_DECODE_MAX_WARPS;
+  const int32_t rows = warps * FKDA_DECODE_ROWS_PER_WARP;
+  const int64_t blocks_per_multiprocessor = layer ? 1 : 2;
+  const int64_t items = num_seqs * num_heads * (FKDA_HEAD_DIM / rows);
+  const int64_t most_blocks = blocks_per_multiprocessor * facts.sm_count;
+  if (items < kStreamMinItemsPerBlock * most_blocks) return {};
   // The driver reserves 1 KB of a multiprocessor's shared memory a block.
   const int64_t block_bytes = std::min<int64_t>(
-      facts.max_dynamic_smem, facts.smem_per_multiprocessor / kStreamBlocksPerMultiprocessor - 1024);
-  const int64_t room = block_bytes - fkda_decode_stream_stages_offset();
-  const int64_t stages = room / fkda_decode_stream_stage_bytes(params.call.state_is_bf16);
-  if (stages < 2) return 0;
-  return int(std::min<int64_t>(stages, FKDA_DECODE_STREAM_MAX_STAGES));
+      facts.max_dynamic_smem, facts.smem_per_multiprocessor / blocks_per_multiprocessor - 1024);
+  const int32_t stage_bytes = fkda_decode_stream_stage_bytes(
+      rows, params.call.state_is_bf16, params.call.gate.g_is_f32,
+      fkda_decode_stream_conv_bytes(layer ? params.layer.conv_state_width : 0, params.layer.conv_state_is_f32));
+  const int64_t stages = (block_bytes - fkda_decode_stream_stages_offset(warps)) / stage_bytes;
+  if (stages < 2) return {};
+  StreamShape shape;
+  shape.stages = int(std::min<int64_t>(stages, FKDA_DECODE_STREAM_MAX_STAGES));
+  shape.blocks = std::min<int64_t>(items, most_blocks);
+  shape.threads = unsigned(32 * (warps + 1));
+  shape.smem_bytes = fkda_decode_stream_smem_bytes(warps, shape.stages, stage_bytes);
+  return shape;
 }
 
 }  // namespace
@@ -72,20 +109,18 @@ void decode(const DecodeProblem& problem, CUstream stream) {
   int64_t max_tokens = std::min<int64_t>(FKDA_DECODE_MAX_TOKENS, problem.seq_len);
   if (problem.indices_are_table) max_tokens = std::min<int64_t>(max_tokens, problem.state_indices.cols);
   params.max_tokens = int32_t(max_tokens);
-  // The layer step needs a head's blocks to work together (decode_params.h):
-  // in a cluster where the kernel was compiled for sm_90 or later, else in
-  // one block of all 128 rows.
+  // The layer step needs all of a head's rows in one place (decode_params.h):
+  // the streamed kernel's items are whole heads; the plain kernel's blocks of a head form a cluster where the kernel was
+  // compiled for sm_90 or later, else one block takes all 128 rows.
   const bool layer = problem.layer.has_conv() || problem.layer.has_out_gate();
-  const int64_t stream_items = problem.num_seqs * problem.num_heads * (FKDA_HEAD_DIM / FKDA_DECODE_STREAM_ROWS);
-  params.stages = stream_stages(context.facts, params, layer, stream_items);
-  if (params.stages > 0) {
-    params.warps = FKDA_DECODE_MAX_WARPS;
-    const ResolvedKernel streamed = resolve(context, context.kernels.decode_streamed[params.call.state_is_bf16]);
-    const int64_t blocks =
-        std::min<int64_t>(stream_items, kStreamBlocksPerMultiprocessor * context.facts.sm_count);
-    launch(context, streamed, unsigned(blocks), 1, 1, 32 * (FKDA_DECODE_MAX_WARPS + 1),
-           unsigned(fkda_decode_stream_smem_bytes(params.stages, params.call.state_is_bf16)),
-           stream, &params);
+  if (layer) params.layer = kernel_layer(problem.layer);
+  const StreamShape streamed = stream_shape(context.facts, params, layer, problem.num_seqs, problem.num_heads);
+  if (streamed.stages > 0) {
+    params.stages = streamed.stages;
+    params.warps = int32_t(streamed.threads / 32 - 1);
+    const ResolvedKernel kernel = resolve(context, context.kernels.decode_streamed[layer][params.call.state_is_bf16]);
+    launch(context, kernel, unsigned(streamed.blocks), 1, 1, streamed.threads, unsigned(streamed.smem_bytes), stream,
+           &params);
     return;
   }
   const int index = decode_kernel_index(params.call.state_is_bf16 != 0, params.call.state_is_kv != 0);
@@ -94,7 +129,6 @@ void decode(const DecodeProblem& problem, CUstream stream) {
   const bool clusters = layer && context.facts.runs_sm90_code;
   params.warps = layer && !clusters ? FKDA_DECODE_LAYER_WARPS
                                     : choose_warps(problem.num_seqs * problem.num_heads, context.facts.sm_count);
-  if (layer) params.layer = kernel_layer(problem.layer);
 
   const int64_t vsplit = FKDA_HEAD_DIM / (FKDA_DECODE_ROWS_PER_WARP * params.warps);
   if (problem.num_heads > 65535 || problem.num_seqs > std::numeric_limits<int32_t>::max() / vsplit) {

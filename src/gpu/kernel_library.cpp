@@ -80,8 +80,10 @@ Kernels load_kernels(const cuda::Driver& d) {
   get(&kernels.decode_layer[decode_kernel_index(false, true)], "fkda_decode_f32_kv_layer");
   get(&kernels.decode_layer[decode_kernel_index(true, false)], "fkda_decode_bf16_vk_layer");
   get(&kernels.decode_layer[decode_kernel_index(true, true)], "fkda_decode_bf16_kv_layer");
-  get(&kernels.decode_streamed[0], "fkda_decode_streamed_f32");
-  get(&kernels.decode_streamed[1], "fkda_decode_streamed_bf16");
+  get(&kernels.decode_streamed[0][0], "fkda_decode_streamed_f32");
+  get(&kernels.decode_streamed[0][1], "fkda_decode_streamed_bf16");
+  get(&kernels.decode_streamed[1][0], "fkda_decode_streamed_f32_layer");
+  get(&kernels.decode_streamed[1][1], "fkda_decode_streamed_bf16_layer");
   get(&kernels.layer_convolve, "fkda_layer_convolve");
   get(&kernels.layer_conv_store, "fkda_layer_conv_store");
   get(&kernels.layer_gate, "fkda_layer_gate");
@@ -185,9 +187,11 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
   // The streamed decode: as many stages as fit (gpu_decode.cpp).
   facts.smem_per_multiprocessor = attribute(d, device, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR);
   if (facts.runs_sm90_code) {
-    for (const NamedKernel& kernel : k.decode_streamed) {
-      allow_smem(kernel, facts.max_dynamic_smem);
-      prefer_smem(kernel);
+    for (const auto& form : k.decode_streamed) {
+      for (const NamedKernel& kernel : form) {
+        allow_smem(kernel, facts.max_dynamic_smem);
+        prefer_smem(kernel);
+      }
     }
   }
   // Devices with less shared memory than the scan needs run prefill serially

@@ -55,8 +55,9 @@ struct Kernels {
   NamedKernel apply_transitions;  // fkda_apply_transitions
   NamedKernel decode[kDecodeKernelCount];
   NamedKernel decode_layer[kDecodeKernelCount];  // with the layer step
-  // The streamed decode (V x K pools, f32 [0] and bf16 [1]; sm_90 and later).
-  NamedKernel decode_streamed[2];
+  // The streamed decode (V x K pools; sm_90 and later): [layer step][pool
+  // f32 0, bf16 1].
+  NamedKernel decode_streamed[2][2];
   // fkda_fwd's layer step (kernels/layer_step.cuh).
   NamedKernel layer_convolve;
   NamedKernel layer_conv_store;

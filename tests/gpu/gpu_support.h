@@ -25,6 +25,14 @@
 
 namespace fkda_ref {
 
+// The current device's multiprocessors (the decode's kernel choice follows them).
+inline int64_t multiprocessors() {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms;
+}
+
 // Approximately N(0, 1) bf16 values from a cheap generator (a sum of four
 // 16-bit uniforms, scaled to unit variance): large problems need hundreds of
 // millions of them, more than the reference generator makes quickly.

@@ -373,13 +373,6 @@ DecodeCase packed(std::string name, std::vector<int64_t> lengths, int64_t H, uin
 }
 
 // The warps per block the library picks (src/gpu/gpu_decode.cpp), for the report.
-int64_t multiprocessors() {
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return sms;
-}
-
 int expected_warps(int64_t seqs_times_heads) {
   int warps = 4;
   while (warps > 1 && seqs_times_heads * (16 / warps) < 2 * multiprocessors()) warps /= 2;

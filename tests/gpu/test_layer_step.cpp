@@ -158,7 +158,7 @@ struct LayerSetup {
   explicit LayerSetup(const LayerCase& lc)
       : c(lc),
         p(make_problem(lc)),
-        slots(int64_t(lc.lengths.size()) + 3),
+        slots(p.num_seqs() + 3),
         channels(lc.H * kDim),
         projections(packed_projections(p)),
         g(g_bytes(p)),
@@ -468,6 +468,60 @@ TEST_CASE("layer step: GPU fkda_decode matches the CPU backend", "[gpu][layer_st
       compare(gpu, cpu, kDecodeOut, c.pool_dtype == FKDA_DTYPE_F32 ? kDecodeState : kDecodeBf16State);
     }
   }
+}
+
+namespace {
+
+// Batches the streamed kernel's layer form takes (src/gpu/gpu_decode.cpp:
+// [N] indices, a V x K pool, conv states with contiguous channels, and at
+// least two heads for each block, one a multiprocessor), in each of
+// fwd_cases' forms (the channel-last one stays on the plain kernel), with
+// sequences of 0 to 16 tokens: one and two come with their stage, longer
+// ones read the rest from global memory.
+std::vector<LayerCase> streamed_cases() {
+  const int64_t H = 12, N = (2 * multiprocessors() + H - 1) / H + 3;
+  const int64_t pattern[] = {1, 2, 1, 0, 16, 1, 3, 1, 9, 2, 1, 1};
+  std::vector<LayerCase> cases;
+  for (LayerCase c : fwd_cases()) {
+    c.name = "streamed: " + c.name;
+    c.checkpoints = false;
+    c.H = H;
+    c.lengths.clear();
+    for (int64_t n = 0; n < N; ++n) c.lengths.push_back(pattern[n % 12]);
+    cases.push_back(c);
+  }
+  LayerCase c = cases[0];
+  c.name = "streamed: bf16 pool";
+  c.pool_dtype = FKDA_DTYPE_BF16;
+  cases.push_back(c);
+  c = cases[0];
+  c.name = "streamed: batch rows of one token (no cu_seqlens)";
+  c.lengths.clear();
+  c.B = N;
+  c.T = 1;
+  cases.push_back(c);
+  c.name = "streamed: batch rows of two tokens, bf16 pool";
+  c.T = 2;
+  c.pool_dtype = FKDA_DTYPE_BF16;
+  cases.push_back(c);
+  return cases;
+}
+
+}  // namespace
+
+TEST_CASE("layer step: the streamed decode matches the CPU backend", "[gpu][layer_step][streamed]") {
+  for (const LayerCase& c : streamed_cases()) {
+    SECTION(c.name) {
+      const Outcome gpu = run(c, true, decode_call);
+      const Outcome cpu = run(c, false, decode_call);
+      compare(gpu, cpu, kDecodeOut, c.pool_dtype == FKDA_DTYPE_F32 ? kDecodeState : kDecodeBf16State);
+    }
+  }
+}
+
+TEST_CASE("layer step: the streamed decode under the sanitizers", "[gpu][layer_step][sanitize][streamed]") {
+  const std::vector<LayerCase> cases = streamed_cases();
+  for (size_t i : {size_t(0), size_t(4), cases.size() - 3}) (void)run(cases[i], true, decode_call);
 }
 
 TEST_CASE("layer step: GPU calls under the sanitizers", "[gpu][layer_step][sanitize]") {

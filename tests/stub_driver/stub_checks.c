@@ -127,21 +127,26 @@ struct LayerInputs {
   float* weights;
   float* norm;
   uint16_t* gate;
+  uint16_t* conv_states;
   fkda_layer_step layer;
 };
 
-static struct LayerInputs layer_inputs(int64_t T) {
-  enum { W = 4 };
+/* The layer step of B rows of T tokens (W = 4); with conv states in a pool
+ * of `slots` rows (Wc = 3, bf16) when slots > 0: [slots, 3 H K, 3], or
+ * channel-last [slots, 3, 3 H K]. */
+static struct LayerInputs layer_inputs_of(int64_t B, int64_t T, int64_t slots, int channel_last) {
+  enum { W = 4, Wc = 3 };
   const int64_t weight_shape[2] = {H * K, W};
   const int64_t norm_shape[1] = {K};
-  const int64_t gate_shape[4] = {1, T, H, K};
+  const int64_t gate_shape[4] = {B, T, H, K};
   struct LayerInputs in;
   in.weights = aligned_alloc(64, 3 * H * K * W * sizeof(float));
   in.norm = aligned_alloc(64, K * sizeof(float));
-  in.gate = aligned_alloc(64, (size_t)(T * H * K) * 2);
+  in.gate = aligned_alloc(64, (size_t)(B * T * H * K) * 2);
+  in.conv_states = slots > 0 ? calloc((size_t)(slots * 3 * H * K * Wc), 2) : NULL;
   memset(in.weights, 0, 3 * H * K * W * sizeof(float));
   memset(in.norm, 0, K * sizeof(float));
-  memset(in.gate, 0, (size_t)(T * H * K) * 2);
+  memset(in.gate, 0, (size_t)(B * T * H * K) * 2);
   const fkda_layer_step none = FKDA_LAYER_STEP_INIT;
   in.layer = none;
   in.layer.conv_weight_q = packed(in.weights, FKDA_DTYPE_F32, 2, weight_shape);
@@ -149,13 +154,33 @@ static struct LayerInputs layer_inputs(int64_t T) {
   in.layer.conv_weight_v = packed(in.weights + 2 * H * K * W, FKDA_DTYPE_F32, 2, weight_shape);
   in.layer.out_gate = packed(in.gate, FKDA_DTYPE_BF16, 4, gate_shape);
   in.layer.out_norm_weight = packed(in.norm, FKDA_DTYPE_F32, 1, norm_shape);
+  if (slots > 0) {
+    fkda_tensor* states[3] = {&in.layer.conv_state_q, &in.layer.conv_state_k, &in.layer.conv_state_v};
+    const int64_t channels = 3 * H * K;
+    for (int proj = 0; proj < 3; ++proj) {
+      fkda_tensor t = FKDA_TENSOR_NONE;
+      t.data = in.conv_states + (channel_last ? proj * H * K : proj * H * K * Wc);
+      t.dtype = FKDA_DTYPE_BF16;
+      t.rank = 3;
+      t.shape[0] = slots;
+      t.shape[1] = H * K;
+      t.shape[2] = Wc;
+      t.strides[0] = channels * Wc;
+      t.strides[1] = channel_last ? 1 : Wc;
+      t.strides[2] = channel_last ? channels : 1;
+      *states[proj] = t;
+    }
+  }
   return in;
 }
+
+static struct LayerInputs layer_inputs(int64_t T) { return layer_inputs_of(1, T, 0, 0); }
 
 static void free_layer_inputs(struct LayerInputs* in) {
   free(in->weights);
   free(in->norm);
   free(in->gate);
+  free(in->conv_states);
 }
 
 /* fkda_fwd of one row of T tokens with the layer step. */
@@ -430,10 +455,12 @@ static const char* stub_text(void* stub, const char* name) {
 }
 
 /* Which kernel fkda_decode launches: the streamed one for [N] indices on a
- * V x K pool without the layer step, from two 64-row items for each of the
- * two blocks a multiprocessor (N H >= 2 x 132 on the stub's device), in a
- * grid of two blocks a multiprocessor with as many stages as fit; the plain
- * kernels otherwise, and wherever the device runs sm_80 code. */
+ * V x K pool, from two items for each block: 64-row items and two blocks a
+ * multiprocessor (N H >= 2 x 132 on the stub's device); with the layer
+ * step, whole heads and one block a multiprocessor (N H >= 2 x 132 too).
+ * It runs a persistent grid with as many stages as fit; the plain kernels
+ * run otherwise (slot tables, K x V pools, channel-last conv states), and
+ * wherever the device runs sm_80 code. */
 static void expect_decode_kernel(void* stub, fkda_plan_t plan, int32_t state_dtype, int64_t N, int table,
                                  const fkda_layer_step* layer, const char* kernel, const char* what) {
   const int before = stub_counter(stub, "fkda_stub_launches");
@@ -465,6 +492,27 @@ static void decode_routes(void* stub, int sm80_code) {
   struct LayerInputs in = layer_inputs(1);
   expect_decode_kernel(stub, plan, FKDA_DTYPE_F32, 1, 0, &in.layer, "fkda_decode_f32_vk_layer", "the layer step");
   free_layer_inputs(&in);
+  in = layer_inputs_of(fewest, 1, fewest + 1, 0);
+  expect_decode_kernel(stub, plan, FKDA_DTYPE_F32, fewest, 0, &in.layer,
+                       sm80_code ? "fkda_decode_f32_vk_layer" : "fkda_decode_streamed_f32_layer",
+                       "the layer step, N x H = 264");
+  if (!sm80_code) {
+    expect(stub_counter(stub, "fkda_stub_last_grid_x") == 132, "the layer form: one block a multiprocessor");
+    expect(stub_counter(stub, "fkda_stub_last_threads") == 288, "the layer form: eight consumer warps and a producer");
+    /* A stage holds a head's state and 2,304 bytes of bf16 conv states:
+     * three in the 232,448 bytes a block may have. */
+    const int smem = stub_counter(stub, "fkda_stub_last_smem");
+    expect(smem > 3 * (65536 + 2304) && smem <= 232448, "three f32 stages of the layer form");
+  }
+  free_layer_inputs(&in);
+  in = layer_inputs_of(fewest - 1, 1, fewest, 0);
+  expect_decode_kernel(stub, plan, FKDA_DTYPE_F32, fewest - 1, 0, &in.layer, "fkda_decode_f32_vk_layer",
+                       "the layer step, N x H = 262");
+  free_layer_inputs(&in);
+  in = layer_inputs_of(fewest, 1, fewest + 1, 1);
+  expect_decode_kernel(stub, plan, FKDA_DTYPE_F32, fewest, 0, &in.layer, "fkda_decode_f32_vk_layer",
+                       "channel-last conv states");
+  free_layer_inputs(&in);
   fkda_plan_destroy(plan);
   desc.state_layout = FKDA_STATE_LAYOUT_KV;
   plan = make_plan(FKDA_BACKEND_GPU, &desc);
@@ -475,6 +523,11 @@ static void decode_routes(void* stub, int sm80_code) {
   plan = make_plan(FKDA_BACKEND_GPU, &desc);
   expect_decode_kernel(stub, plan, FKDA_DTYPE_BF16, 4 * fewest, 0, NULL,
                        sm80_code ? "fkda_decode_bf16_vk" : "fkda_decode_streamed_bf16", "bf16 pool");
+  in = layer_inputs_of(4 * fewest, 1, 4 * fewest + 1, 0);
+  expect_decode_kernel(stub, plan, FKDA_DTYPE_BF16, 4 * fewest, 0, &in.layer,
+                       sm80_code ? "fkda_decode_bf16_vk_layer" : "fkda_decode_streamed_bf16_layer",
+                       "bf16 pool, the layer step");
+  free_layer_inputs(&in);
   fkda_plan_destroy(plan);
 }
 
