@@ -84,7 +84,7 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_staged_state_bytes(int32_t wa
  *   header    128 bytes        where the item's tokens and state are (StreamHeader)
  *   state     rows x 128       the item's rows as in the pool (f32 or bf16)
  *   dt_bias   f32 [128]        the head's row
- *   tokens    FKDA_DECODE_STREAM_TOKENS x {q bf16 [128], k bf16 [128], g [128] (bf16 or f32), v bf16 [rows]}
+ *   tokens    FKDA_DECODE_STREAM_TOKENS x {q bf16 [128], k bf16 [128], g [128] (f32 room), v bf16 [rows]}
  *   conv      the layer form's conv states, in their dtype: q, k, v [128][Wc]
  *             (none without conv states; the layer form copies them, so it
  *             serves conv states whose channels are contiguous, stride_c =
@@ -100,8 +100,8 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_staged_state_bytes(int32_t wa
 static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_state_bytes(int32_t rows, int32_t state_is_bf16) {
   return rows * FKDA_HEAD_DIM * (state_is_bf16 ? 2 : 4);
 }
-static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_token_bytes(int32_t rows, int32_t g_is_f32) {
-  return 2 * FKDA_HEAD_DIM * 2 + FKDA_HEAD_DIM * (g_is_f32 ? 4 : 2) + rows * 2;
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_token_bytes(int32_t rows) {
+  return 2 * FKDA_HEAD_DIM * 2 + FKDA_HEAD_DIM * 4 + rows * 2;
 }
 /* conv_state_width 0: no conv states (or the plain form). */
 static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_conv_bytes(int32_t conv_state_width,
@@ -109,9 +109,9 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_conv_bytes(int32_t con
   return 3 * FKDA_HEAD_DIM * conv_state_width * (conv_state_is_f32 ? 4 : 2);
 }
 static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_stage_bytes(int32_t rows, int32_t state_is_bf16,
-                                                                      int32_t g_is_f32, int32_t conv_bytes) {
+                                                                      int32_t conv_bytes) {
   return FKDA_DECODE_STREAM_HEADER_BYTES + fkda_decode_stream_state_bytes(rows, state_is_bf16) + FKDA_HEAD_DIM * 4 +
-         FKDA_DECODE_STREAM_TOKENS * fkda_decode_stream_token_bytes(rows, g_is_f32) + conv_bytes;
+         FKDA_DECODE_STREAM_TOKENS * fkda_decode_stream_token_bytes(rows) + conv_bytes;
 }
 /* A block's shared memory, for `warps` consumer warps: the consumers
  * prepare one token at a time, into one of two places (the arrays of

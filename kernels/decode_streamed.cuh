@@ -36,6 +36,8 @@
 // zero, no state touched).
 #pragma once
 
+#include <type_traits>
+
 #include "decode_params.h"
 #include "decode_recurrence.cuh"
 #include "device_common.cuh"
@@ -49,14 +51,18 @@ struct StreamHeader {
   int64_t begin;          // first token along the row
   int64_t batch_row;      // the tokens' batch row
   unsigned char* matrix;  // the item's first row in the pool; null: padding
-  int64_t slot;           // the pool slot (also the conv states' row)
   int32_t length;         // tokens; 0 leaves everything untouched
-  int32_t head;
-  int32_t half;           // which 64 rows of the head
   float rate;             // exp(A_log[h])
   float beta[FKDA_DECODE_STREAM_TOKENS];  // the first tokens' beta, as stored
 };
-static_assert(sizeof(StreamHeader) <= FKDA_DECODE_STREAM_HEADER_BYTES, "the header fits its place");
+// The layer form's header: also where the head's conv states go back.
+struct LayerStreamHeader : StreamHeader {
+  int64_t slot;
+  int32_t head;
+};
+template <bool kLayer>
+using StreamHeaderOf = typename std::conditional<kLayer, LayerStreamHeader, StreamHeader>::type;
+static_assert(sizeof(LayerStreamHeader) <= FKDA_DECODE_STREAM_HEADER_BYTES, "the header fits its place");
 
 // ---- the barriers and bulk copies of sm_90 ----
 __device__ __forceinline__ void barrier_init(uint32_t barrier, int count) {
@@ -115,6 +121,9 @@ struct StreamForm {
   static constexpr int kWarps = kLayer ? FKDA_DECODE_STREAM_LAYER_WARPS : FKDA_DECODE_MAX_WARPS;  // consumers
   static constexpr int kRows = kWarps * FKDA_DECODE_ROWS_PER_WARP;                               // an item's
   static constexpr int kItemsPerHead = FKDA_HEAD_DIM / kRows;
+  // The (sequence, head) of item i, and which of the head's items it is.
+  __device__ static int64_t head_item(int64_t item) { return kItemsPerHead == 2 ? item >> 1 : item; }
+  __device__ static int part(int64_t item) { return kItemsPerHead == 2 ? int(item & 1) : 0; }
 };
 static_assert(StreamForm<true>::kRows == FKDA_HEAD_DIM, "the layer form's item is a whole head");
 
@@ -130,10 +139,10 @@ __device__ __forceinline__ StreamLayout stream_layout(const FkdaDecodeParams& p,
   StreamLayout layout;
   const int conv_width = kLayer ? p.layer.conv_state_width : 0;
   layout.state_bytes = fkda_decode_stream_state_bytes(rows, bf16);
-  layout.token_bytes = fkda_decode_stream_token_bytes(rows, p.call.gate.g_is_f32);
+  layout.token_bytes = fkda_decode_stream_token_bytes(rows);
   layout.conv_channel_bytes = conv_width * (p.layer.conv_state_is_f32 ? 4 : 2);
-  layout.stage_bytes = fkda_decode_stream_stage_bytes(
-      rows, bf16, p.call.gate.g_is_f32, fkda_decode_stream_conv_bytes(conv_width, p.layer.conv_state_is_f32));
+  layout.stage_bytes =
+      fkda_decode_stream_stage_bytes(rows, bf16, fkda_decode_stream_conv_bytes(conv_width, p.layer.conv_state_is_f32));
   return layout;
 }
 
@@ -141,6 +150,7 @@ struct StreamStage {
   unsigned char* base;
   StreamLayout layout;
   __device__ StreamHeader& header() const { return *reinterpret_cast<StreamHeader*>(base); }
+  __device__ LayerStreamHeader& layer_header() const { return *reinterpret_cast<LayerStreamHeader*>(base); }
   __device__ unsigned char* state() const { return base + FKDA_DECODE_STREAM_HEADER_BYTES; }
   __device__ float* dt_bias() const { return reinterpret_cast<float*>(state() + layout.state_bytes); }
   __device__ unsigned char* token(int t) const {
@@ -162,16 +172,22 @@ __device__ __forceinline__ int64_t token_element(const FkdaActivation& a, int64_
   return batch_row * a.stride_b + int64_t(head) * a.stride_h + token * a.stride_t;
 }
 
-// The item's header, from the device's offsets and indices (each lane of
-// the producer one item).
+// The item's (sequence, head, half) and its header, from the device's
+// offsets and indices (each lane of the producer one item).
 template <bool kLayer>
-__device__ __forceinline__ StreamHeader stream_item(const FkdaDecodeParams& p, int64_t item, bool bf16) {
+struct StreamItem {
+  int head, half;
+  StreamHeaderOf<kLayer> header;
+};
+
+template <bool kLayer>
+__device__ __forceinline__ StreamItem<kLayer> stream_item(const FkdaDecodeParams& p, int64_t item, bool bf16) {
   using Form = StreamForm<kLayer>;
-  StreamHeader h;
-  const int64_t head_item = item / Form::kItemsPerHead;
-  const int64_t n = head_item / p.call.num_heads;
-  h.head = int32_t(head_item % p.call.num_heads);
-  h.half = int32_t(item % Form::kItemsPerHead);
+  StreamItem<kLayer> it;
+  const int64_t n = Form::head_item(item) / p.call.num_heads;
+  it.head = int(Form::head_item(item) % p.call.num_heads);
+  it.half = Form::part(item);
+  StreamHeaderOf<kLayer>& h = it.header;
   h.batch_row = n;
   h.begin = 0;
   int64_t end = p.call.seq_len;
@@ -183,44 +199,51 @@ __device__ __forceinline__ StreamHeader stream_item(const FkdaDecodeParams& p, i
   }
   h.length = int32_t(end - h.begin < 0x7fffffff ? end - h.begin : 0x7fffffff);
   h.matrix = nullptr;
-  h.slot = -1;
   h.rate = 1.f;
 #pragma unroll
   for (int t = 0; t < FKDA_DECODE_STREAM_TOKENS; ++t) h.beta[t] = 0.f;
-  if (h.length == 0 || h.length > p.max_tokens) return h;
-  h.slot = usable_slot(load_index(p.state_indices, n, 0), p.call.first_real_slot, p.pool_slots);
-  if (h.slot < 0) return h;
+  if (h.length == 0 || h.length > p.max_tokens) return it;
+  const int64_t slot = usable_slot(load_index(p.state_indices, n, 0), p.call.first_real_slot, p.pool_slots);
+  if (slot < 0) return it;
   const int64_t element_bytes = bf16 ? 2 : 4;
   h.matrix = static_cast<unsigned char*>(p.pool) +
-             (h.slot * p.pool_slot_stride + int64_t(h.head) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM) +
-              int64_t(h.half) * Form::kRows * FKDA_HEAD_DIM) *
+             (slot * p.pool_slot_stride + int64_t(it.head) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM) +
+              int64_t(it.half) * Form::kRows * FKDA_HEAD_DIM) *
                  element_bytes;
-  h.rate = gate_rate(p.call.A_log, h.head, true);
+  if constexpr (kLayer) {
+    h.slot = slot;
+    h.head = it.head;
+  }
+  h.rate = gate_rate(p.call.A_log, it.head, true);
 #pragma unroll
   for (int t = 0; t < FKDA_DECODE_STREAM_TOKENS; ++t) {
     if (t < h.length) {
-      h.beta[t] = load_beta(p.call.gate, p.call.beta.data, token_element(p.call.beta, h.batch_row, h.head, h.begin + t));
+      h.beta[t] = load_beta(p.call.gate, p.call.beta.data, token_element(p.call.beta, h.batch_row, it.head, h.begin + t));
     }
   }
-  return h;
+  return it;
 }
 
-// Lane `from`'s header, in every lane.
-__device__ __forceinline__ StreamHeader shuffle_header(const StreamHeader& mine, int from) {
+// Lane `from`'s item, in every lane.
+template <bool kLayer>
+__device__ __forceinline__ StreamItem<kLayer> shuffle_item(const StreamItem<kLayer>& mine, int from) {
   constexpr unsigned kAll = 0xffffffffu;
-  StreamHeader h;
-  h.begin = __shfl_sync(kAll, mine.begin, from);
-  h.batch_row = __shfl_sync(kAll, mine.batch_row, from);
-  h.matrix = reinterpret_cast<unsigned char*>(
-      __shfl_sync(kAll, reinterpret_cast<unsigned long long>(mine.matrix), from));
-  h.slot = __shfl_sync(kAll, mine.slot, from);
-  h.length = __shfl_sync(kAll, mine.length, from);
-  h.head = __shfl_sync(kAll, mine.head, from);
-  h.half = __shfl_sync(kAll, mine.half, from);
-  h.rate = __shfl_sync(kAll, mine.rate, from);
+  StreamItem<kLayer> it;
+  it.head = __shfl_sync(kAll, mine.head, from);
+  it.half = __shfl_sync(kAll, mine.half, from);
+  it.header.begin = __shfl_sync(kAll, mine.header.begin, from);
+  it.header.batch_row = __shfl_sync(kAll, mine.header.batch_row, from);
+  it.header.matrix = reinterpret_cast<unsigned char*>(
+      __shfl_sync(kAll, reinterpret_cast<unsigned long long>(mine.header.matrix), from));
+  it.header.length = __shfl_sync(kAll, mine.header.length, from);
+  it.header.rate = __shfl_sync(kAll, mine.header.rate, from);
 #pragma unroll
-  for (int t = 0; t < FKDA_DECODE_STREAM_TOKENS; ++t) h.beta[t] = __shfl_sync(kAll, mine.beta[t], from);
-  return h;
+  for (int t = 0; t < FKDA_DECODE_STREAM_TOKENS; ++t) it.header.beta[t] = __shfl_sync(kAll, mine.header.beta[t], from);
+  if constexpr (kLayer) {
+    it.header.slot = __shfl_sync(kAll, mine.header.slot, from);
+    it.header.head = __shfl_sync(kAll, mine.header.head, from);
+  }
+  return it;
 }
 
 __device__ __forceinline__ const unsigned char* token_address(const FkdaActivation& a, int64_t batch_row,
@@ -240,13 +263,17 @@ __device__ __forceinline__ unsigned char* conv_state_channels(const FkdaDecodePa
 
 // The item in stage s back to the pool: its rows, and in the layer form the
 // head's conv states.
+template <bool kLayer>
 __device__ __forceinline__ void store_stage(const FkdaDecodeParams& p, const StreamStage& s) {
   const StreamHeader& h = s.header();
   if (h.matrix == nullptr) return;
   bulk_store(h.matrix, smem_address(s.state()), s.layout.state_bytes);
-  for (int proj = 0; proj < 3 && s.layout.conv_channel_bytes > 0; ++proj) {
-    bulk_store(conv_state_channels(p, proj, h.slot, h.head), smem_address(s.conv(proj)),
-               FKDA_HEAD_DIM * s.layout.conv_channel_bytes);
+  if constexpr (kLayer) {
+    const LayerStreamHeader& lh = s.layer_header();
+    for (int proj = 0; proj < 3 && s.layout.conv_channel_bytes > 0; ++proj) {
+      bulk_store(conv_state_channels(p, proj, lh.slot, lh.head), smem_address(s.conv(proj)),
+                 FKDA_HEAD_DIM * s.layout.conv_channel_bytes);
+    }
   }
 }
 
@@ -260,7 +287,7 @@ __device__ __forceinline__ void produce(const FkdaDecodeParams& p, int64_t items
   const StreamLayout layout = stream_layout<kLayer>(p, kBf16);
   const int g_bytes = p.call.gate.g_is_f32 ? 4 * FKDA_HEAD_DIM : 2 * FKDA_HEAD_DIM;
   const int conv_bytes = FKDA_HEAD_DIM * layout.conv_channel_bytes;  // a projection's
-  StreamHeader mine = {};  // lane i: item j + i of the current run of 32
+  StreamItem<kLayer> mine = {};  // lane i: item j + i of the current run of 32
   int64_t j = 0;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x, ++j) {
     // The lanes look 32 items ahead at once, so that the chain of dependent
@@ -269,43 +296,48 @@ __device__ __forceinline__ void produce(const FkdaDecodeParams& p, int64_t items
       const int64_t ahead = item + int64_t(lane) * gridDim.x;
       if (ahead < items) mine = stream_item<kLayer>(p, ahead, kBf16);
     }
-    const StreamHeader h = shuffle_header(mine, int(j % 32));
+    const StreamItem<kLayer> it = shuffle_item(mine, int(j % 32));
     if (lane == 0) {
       const int stage = int(j % p.stages);
       const uint32_t stage_full = full + 8 * stage, stage_empty = empty + 8 * stage;
       const StreamStage s{stages_base + stage * layout.stage_bytes, layout};
       if (j >= p.stages) {
         barrier_wait(stage_empty, uint32_t((j / p.stages - 1) & 1));
-        store_stage(p, s);
+        store_stage<kLayer>(p, s);
         bulk_stores_read();
       }
-      s.header() = h;
+      *reinterpret_cast<StreamHeaderOf<kLayer>*>(s.base) = it.header;
+      const StreamHeader& h = it.header;
       if (h.matrix == nullptr) {
         barrier_arrive(stage_full);
       } else {
         const int staged_tokens = h.length < FKDA_DECODE_STREAM_TOKENS ? h.length : FKDA_DECODE_STREAM_TOKENS;
         const bool dt = p.call.dt_bias != nullptr;
         barrier_arrive_expecting(stage_full, layout.state_bytes + (dt ? FKDA_HEAD_DIM * 4 : 0) +
-                                                 staged_tokens * layout.token_bytes + 3 * conv_bytes);
+                                                 staged_tokens * (4 * FKDA_HEAD_DIM + g_bytes + rows * 2) +
+                                                 3 * conv_bytes);
         bulk_load(smem_address(s.state()), h.matrix, layout.state_bytes, stage_full);
         if (dt) {
-          bulk_load(smem_address(s.dt_bias()), p.call.dt_bias + int64_t(h.head) * FKDA_HEAD_DIM, FKDA_HEAD_DIM * 4,
+          bulk_load(smem_address(s.dt_bias()), p.call.dt_bias + int64_t(it.head) * FKDA_HEAD_DIM, FKDA_HEAD_DIM * 4,
                     stage_full);
         }
         for (int t = 0; t < staged_tokens; ++t) {
           const int64_t token = h.begin + t;
-          bulk_load(smem_address(s.q(t)), token_address(p.call.q, h.batch_row, token, h.head, 2), 2 * FKDA_HEAD_DIM,
+          bulk_load(smem_address(s.q(t)), token_address(p.call.q, h.batch_row, token, it.head, 2), 2 * FKDA_HEAD_DIM,
                     stage_full);
-          bulk_load(smem_address(s.k(t)), token_address(p.call.k, h.batch_row, token, h.head, 2), 2 * FKDA_HEAD_DIM,
+          bulk_load(smem_address(s.k(t)), token_address(p.call.k, h.batch_row, token, it.head, 2), 2 * FKDA_HEAD_DIM,
                     stage_full);
           bulk_load(smem_address(s.g(t)),
-                    token_address(p.call.g, h.batch_row, token, h.head, p.call.gate.g_is_f32 ? 4 : 2), g_bytes,
+                    token_address(p.call.g, h.batch_row, token, it.head, p.call.gate.g_is_f32 ? 4 : 2), g_bytes,
                     stage_full);
           bulk_load(smem_address(s.v(t, rows)),
-                    token_address(p.call.v, h.batch_row, token, h.head, 2) + h.half * rows * 2, rows * 2, stage_full);
+                    token_address(p.call.v, h.batch_row, token, it.head, 2) + it.half * rows * 2, rows * 2, stage_full);
         }
-        for (int proj = 0; proj < 3 && conv_bytes > 0; ++proj) {
-          bulk_load(smem_address(s.conv(proj)), conv_state_channels(p, proj, h.slot, h.head), conv_bytes, stage_full);
+        if constexpr (kLayer) {
+          for (int proj = 0; proj < 3 && conv_bytes > 0; ++proj) {
+            bulk_load(smem_address(s.conv(proj)), conv_state_channels(p, proj, it.header.slot, it.head), conv_bytes,
+                      stage_full);
+          }
         }
       }
     }
@@ -317,7 +349,7 @@ __device__ __forceinline__ void produce(const FkdaDecodeParams& p, int64_t items
     for (int64_t last = count > p.stages ? count - p.stages : 0; last < count; ++last) {
       const int stage = int(last % p.stages);
       barrier_wait(empty + 8 * stage, uint32_t((last / p.stages) & 1));
-      store_stage(p, StreamStage{stages_base + stage * layout.stage_bytes, layout});
+      store_stage<kLayer>(p, StreamStage{stages_base + stage * layout.stage_bytes, layout});
     }
     bulk_stores_done();
   }
@@ -417,23 +449,23 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
   const bool gated = kLayer && p.layer.out_gate.data != nullptr;
   // The layer form: thread c < 128 takes channel c of q (and its decay);
   // thread 128 + c channel c of k and of v.
-  const int channel = tid & (FKDA_HEAD_DIM - 1), qk = tid >> 7;
+  const int channel = kLayer ? tid & (FKDA_HEAD_DIM - 1) : 32 * warp + lane, qk = tid >> 7;
   uint32_t prepared = 0;  // tokens this block has prepared
   int64_t j = 0;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x, ++j) {
     const int stage = int(j % p.stages);
     const StreamStage s{stages_base + stage * layout.stage_bytes, layout};
-    const int head = int((item / Form::kItemsPerHead) % p.call.num_heads);
-    const int block_row = int(item % Form::kItemsPerHead) * rows;
     // The layer form's weights, brought to L1 before the wait so that their
     // latency passes with it (held in registers from here, they would spill).
+    const int head = int(Form::head_item(item) % p.call.num_heads);
     const int64_t head_channel = int64_t(head) * FKDA_HEAD_DIM + channel;
     if (convolved) {
       prefetch_channel_weights(p, qk, head_channel);
       if (qk == 1) prefetch_channel_weights(p, 2, head_channel);
     }
     barrier_wait(full + 8 * stage, uint32_t((j / p.stages) & 1));
-    const StreamHeader& h = s.header();
+    const StreamHeader h = s.header();
+    const int block_row = Form::part(item) * rows;
     const int64_t begin = h.begin, batch_row = h.batch_row;
     uint16_t* out = static_cast<uint16_t*>(p.call.out.data) + batch_row * p.call.out.stride_b +
                     int64_t(head) * p.call.out.stride_h + begin * p.call.out.stride_t + block_row;
@@ -461,7 +493,7 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
     // The rows lie in the stage as in the pool: the plain kernel's
     // accesses, each group's 8 lanes on 128 contiguous bytes of a row.
     load_state_rows<kBf16, false, true>(s.state(), local_row, l, st);
-    const float dt = p.call.dt_bias != nullptr && tid < FKDA_HEAD_DIM ? s.dt_bias()[channel] : 0.f;
+    const float dt = p.call.dt_bias != nullptr ? s.dt_bias()[channel] : 0.f;
 #pragma unroll 1
     for (int t = 0; t < tokens; ++t, ++prepared) {
       const int place = int(prepared % places);
@@ -503,14 +535,14 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
           value[place * rows + tid] = bf16_bits(v_row[tid]);
         }
       }
-      if (tid < FKDA_HEAD_DIM) {
+      if (!kLayer || tid < FKDA_HEAD_DIM) {
         const void* g_row = staged ? s.g(t) : token_address(p.call.g, batch_row, token, head, p.call.gate.g_is_f32 ? 4 : 2);
         const float g = p.call.gate.g_is_f32 ? static_cast<const float*>(g_row)[channel]
                                              : bf16_bits(static_cast<const uint16_t*>(g_row)[channel]);
         decay[place * FKDA_HEAD_DIM + channel] = decay_accurate(p.call.gate, p.call.gate_scale, g, h.rate, dt);
       }
       if (tid == 0) {
-        const float raw = staged ? h.beta[t]
+        const float raw = staged ? s.header().beta[t]
                                  : load_beta(p.call.gate, p.call.beta.data, token_element(p.call.beta, batch_row, head, token));
         beta[place] = step_size(p.call.gate, raw, true);
       }

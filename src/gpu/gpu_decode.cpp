@@ -76,7 +76,7 @@ StreamShape stream_shape(const DeviceFacts& facts, const FkdaDecodeParams& param
   const int64_t block_bytes = std::min<int64_t>(
       facts.max_dynamic_smem, facts.smem_per_multiprocessor / blocks_per_multiprocessor - 1024);
   const int32_t stage_bytes = fkda_decode_stream_stage_bytes(
-      rows, params.call.state_is_bf16, params.call.gate.g_is_f32,
+      rows, params.call.state_is_bf16,
       fkda_decode_stream_conv_bytes(layer ? params.layer.conv_state_width : 0, params.layer.conv_state_is_f32));
   const int64_t stages = (block_bytes - fkda_decode_stream_stages_offset(warps)) / stage_bytes;
   if (stages < 2) return {};
