@@ -457,15 +457,15 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
     const StreamStage s{stages_base + stage * layout.stage_bytes, layout};
     // The layer form's weights, brought to L1 before the wait so that their
     // latency passes with it (held in registers from here, they would spill).
-    const int head = int(Form::head_item(item) % p.call.num_heads);
-    const int64_t head_channel = int64_t(head) * FKDA_HEAD_DIM + channel;
     if (convolved) {
-      prefetch_channel_weights(p, qk, head_channel);
-      if (qk == 1) prefetch_channel_weights(p, 2, head_channel);
+      const int64_t c = int64_t(Form::head_item(item) % p.call.num_heads) * FKDA_HEAD_DIM + channel;
+      prefetch_channel_weights(p, qk, c);
+      if (qk == 1) prefetch_channel_weights(p, 2, c);
     }
     barrier_wait(full + 8 * stage, uint32_t((j / p.stages) & 1));
     const StreamHeader h = s.header();
-    const int block_row = Form::part(item) * rows;
+    const int head = int(Form::head_item(item) % p.call.num_heads), block_row = Form::part(item) * rows;
+    const int64_t head_channel = int64_t(head) * FKDA_HEAD_DIM + channel;
     const int64_t begin = h.begin, batch_row = h.batch_row;
     uint16_t* out = static_cast<uint16_t*>(p.call.out.data) + batch_row * p.call.out.stride_b +
                     int64_t(head) * p.call.out.stride_h + begin * p.call.out.stride_t + block_row;
@@ -500,6 +500,12 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
       const bool staged = t < FKDA_DECODE_STREAM_TOKENS;
       const int64_t token = begin + t;
       float gate_g = 0.f;  // the layer form's g_out of value `channel`, used after the step
+      // The decay of channel `channel` (thread < 128), from its g.
+      auto g_of = [&]() {
+        const void* g_row = staged ? s.g(t) : token_address(p.call.g, batch_row, token, head, p.call.gate.g_is_f32 ? 4 : 2);
+        return p.call.gate.g_is_f32 ? static_cast<const float*>(g_row)[channel]
+                                    : bf16_bits(static_cast<const uint16_t*>(g_row)[channel]);
+      };
       if constexpr (kLayer) {
         if (gated && qk == 0) {
           const FkdaActivation& g_out = p.layer.out_gate;
@@ -507,10 +513,13 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
         }
         // As they are: each warp normalises q and k after the barrier.
         const float x = raw_input(qk, t, channel);
-        (qk == 0 ? query : key)[place * FKDA_HEAD_DIM + channel] = convolved ? history_qk.convolve(p, channel_weights(p, qk, head_channel), x) : x;
+        (qk == 0 ? query : key)[place * FKDA_HEAD_DIM + channel] =
+            convolved ? history_qk.convolve(p, channel_weights(p, qk, head_channel), x) : x;
         if (qk == 1) {
           const float xv = raw_input(2, t, channel);
           value[place * rows + channel] = convolved ? history_v.convolve(p, channel_weights(p, 2, head_channel), xv) : xv;
+        } else {
+          decay[place * FKDA_HEAD_DIM + channel] = decay_accurate(p.call.gate, p.call.gate_scale, g_of(), h.rate, dt);
         }
       } else {
         const uint16_t* q_row = staged ? s.q(t) : reinterpret_cast<const uint16_t*>(token_address(p.call.q, batch_row, token, head, 2));
@@ -519,6 +528,7 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
         const uint2 kw = *reinterpret_cast<const uint2*>(k_row + 4 * lane);
         const float4 q = make_float4(bf16_lo(qw.x), bf16_hi(qw.x), bf16_lo(qw.y), bf16_hi(qw.y));
         const float4 k = make_float4(bf16_lo(kw.x), bf16_hi(kw.x), bf16_lo(kw.y), bf16_hi(kw.y));
+        const float g = g_of();
         const float rq = 1.0f / sqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f);
         const float rk = 1.0f / sqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
         const float qs = rq * p.call.scale;
@@ -528,18 +538,13 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
           reinterpret_cast<float4*>(query + place * FKDA_HEAD_DIM)[lane] =
               make_float4(q.x * qs, q.y * qs, q.z * qs, q.w * qs);
         }
+        decay[place * FKDA_HEAD_DIM + channel] = decay_accurate(p.call.gate, p.call.gate_scale, g, h.rate, dt);
         if (tid < rows) {
           const uint16_t* v_row =
               staged ? s.v(t, rows)
                      : reinterpret_cast<const uint16_t*>(token_address(p.call.v, batch_row, token, head, 2)) + block_row;
           value[place * rows + tid] = bf16_bits(v_row[tid]);
         }
-      }
-      if (!kLayer || tid < FKDA_HEAD_DIM) {
-        const void* g_row = staged ? s.g(t) : token_address(p.call.g, batch_row, token, head, p.call.gate.g_is_f32 ? 4 : 2);
-        const float g = p.call.gate.g_is_f32 ? static_cast<const float*>(g_row)[channel]
-                                             : bf16_bits(static_cast<const uint16_t*>(g_row)[channel]);
-        decay[place * FKDA_HEAD_DIM + channel] = decay_accurate(p.call.gate, p.call.gate_scale, g, h.rate, dt);
       }
       if (tid == 0) {
         const float raw = staged ? s.header().beta[t]
