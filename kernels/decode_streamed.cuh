@@ -376,31 +376,35 @@ __device__ __forceinline__ ChannelWeights channel_weights(const FkdaDecodeParams
   return w;
 }
 
-// A channel's last inputs, history[b] the one b + 1 tokens back: from its
+// A channel's last inputs, back(b) the one b + 1 tokens back: from its
 // conv state before the sequence's first token (zeros without one), then
 // each token's raw input as it is convolved. Wc <= 4 of them make the new
-// conv state.
+// conv state. They live in shared memory (decode_params.h), the thread's
+// b-th at at[b x stride]: in registers through the steps, they spilled.
 struct ChannelHistory {
-  float back[FKDA_CONV_MAX_WIDTH];
+  float* at;
+  int stride;
 
+  __device__ float& back(int b) const { return at[b * stride]; }
   // Column col of channel c's conv state in stage s ([128][Wc], its dtype).
   __device__ static float state_at(const FkdaDecodeParams& p, const StreamStage& s, int proj, int c, int col) {
     const int at = c * p.layer.conv_state_width + col;
     return p.layer.conv_state_is_f32 ? reinterpret_cast<const float*>(s.conv(proj))[at]
                                      : bf16_bits(reinterpret_cast<const uint16_t*>(s.conv(proj))[at]);
   }
-  __device__ void start(const FkdaDecodeParams& p, const StreamStage& s, int proj, int c) {
-    const int width = p.layer.conv_state_width;
+  __device__ void start(const FkdaDecodeParams& p, const StreamStage& s, int proj, int c) const {
+    const int width = p.layer.conv_state_width;  // 0 without conv states
 #pragma unroll
-    for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) back[b] = b < width ? state_at(p, s, proj, c, width - 1 - b) : 0.f;
+    for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) back(b) = b < width ? state_at(p, s, proj, c, width - 1 - b) : 0.f;
   }
   // The convolution of input x with the history, which then takes x.
-  __device__ float convolve(const FkdaDecodeParams& p, const ChannelWeights& w, float x) {
-    const float x_back[FKDA_CONV_MAX_WIDTH] = {x, back[0], back[1], back[2]};
+  __device__ float convolve(const FkdaDecodeParams& p, const ChannelWeights& w, float x) const {
+    const float x_back[FKDA_CONV_MAX_WIDTH] = {x, back(0), back(1), back(2)};
     const float y = convolve_back<false>(p.layer.conv_width, w.bias, w.back, x_back);
-#pragma unroll
-    for (int b = FKDA_CONV_MAX_WIDTH - 1; b > 0; --b) back[b] = back[b - 1];
-    back[0] = x;
+    back(3) = x_back[3];
+    back(2) = x_back[2];
+    back(1) = x_back[1];
+    back(0) = x;
     return y;
   }
   // The new conv state, the last Wc inputs oldest first, over the old one in the stage.
@@ -409,9 +413,7 @@ struct ChannelHistory {
 #pragma unroll
     for (int col = 0; col < FKDA_CONV_MAX_WIDTH; ++col) {
       if (col >= width) continue;
-      float x = 0.f;
-#pragma unroll
-      for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) x = b == width - 1 - col ? back[b] : x;
+      const float x = back(width - 1 - col);
       const int at = c * width + col;
       if (p.layer.conv_state_is_f32) {
         reinterpret_cast<float*>(s.conv(proj))[at] = x;
@@ -450,6 +452,8 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
   // The layer form: thread c < 128 takes channel c of q (and its decay);
   // thread 128 + c channel c of k and of v.
   const int channel = kLayer ? tid & (FKDA_HEAD_DIM - 1) : 32 * warp + lane, qk = tid >> 7;
+  float* histories = reinterpret_cast<float*>(smem + fkda_decode_stream_history_offset(Form::kWarps));
+  const ChannelHistory history_qk{histories + tid, threads}, history_v{histories + FKDA_CONV_MAX_WIDTH * threads + tid, threads};
   uint32_t prepared = 0;  // tokens this block has prepared
   int64_t j = 0;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x, ++j) {
@@ -477,8 +481,7 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
       barrier_arrive(empty + 8 * stage);
       continue;
     }
-    ChannelHistory history_qk = {}, history_v = {};
-    if (kLayer && layout.conv_channel_bytes > 0) {
+    if (convolved) {
       history_qk.start(p, s, qk, channel);
       if (qk == 1) history_v.start(p, s, 2, channel);
     }
