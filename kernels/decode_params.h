@@ -115,22 +115,20 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_stage_bytes(int32_t ro
 }
 /* A block's shared memory, for `warps` consumer warps: the consumers
  * prepare one token at a time, into one of two places (the arrays of
- * fkda_decode_smem_bytes for 2 tokens); then come the layer form's outputs
- * of one token (f32 [128], waiting for the output gate) and its channel
- * histories (below), the stages' barriers (two of 8 bytes a stage) and the
- * stages. */
+ * fkda_decode_smem_bytes for 2 tokens); then come the layer form's own
+ * arrays, the stages' barriers (two of 8 bytes a stage) and the stages. The
+ * layer form's arrays: the outputs of one token (f32 [128], waiting for the
+ * output gate), then the channel histories (f32 [2][FKDA_CONV_MAX_WIDTH]
+ * [threads], each consumer thread's last inputs of its one or two channels). */
 #define FKDA_DECODE_STREAM_PREPARED_TOKENS 2
-static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_outputs_offset(int32_t warps) {
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_layer_offset(int32_t warps) {
   return (fkda_decode_smem_bytes(FKDA_DECODE_STREAM_PREPARED_TOKENS, warps) + 127) / 128 * 128;
 }
-/* The layer form's channel histories: f32 [2][FKDA_CONV_MAX_WIDTH][threads],
- * each consumer thread's last inputs of its one or two channels. */
-static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_history_offset(int32_t warps) {
-  return fkda_decode_stream_outputs_offset(warps) + FKDA_HEAD_DIM * 4;
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_layer_bytes(int32_t warps) {
+  return warps == FKDA_DECODE_STREAM_LAYER_WARPS ? FKDA_HEAD_DIM * 4 + 2 * FKDA_CONV_MAX_WIDTH * 32 * warps * 4 : 0;
 }
 static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_barriers_offset(int32_t warps) {
-  return fkda_decode_stream_history_offset(warps) +
-         (warps == FKDA_DECODE_STREAM_LAYER_WARPS ? 2 * FKDA_CONV_MAX_WIDTH * 32 * warps * 4 : 0);
+  return fkda_decode_stream_layer_offset(warps) + fkda_decode_stream_layer_bytes(warps);
 }
 #define FKDA_DECODE_STREAM_BARRIER_BYTES 128
 #if 2 * 8 * FKDA_DECODE_STREAM_MAX_STAGES > FKDA_DECODE_STREAM_BARRIER_BYTES

@@ -10,8 +10,8 @@
 // idles while the resident blocks compute and store. Here a persistent
 // block keeps `stages` items in flight: its producer warp issues the bulk
 // copies of the items ahead (their rows of the state, their first tokens'
-// q, k, g, v and the head's dt_bias) while the four consumer warps step
-// item j from shared memory, and the producer writes each item's rows back
+// q, k, g, v and the head's dt_bias) while the consumer warps step item j
+// from shared memory, and the producer writes each item's rows back
 // to the pool with one bulk store once the consumers are done with them.
 //
 // The plain form's items are FKDA_DECODE_STREAM_ROWS (64) rows of one
@@ -24,9 +24,9 @@
 // The layer form adds the layer step (flashkda.h, "The layer step"): the
 // producer also copies the head's conv states in, and writes them back; as
 // the consumers prepare a token, thread c convolves channel c of q (threads
-// 0-127) or of k and v (threads 128-255), its last inputs in registers;
-// each warp normalises q and k as it steps; the output gate then takes all
-// 128 values of the token from shared memory.
+// 0-127) or of k and v (threads 128-255), its last inputs in shared memory;
+// each warp normalises q and k as it steps; after a second barrier the
+// output gate takes all 128 values of the token from shared memory.
 //
 // Served: [N] indices (no table), V x K pools (an item's rows are then one
 // contiguous run of the pool); the layer form, conv states whose channels
@@ -199,6 +199,10 @@ __device__ __forceinline__ StreamItem<kLayer> stream_item(const FkdaDecodeParams
   }
   h.length = int32_t(end - h.begin < 0x7fffffff ? end - h.begin : 0x7fffffff);
   h.matrix = nullptr;
+  if constexpr (kLayer) {
+    h.slot = -1;
+    h.head = it.head;
+  }
   h.rate = 1.f;
 #pragma unroll
   for (int t = 0; t < FKDA_DECODE_STREAM_TOKENS; ++t) h.beta[t] = 0.f;
@@ -210,10 +214,7 @@ __device__ __forceinline__ StreamItem<kLayer> stream_item(const FkdaDecodeParams
              (slot * p.pool_slot_stride + int64_t(it.head) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM) +
               int64_t(it.half) * Form::kRows * FKDA_HEAD_DIM) *
                  element_bytes;
-  if constexpr (kLayer) {
-    h.slot = slot;
-    h.head = it.head;
-  }
+  if constexpr (kLayer) h.slot = slot;
   h.rate = gate_rate(p.call.A_log, it.head, true);
 #pragma unroll
   for (int t = 0; t < FKDA_DECODE_STREAM_TOKENS; ++t) {
@@ -445,14 +446,14 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
   float* decay = reinterpret_cast<float*>(smem + fkda_decode_decay_offset(places));
   float* value = reinterpret_cast<float*>(smem + fkda_decode_value_offset(places));
   float* beta = reinterpret_cast<float*>(smem + fkda_decode_beta_offset(places, Form::kWarps));
-  float* outputs = reinterpret_cast<float*>(smem + fkda_decode_stream_outputs_offset(Form::kWarps));
+  float* outputs = reinterpret_cast<float*>(smem + fkda_decode_stream_layer_offset(Form::kWarps));
   const StreamLayout layout = stream_layout<kLayer>(p, kBf16);
   const bool convolved = kLayer && p.layer.conv_width > 0;
   const bool gated = kLayer && p.layer.out_gate.data != nullptr;
   // The layer form: thread c < 128 takes channel c of q (and its decay);
   // thread 128 + c channel c of k and of v.
   const int channel = kLayer ? tid & (FKDA_HEAD_DIM - 1) : 32 * warp + lane, qk = tid >> 7;
-  float* histories = reinterpret_cast<float*>(smem + fkda_decode_stream_history_offset(Form::kWarps));
+  float* histories = outputs + FKDA_HEAD_DIM;
   const ChannelHistory history_qk{histories + tid, threads}, history_v{histories + FKDA_CONV_MAX_WIDTH * threads + tid, threads};
   uint32_t prepared = 0;  // tokens this block has prepared
   int64_t j = 0;
