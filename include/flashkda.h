@@ -342,7 +342,10 @@ FKDA_API fkda_status fkda_plan_workspace_size(fkda_plan_t plan,
  *
  * fkda_fwd rounds the convolved q, k and v to bf16, as they would be
  * stored between two kernels, and gates the bf16 output of the recurrence;
- * fkda_decode keeps both in f32. The layout of this struct is frozen. */
+ * fkda_decode keeps both in f32. On GPU plans, fkda_decode of large batches
+ * is fastest with conv states whose channels are contiguous (stride 1 along
+ * Wc, Wc along the channels, rows 16-byte aligned): other strides take a
+ * slower kernel. The layout of this struct is frozen. */
 typedef struct fkda_layer_step {
   fkda_tensor conv_weight_q;
   fkda_tensor conv_weight_k;

@@ -59,8 +59,9 @@ def decode(
       conv_weight, conv_bias, conv_state, out_gate, out_norm_weight,
       out_norm_eps       the layer step, as for flashkda.fwd (no plan flag
                          needed); conv_state rows are pool slots, read and
-                         updated in place with the recurrent state. Slot
-                         tables [N, W] take no convolution.
+                         updated in place with the recurrent state (large GPU
+                         batches are fastest with a contiguous conv_state).
+                         Slot tables [N, W] take no convolution.
     A sequence whose starting slot is null is padding: its output rows are
     zero and no state is read or written.
     """
