@@ -414,13 +414,8 @@ struct ChannelHistory {
 #pragma unroll
     for (int col = 0; col < FKDA_CONV_MAX_WIDTH; ++col) {
       if (col >= width) continue;
-      const float x = back(width - 1 - col);
-      const int at = c * width + col;
-      if (p.layer.conv_state_is_f32) {
-        reinterpret_cast<float*>(s.conv(proj))[at] = x;
-      } else {
-        reinterpret_cast<uint16_t*>(s.conv(proj))[at] = to_bf16(x);  // a bf16 input or old state: exact
-      }
+      // A bf16 input or old state: exact in the state's dtype.
+      store_real(s.conv(proj), p.layer.conv_state_is_f32 != 0, c * width + col, back(width - 1 - col));
     }
   }
 };

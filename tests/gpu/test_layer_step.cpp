@@ -346,6 +346,13 @@ void compare(const Outcome& gpu, const Outcome& cpu, double out_tolerance, doubl
   CHECK(gpu.conv_states == cpu.conv_states);
 }
 
+// One decode call of the case on each backend, compared.
+void compare_decode(const LayerCase& c) {
+  const Outcome gpu = run(c, true, decode_call);
+  const Outcome cpu = run(c, false, decode_call);
+  compare(gpu, cpu, kDecodeOut, c.pool_dtype == FKDA_DTYPE_F32 ? kDecodeState : kDecodeBf16State);
+}
+
 std::vector<LayerCase> fwd_cases() {
   std::vector<LayerCase> cases;
   LayerCase base;
@@ -462,11 +469,7 @@ TEST_CASE("layer step: GPU fkda_decode matches the CPU backend", "[gpu][layer_st
   kv_bf16_pool.layout = FKDA_STATE_LAYOUT_KV;
   cases.push_back(kv_bf16_pool);
   for (const LayerCase& c : cases) {
-    SECTION(c.name) {
-      const Outcome gpu = run(c, true, decode_call);
-      const Outcome cpu = run(c, false, decode_call);
-      compare(gpu, cpu, kDecodeOut, c.pool_dtype == FKDA_DTYPE_F32 ? kDecodeState : kDecodeBf16State);
-    }
+    SECTION(c.name) { compare_decode(c); }
   }
 }
 
@@ -511,11 +514,7 @@ std::vector<LayerCase> streamed_cases() {
 
 TEST_CASE("layer step: the streamed decode matches the CPU backend", "[gpu][layer_step][streamed]") {
   for (const LayerCase& c : streamed_cases()) {
-    SECTION(c.name) {
-      const Outcome gpu = run(c, true, decode_call);
-      const Outcome cpu = run(c, false, decode_call);
-      compare(gpu, cpu, kDecodeOut, c.pool_dtype == FKDA_DTYPE_F32 ? kDecodeState : kDecodeBf16State);
-    }
+    SECTION(c.name) { compare_decode(c); }
   }
 }
 
