@@ -67,8 +67,10 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 // the inputs oldest first, from x_back[b], the input b tokens back (0: the
 // token's own), and weight_back[b] = weight[W - 1 - b]; entries b >= width
 // are not read. kRounded: the output is rounded to bf16 (fkda_fwd's), so
-// SiLU takes the fast exponential and reciprocal; else (the decode's, which
-// feeds the f32 state directly) the accurate ones.
+// SiLU takes the hardware's exponential and reciprocal (each within 2 ulp of
+// f32, far below a bf16 step; the IEEE reciprocal was a fifth of the
+// preparation kernel's instructions); else (the decode's, which feeds the
+// f32 state directly) the accurate ones.
 template <bool kRounded>
 __device__ __forceinline__ float convolve_back(int width, float bias, const float (&weight_back)[FKDA_CONV_MAX_WIDTH],
                                                const float (&x_back)[FKDA_CONV_MAX_WIDTH]) {
@@ -77,7 +79,7 @@ __device__ __forceinline__ float convolve_back(int width, float bias, const floa
   for (int b = FKDA_CONV_MAX_WIDTH - 1; b >= 0; --b) {
     if (b < width) acc = fmaf(weight_back[b], x_back[b], acc);
   }
-  if (kRounded) return acc * __frcp_rn(1.0f + __expf(-acc));
+  if (kRounded) return acc * rcp_fast(1.0f + exp2_fast(-acc * kLog2e));
   return silu(acc);
 }
 __device__ __forceinline__ float convolve_rounded(int width, float bias,

@@ -35,14 +35,15 @@ typedef struct FkdaLayerParams {
 } FkdaLayerParams;
 
 /* The convolution kernel: blocks of FKDA_CONV_THREADS threads, each thread
- * eight channels of v of FKDA_CONV_TILE_TOKENS tokens; the output gate:
- * blocks of FKDA_GATE_WARPS warps, each FKDA_GATE_ROWS_PER_WARP (token,
- * head) rows. */
+ * FKDA_CONV_CHANNELS_PER_THREAD channels of v of FKDA_CONV_TILE_TOKENS
+ * tokens; the output gate: blocks of FKDA_GATE_WARPS warps, each
+ * FKDA_GATE_ROWS_PER_WARP (token, head) rows. */
 #define FKDA_CONV_TILE_TOKENS 64
 #define FKDA_CONV_THREADS 128
-#define FKDA_CONV_CHANNELS_PER_BLOCK (FKDA_CONV_THREADS * 8)
+#define FKDA_CONV_CHANNELS_PER_THREAD 4
+#define FKDA_CONV_CHANNELS_PER_BLOCK (FKDA_CONV_THREADS * FKDA_CONV_CHANNELS_PER_THREAD)
 #define FKDA_GATE_WARPS 4
-#define FKDA_GATE_ROWS_PER_WARP 4
+#define FKDA_GATE_ROWS_PER_WARP 8
 #define FKDA_GATE_ROWS_PER_BLOCK (FKDA_GATE_WARPS * FKDA_GATE_ROWS_PER_WARP)
 
 #endif /* FLASHKDA_KERNELS_LAYER_PARAMS_H */

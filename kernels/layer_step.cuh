@@ -21,8 +21,8 @@
 
 namespace fkda_dev {
 
-// Channels per thread of fkda_fwd's convolution.
-constexpr int kConvChannels = 8;
+// Channels per thread of fkda_fwd's convolution of v.
+constexpr int kConvChannels = FKDA_CONV_CHANNELS_PER_THREAD;
 
 __device__ __forceinline__ void store_real(void* data, bool is_f32, int64_t at, float x) {
   if (is_f32) {
@@ -92,36 +92,32 @@ __device__ __forceinline__ int64_t sequence_at(const FkdaLayerParams& p, int64_t
   return lo;
 }
 
-// Eight consecutive channels of one raw token row (16 bytes: the
+// Four consecutive channels of one raw token row (8 bytes: the
 // activations' rows are 16-byte aligned, validate.cpp check_gpu_alignment).
-__device__ __forceinline__ uint4 load_raw8_bits(const FkdaActivation& raw, int64_t row, int64_t token, int head, int i) {
-  return __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(raw.data) + row * raw.stride_b +
+__device__ __forceinline__ uint2 load_raw4_bits(const FkdaActivation& raw, int64_t row, int64_t token, int head, int i) {
+  return __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(raw.data) + row * raw.stride_b +
                                               token * raw.stride_t + int64_t(head) * raw.stride_h + i));
 }
 
-__device__ __forceinline__ void unpack_bf16x8(const uint4& w, float (&x)[kConvChannels]) {
-  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    x[2 * e] = bf16_lo(words[e]);
-    x[2 * e + 1] = bf16_hi(words[e]);
-  }
+__device__ __forceinline__ void unpack_bf16x4(const uint2& w, float (&x)[kConvChannels]) {
+  x[0] = bf16_lo(w.x);
+  x[1] = bf16_hi(w.x);
+  x[2] = bf16_lo(w.y);
+  x[3] = bf16_hi(w.y);
 }
 
-__device__ __forceinline__ void load_raw8(const FkdaActivation& raw, int64_t row, int64_t token, int head, int i,
-                                          float (&x)[kConvChannels]) {
-  unpack_bf16x8(load_raw8_bits(raw, row, token, head, i), x);
-}
-
-// Block (token tile, group of 128 x 8 channels of v); a thread takes
-// eight consecutive channels along the tile's tokens, its weights in
-// registers and the last W - 1 inputs of its sequence in a sliding window,
-// so that each raw input is read once. Loads of kAhead tokens are issued
-// together: the thread's chain of tokens is otherwise one memory latency
-// per token.
+// Block (token tile, group of 128 x 4 channels of v); a thread takes four
+// consecutive channels along the tile's tokens, its weights in registers
+// and the last W - 1 inputs of its sequence in a sliding window, so that
+// each raw input is read once. The tile is cut where sequences begin and
+// end, and along each piece the loads of the next kAhead tokens are issued
+// before the current ones are convolved, so that a batch is always in
+// flight. Four channels a thread, not eight, keep the registers low enough
+// for six blocks a multiprocessor, whose warps cover each other's arithmetic.
 template <int kWidth>
 __device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t c0) {
   constexpr int kV = 2;
+  constexpr int kAhead = 8;  // tokens a batch, held packed (2 registers a token)
   const int64_t channels = int64_t(p.call.num_heads) * FKDA_HEAD_DIM;
   const int head = int(c0 / FKDA_HEAD_DIM), i0 = int(c0 % FKDA_HEAD_DIM);
   const FkdaActivation& raw = raw_projection(p, kV);
@@ -142,17 +138,32 @@ __device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t 
   int64_t n = packed ? sequence_at(p, first) : first / p.call.seq_len;
   int64_t begin = packed ? load_offset_of(p.call, n) : n * p.call.seq_len;
   int64_t end = packed ? load_offset_of(p.call, n + 1) : begin + p.call.seq_len;
-  ConvRow row = conv_row_of(p, p.reads_state != 0, n);
-  // history[k]: the input k + 1 tokens before the current one (from the
-  // sequence's conv state before its first token, or 0 when it reads none).
-  float history[kWidth - 1][kConvChannels];
-  auto fill_history = [&](int64_t t) {
+  uint16_t* staged = static_cast<uint16_t*>(p.staged_v) + c0;
+
+  for (int64_t t = first; t < last;) {
+    while (t >= end && n + 1 < p.call.num_seqs) {  // the sequence holding t (zero-length ones are skipped)
+      ++n;
+      begin = packed ? load_offset_of(p.call, n) : n * p.call.seq_len;
+      end = packed ? load_offset_of(p.call, n + 1) : begin + p.call.seq_len;
+    }
+    // The piece [t, stop): tokens before the sequence's first, which no
+    // sequence holds (convolved as zeros), or the sequence's own; tokens
+    // past the last sequence's end continue it (nothing reads them).
+    const bool held = t >= begin;
+    int64_t stop = held ? end : begin;
+    if (stop <= t || stop > last) stop = last;
+    const float keep = held ? 1.f : 0.f;
     const int64_t position = t - begin;
+    const ConvRow row = conv_row_of(p, p.reads_state != 0, n);
+
+    // history[k]: the input k + 1 tokens before the current one (from the
+    // sequence's conv state before its first token, or 0 when it reads none).
+    float history[kWidth - 1][kConvChannels];
 #pragma unroll
     for (int k = 0; k < kWidth - 1; ++k) {
       const int64_t at = position - 1 - k;
       if (at >= 0) {  // in the sequence, so in its batch row
-        load_raw8(raw, packed ? 0 : n, packed ? t - 1 - k : at, head, i0, history[k]);
+        unpack_bf16x4(load_raw4_bits(raw, packed ? 0 : n, packed ? t - 1 - k : at, head, i0), history[k]);
       } else {
 #pragma unroll
         for (int e = 0; e < kConvChannels; ++e) {
@@ -162,67 +173,49 @@ __device__ __forceinline__ void convolve_tile(const FkdaLayerParams& p, int64_t 
         }
       }
     }
-  };
-  fill_history(first);
 
-  // Tokens loaded ahead, held packed (4 registers a token): 6 of them keep
-  // 96 bytes a thread in flight at the three blocks per SM these registers
-  // allow (8 spill, CUDA 13.0).
-  constexpr int kAhead = 6;
-  uint16_t* staged = static_cast<uint16_t*>(p.staged_v) + c0;
-  // The batch row and index in it of the next token to load, stepped
-  // along (no division per token).
-  int64_t next_row = packed ? 0 : n, next_index = packed ? first : first - n * p.call.seq_len;
-  for (int64_t t0 = first; t0 < last; t0 += kAhead) {
-    uint4 ahead[kAhead];
+    // Inside one sequence (or none) the tokens are consecutive rows of one
+    // batch row, so the loads step a pointer.
+    const uint16_t* next = static_cast<const uint16_t*>(raw.data) + (packed ? 0 : n) * raw.stride_b +
+                           (packed ? t : position) * raw.stride_t + int64_t(head) * raw.stride_h + i0;
+    auto load_batch = [&](uint2 (&batch)[kAhead], int64_t t0) {
 #pragma unroll
-    for (int u = 0; u < kAhead; ++u) {
-      if (t0 + u < last) {
-        ahead[u] = load_raw8_bits(raw, next_row, next_index, head, i0);
-        if (++next_index == p.call.seq_len && !packed) {
-          next_index = 0;
-          ++next_row;
+      for (int u = 0; u < kAhead; ++u) {
+        if (t0 + u < stop) batch[u] = __ldg(reinterpret_cast<const uint2*>(next));
+        next += raw.stride_t;
+      }
+    };
+    uint2 current[kAhead] = {}, upcoming[kAhead] = {};
+    load_batch(current, t);
+    for (int64_t t0 = t; t0 < stop; t0 += kAhead) {
+      load_batch(upcoming, t0 + kAhead);
+#pragma unroll
+      for (int u = 0; u < kAhead; ++u) {
+        if (t0 + u >= stop) break;
+        float input[kConvChannels];
+        unpack_bf16x4(current[u], input);
+        float y[kConvChannels];
+#pragma unroll
+        for (int e = 0; e < kConvChannels; ++e) {
+          input[e] *= keep;
+          float x_back[FKDA_CONV_MAX_WIDTH] = {input[e], 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int b = 1; b < kWidth; ++b) x_back[b] = history[b - 1][e];
+          y[e] = convolve_rounded(kWidth, bias[e], weight_back[e], x_back);
         }
+        *reinterpret_cast<uint2*>(staged + (t0 + u) * channels) =
+            make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]));
+#pragma unroll
+        for (int k = kWidth - 2; k > 0; --k)
+#pragma unroll
+          for (int e = 0; e < kConvChannels; ++e) history[k][e] = history[k - 1][e];
+#pragma unroll
+        for (int e = 0; e < kConvChannels; ++e) history[0][e] = input[e];
       }
+#pragma unroll
+      for (int u = 0; u < kAhead; ++u) current[u] = upcoming[u];
     }
-#pragma unroll
-    for (int u = 0; u < kAhead; ++u) {
-      const int64_t t = t0 + u;
-      if (t >= last) break;
-      if (t >= end && n + 1 < p.call.num_seqs) {  // the next sequence starts (zero-length ones are skipped)
-        do {
-          ++n;
-          begin = packed ? load_offset_of(p.call, n) : n * p.call.seq_len;
-          end = packed ? load_offset_of(p.call, n + 1) : begin + p.call.seq_len;
-        } while (t >= end && n + 1 < p.call.num_seqs);
-        row = conv_row_of(p, p.reads_state != 0, n);
-        fill_history(t);
-      }
-      const float keep = t >= begin ? 1.f : 0.f;  // 0 only for tokens no sequence holds
-      float input[kConvChannels];
-      unpack_bf16x8(ahead[u], input);
-      uint32_t packed_out[kConvChannels / 2];
-#pragma unroll
-      for (int e = 0; e < kConvChannels; e += 2) {
-        float y[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float x_back[FKDA_CONV_MAX_WIDTH] = {keep * input[e + h], 0.f, 0.f, 0.f};
-#pragma unroll
-          for (int b = 1; b < kWidth; ++b) x_back[b] = keep * history[b - 1][e + h];
-          y[h] = convolve_rounded(kWidth, bias[e + h], weight_back[e + h], x_back);
-        }
-        packed_out[e / 2] = pack_bf16x2(y[0], y[1]);
-      }
-      *reinterpret_cast<uint4*>(staged + t * channels) =
-          make_uint4(packed_out[0], packed_out[1], packed_out[2], packed_out[3]);
-#pragma unroll
-      for (int k = kWidth - 2; k > 0; --k)
-#pragma unroll
-        for (int e = 0; e < kConvChannels; ++e) history[k][e] = history[k - 1][e];
-#pragma unroll
-      for (int e = 0; e < kConvChannels; ++e) history[0][e] = input[e];
-    }
+    t = stop;
   }
 }
 
@@ -283,51 +276,92 @@ __device__ __forceinline__ void store_conv_states(const FkdaLayerParams& p) {
   }
 }
 
-// A warp per FKDA_GATE_ROWS_PER_WARP consecutive (token, head) rows of out,
-// four values a lane; every row's loads are issued before the first is used.
+// A warp per FKDA_GATE_ROWS_PER_WARP consecutive (token, head) rows of out:
+// each half-warp takes every other row, eight values a lane (16-byte loads
+// and stores), and every row's loads are issued before the first is used.
+// The output is bf16, so the gate takes the hardware's exponential,
+// reciprocal and reciprocal square root (each within 2 ulp of f32, far
+// below a bf16 step): with the accurate ones and 64-bit row arithmetic per
+// value the kernel was bound by its instructions, at half the bandwidth.
 __device__ __forceinline__ void gate_output_rows(const FkdaLayerParams& p) {
+  constexpr int kValues = 8;                                  // a lane's values of a row
+  constexpr int kLanesPerRow = FKDA_HEAD_DIM / kValues;       // 16: a half-warp
+  constexpr int kRowsPerPass = 32 / kLanesPerRow;             // 2
+  constexpr int kPasses = FKDA_GATE_ROWS_PER_WARP / kRowsPerPass;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int half = lane / kLanesPerRow, v0 = kValues * (lane % kLanesPerRow);
   const int64_t heads = p.call.num_heads, rows = p.batch * p.call.seq_len * heads;
-  const int64_t first = (int64_t(blockIdx.x) * FKDA_GATE_WARPS + warp) * FKDA_GATE_ROWS_PER_WARP;
+  const int64_t first = (int64_t(blockIdx.x) * FKDA_GATE_WARPS + warp) * FKDA_GATE_ROWS_PER_WARP + half;
   const FkdaActivation& gate = p.layer.out_gate;
-  uint16_t* out_rows[FKDA_GATE_ROWS_PER_WARP];
-  uint2 o_bits[FKDA_GATE_ROWS_PER_WARP], g_bits[FKDA_GATE_ROWS_PER_WARP];
+  const FkdaOutput& out = p.call.out;
+
+  uint16_t* out_rows[kPasses];
+  const uint16_t* gate_rows[kPasses];
   int64_t token = first / heads, head = first % heads;
   int64_t b = token / p.call.seq_len, t = token % p.call.seq_len;
 #pragma unroll
-  for (int r = 0; r < FKDA_GATE_ROWS_PER_WARP; ++r) {
-    out_rows[r] = nullptr;
-    if (first + r < rows) {
-      out_rows[r] = static_cast<uint16_t*>(p.call.out.data) + b * p.call.out.stride_b + t * p.call.out.stride_t +
-                    head * p.call.out.stride_h + 4 * lane;
-      o_bits[r] = *reinterpret_cast<const uint2*>(out_rows[r]);
-      g_bits[r] = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(gate.data) + b * gate.stride_b +
-                                                       t * gate.stride_t + head * gate.stride_h + 4 * lane));
-    }
-    if (++head == heads) {  // the next row: the next head, or the next token's first
-      head = 0;
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const bool live = first + kRowsPerPass * pass < rows;
+    out_rows[pass] = live ? static_cast<uint16_t*>(out.data) + b * out.stride_b + t * out.stride_t +
+                                head * out.stride_h + v0
+                          : nullptr;
+    gate_rows[pass] = static_cast<const uint16_t*>(gate.data) + b * gate.stride_b + t * gate.stride_t +
+                      head * gate.stride_h + v0;
+    head += kRowsPerPass;  // the half-warp's next row (heads may be fewer than kRowsPerPass)
+    while (head >= heads) {
+      head -= heads;
       if (++t == p.call.seq_len) {
         t = 0;
         ++b;
       }
     }
   }
+  uint4 o_bits[kPasses] = {}, g_bits[kPasses] = {};  // zeros for rows past the end
 #pragma unroll
-  for (int r = 0; r < FKDA_GATE_ROWS_PER_WARP; ++r) {
-    if (out_rows[r] == nullptr) continue;
-    float o[4] = {bf16_lo(o_bits[r].x), bf16_hi(o_bits[r].x), bf16_lo(o_bits[r].y), bf16_hi(o_bits[r].y)};
-    const float g[4] = {bf16_lo(g_bits[r].x), bf16_hi(g_bits[r].x), bf16_lo(g_bits[r].y), bf16_hi(g_bits[r].y)};
-    float squares = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
+  for (int pass = 0; pass < kPasses; ++pass) {
+    if (out_rows[pass] == nullptr) continue;
+    o_bits[pass] = *reinterpret_cast<const uint4*>(out_rows[pass]);
+    g_bits[pass] = __ldg(reinterpret_cast<const uint4*>(gate_rows[pass]));
+  }
+  float weight[kValues];
 #pragma unroll
-    for (int d = 16; d >= 1; d >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, d);
-    gate_four(p.layer, squares, 4 * lane, g, o);
-    *reinterpret_cast<uint2*>(out_rows[r]) = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+  for (int e = 0; e < kValues; ++e) {
+    weight[e] = load_real(p.layer.norm_weight, p.layer.norm_weight_is_f32 != 0,
+                          int64_t(v0 + e) * p.layer.norm_weight_stride);
+  }
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    // Every lane of the warp takes part in the shuffles; a row past the
+    // end is computed on zeros and not stored.
+    const uint32_t o_words[4] = {o_bits[pass].x, o_bits[pass].y, o_bits[pass].z, o_bits[pass].w};
+    const uint32_t g_words[4] = {g_bits[pass].x, g_bits[pass].y, g_bits[pass].z, g_bits[pass].w};
+    float o[kValues], squares = 0.f;
+#pragma unroll
+    for (int e = 0; e < kValues; ++e) {
+      o[e] = e % 2 ? bf16_hi(o_words[e / 2]) : bf16_lo(o_words[e / 2]);
+      squares = fmaf(o[e], o[e], squares);
+    }
+#pragma unroll
+    for (int d = kLanesPerRow / 2; d >= 1; d >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, d);
+    const float inverse_rms = rsqrtf(squares * (1.0f / float(FKDA_HEAD_DIM)) + p.layer.norm_eps);
+    uint32_t packed[kValues / 2];
+#pragma unroll
+    for (int e = 0; e < kValues; e += 2) {
+      float y[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float g = h ? bf16_hi(g_words[e / 2]) : bf16_lo(g_words[e / 2]);
+        y[h] = o[e + h] * inverse_rms * weight[e + h] * sigmoid_fast(g);
+      }
+      packed[e / 2] = pack_bf16x2(y[0], y[1]);
+    }
+    if (out_rows[pass] != nullptr) *reinterpret_cast<uint4*>(out_rows[pass]) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   }
 }
 
 }  // namespace fkda_dev
 
-extern "C" __global__ void __launch_bounds__(FKDA_CONV_THREADS) fkda_layer_convolve(const FkdaLayerParams p) {
+extern "C" __global__ void __launch_bounds__(FKDA_CONV_THREADS, 6) fkda_layer_convolve(const FkdaLayerParams p) {
   fkda_dev::convolve_v(p);
 }
 extern "C" __global__ void __launch_bounds__(FKDA_HEAD_DIM) fkda_layer_conv_store(const FkdaLayerParams p) {

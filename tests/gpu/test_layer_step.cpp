@@ -393,10 +393,11 @@ std::vector<LayerCase> fwd_cases() {
   c.g_f32 = true;
   cases.push_back(c);
   c = base;
-  c.name = "W2 Wc1, batch rows without cu_seqlens, softplus";
+  c.name = "W2 Wc1, batch rows without cu_seqlens, three heads, softplus";
   c.lengths = {};
   c.B = 3;
   c.T = 41;
+  c.H = 3;
   c.width = 2;
   c.state_width = 1;
   c.gate_mode = FKDA_GATE_SOFTPLUS;
@@ -408,6 +409,10 @@ std::vector<LayerCase> fwd_cases() {
   c = base;
   c.name = "gate only";
   c.conv = false;
+  cases.push_back(c);
+  c = base;
+  c.name = "W4 one head";
+  c.H = 1;
   cases.push_back(c);
   return cases;
 }
