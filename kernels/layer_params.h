@@ -18,6 +18,7 @@ typedef struct FkdaLayerParams {
   FkdaRecurrenceCall call;
   FkdaLayerStep layer;
   void* staged_v;
+  float* conv_table; /* written by fkda_layer_pack_conv_weights (FKDA_CONV_TABLE_*) */
   int64_t batch; /* B: N without cu_seqlens, 1 with */
   /* Which conv state row a sequence reads and writes: pool slot
    * state_indices[n] (null or outside the pool: padding, nothing touched)
@@ -42,6 +43,17 @@ typedef struct FkdaLayerParams {
 #define FKDA_CONV_THREADS 128
 #define FKDA_CONV_CHANNELS_PER_THREAD 4
 #define FKDA_CONV_CHANNELS_PER_BLOCK (FKDA_CONV_THREADS * FKDA_CONV_CHANNELS_PER_THREAD)
+/* The table of q's and k's conv weights (projection 0 and 1) that
+ * fkda_layer_pack_conv_weights writes, a thread per (channel, projection),
+ * before the preparation kernels read it: every thread of those would
+ * otherwise load, convert and address 20 weights and biases of any dtype
+ * and stride. With C = H * K channels, f32 throughout: the weights of
+ * channel c by distance (b: the input b tokens back; 0 for b >= W) at
+ * floats 4 (proj C + c) + b, and its bias (0 without) at
+ * FKDA_CONV_TABLE_BIAS(C) + proj C + c. */
+#define FKDA_CONV_TABLE_PROJECTIONS 2
+#define FKDA_CONV_TABLE_FLOATS_PER_CHANNEL (FKDA_CONV_TABLE_PROJECTIONS * (FKDA_CONV_MAX_WIDTH + 1))
+#define FKDA_CONV_TABLE_BIAS(channels) (FKDA_CONV_TABLE_PROJECTIONS * FKDA_CONV_MAX_WIDTH * (channels))
 #define FKDA_GATE_WARPS 4
 #define FKDA_GATE_ROWS_PER_WARP 8
 #define FKDA_GATE_ROWS_PER_BLOCK (FKDA_GATE_WARPS * FKDA_GATE_ROWS_PER_WARP)

@@ -5,6 +5,9 @@
 // functions below inside its own steps; fkda_fwd's preparation kernel
 // convolves q and k as it loads them (prefill_prepare.cuh), and fkda_fwd
 // runs the three kernels at the end of this file around the recurrence:
+//   fkda_layer_pack_conv_weights
+//                         q's and k's weights and biases, f32, into the
+//                         table the preparation kernel reads
 //   fkda_layer_convolve   the convolved v, rounded to bf16, into the staging
 //                         area the recurrence then reads as its v
 //   fkda_layer_conv_store each sequence's last Wc raw inputs into its conv
@@ -229,6 +232,22 @@ __device__ __forceinline__ void convolve_v(const FkdaLayerParams& p) {
   }
 }
 
+// Block (group of FKDA_CONV_THREADS channels, projection q or k), a thread
+// per channel: its weights by distance and its bias into the table the
+// preparation kernels read (FKDA_CONV_TABLE_*).
+__device__ __forceinline__ void pack_conv_weights(const FkdaLayerParams& p) {
+  const int proj = blockIdx.y;
+  const int64_t channels = int64_t(p.call.num_heads) * FKDA_HEAD_DIM;
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  const FkdaConv& conv = p.layer.conv[proj];
+  float weight_back[FKDA_CONV_MAX_WIDTH];
+  load_weights_back(p.layer, conv, c, p.layer.conv_width, weight_back);
+  reinterpret_cast<float4*>(p.conv_table)[proj * channels + c] =
+      make_float4(weight_back[0], weight_back[1], weight_back[2], weight_back[3]);
+  p.conv_table[FKDA_CONV_TABLE_BIAS(channels) + proj * channels + c] = conv_bias(p.layer, conv, c);
+}
+
 // Block (sequence, head, projection), a thread per channel: the sequence's
 // last Wc raw inputs (older ones from its old state) into its row, and the
 // same at each pool checkpoint. Every old value is read before any write.
@@ -363,6 +382,9 @@ __device__ __forceinline__ void gate_output_rows(const FkdaLayerParams& p) {
 
 extern "C" __global__ void __launch_bounds__(FKDA_CONV_THREADS, 6) fkda_layer_convolve(const FkdaLayerParams p) {
   fkda_dev::convolve_v(p);
+}
+extern "C" __global__ void __launch_bounds__(FKDA_CONV_THREADS) fkda_layer_pack_conv_weights(const FkdaLayerParams p) {
+  fkda_dev::pack_conv_weights(p);
 }
 extern "C" __global__ void __launch_bounds__(FKDA_HEAD_DIM) fkda_layer_conv_store(const FkdaLayerParams p) {
   fkda_dev::store_conv_states(p);

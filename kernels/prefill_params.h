@@ -194,6 +194,10 @@ typedef struct FkdaLayerStep {
   int64_t norm_weight_stride;
   int32_t norm_weight_is_f32;
   float norm_eps;
+  /* fkda_fwd's preparation kernels: q's and k's weights and biases as
+   * fkda_layer_pack_conv_weights wrote them (FKDA_CONV_TABLE_*,
+   * layer_params.h); NULL in other kernels. */
+  const float* conv_table;
 } FkdaLayerStep;
 
 typedef struct FkdaPrefillParams {

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "checked_arith.h"
+#include "layer_params.h"
 
 namespace fkda {
 namespace {
@@ -15,13 +16,30 @@ size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 int32_t staged_projections(fkda_backend backend) { return backend == FKDA_BACKEND_GPU ? 1 : 3; }
 
-size_t conv_staging_bytes(int64_t total_tokens, int32_t num_heads, int32_t head_dim, int32_t projections) {
+namespace {
+
+// One staged projection's bytes; SIZE_MAX when it cannot be counted.
+size_t staged_projection_bytes(int64_t total_tokens, int32_t num_heads, int32_t head_dim) {
   int64_t elements = 0;
   if (mul_overflows(total_tokens, int64_t(num_heads) * head_dim, &elements) ||
       elements > std::numeric_limits<int64_t>::max() / 8) {
     return std::numeric_limits<size_t>::max();
   }
-  return size_t(projections) * round_up_256(size_t(elements) * 2);
+  return round_up_256(size_t(elements) * 2);
+}
+
+}  // namespace
+
+size_t conv_weight_table_bytes(int32_t num_heads, int32_t head_dim) {
+  return round_up_256(size_t(FKDA_CONV_TABLE_FLOATS_PER_CHANNEL) * sizeof(float) * size_t(num_heads) *
+                      size_t(head_dim));
+}
+
+size_t conv_staging_bytes(int64_t total_tokens, int32_t num_heads, int32_t head_dim, fkda_backend backend) {
+  const size_t one = staged_projection_bytes(total_tokens, num_heads, head_dim);
+  if (one == std::numeric_limits<size_t>::max()) return one;
+  const size_t table = backend == FKDA_BACKEND_GPU ? conv_weight_table_bytes(num_heads, head_dim) : 0;
+  return size_t(staged_projections(backend)) * one + table;
 }
 
 ActView ConvStaging::view_of(void* data) const {
@@ -45,8 +63,9 @@ ConvStaging conv_staging(const PrefillProblem& problem, void* workspace, size_t 
   const int32_t staged = problem.conv_staged_projections;
   if (staged == 0) return s;
   void** tensors[3] = {&s.q, &s.k, &s.v};
-  const size_t one = total / size_t(staged);
+  const size_t one = staged_projection_bytes(problem.batch * problem.seq_len, problem.num_heads, problem.head_dim_k);
   for (int32_t i = 0; i < staged; ++i) *tensors[3 - staged + i] = base + size_t(i) * one;
+  if (problem.conv_weight_table) s.conv_weights = reinterpret_cast<float*>(base + size_t(staged) * one);
   return s;
 }
 

@@ -16,18 +16,25 @@ namespace fkda {
 // kernel convolving q and k as it loads them.
 int32_t staged_projections(fkda_backend backend);
 
-// The staging area: `projections` packed [total_tokens, H, K] bf16 tensors,
-// each rounded up to 256 bytes. SIZE_MAX when it cannot be counted.
-size_t conv_staging_bytes(int64_t total_tokens, int32_t num_heads, int32_t head_dim, int32_t projections);
+// The staging area: the backend's staged projections, packed
+// [total_tokens, H, K] bf16 tensors, then on the GPU the conv weight table
+// (conv_weight_table_bytes), each rounded up to 256 bytes. SIZE_MAX when
+// it cannot be counted.
+size_t conv_staging_bytes(int64_t total_tokens, int32_t num_heads, int32_t head_dim, fkda_backend backend);
+
+// The GPU's table of q's and k's conv weights, f32, in the order the
+// preparation kernel reads them (FKDA_CONV_TABLE_*, kernels/layer_params.h).
+size_t conv_weight_table_bytes(int32_t num_heads, int32_t head_dim);
 
 // The staged projections of a problem whose workspace starts with the
 // staging area (problem.conv_staging_bytes, laid out as counted above), as
-// [B, T, H, K] views (the problem's B and T; NULL: not staged), and the
-// workspace left for the backend after it.
+// [B, T, H, K] views (the problem's B and T; NULL: not staged), the weight
+// table (NULL on the CPU), and the workspace left for the backend after it.
 struct ConvStaging {
   void* q = nullptr;
   void* k = nullptr;
   void* v = nullptr;
+  float* conv_weights = nullptr;
   ActView view_of(void* data) const;  // [B, T, H, K], packed
   int64_t seq_len = 0;
   int32_t num_heads = 0, head_dim = 0;

@@ -184,7 +184,7 @@ size_t Plan::workspace_size(int64_t total_tokens, int64_t num_seqs) const {
                                    ? gpu::workspace_size(total_tokens, num_seqs, num_heads, tuning)
                                    : cpu::workspace_size(total_tokens, num_seqs, num_heads, head_dim_k, head_dim_v, tuning);
   if (!layer_step) return backend_bytes;
-  const size_t staging = conv_staging_bytes(total_tokens, num_heads, head_dim_k, staged_projections(backend));
+  const size_t staging = conv_staging_bytes(total_tokens, num_heads, head_dim_k, backend);
   if (staging > std::numeric_limits<size_t>::max() - backend_bytes) {
     fail(FKDA_ERROR_UNSUPPORTED, "total_tokens: the convolution's workspace for " + std::to_string(total_tokens) +
                                      " tokens cannot be counted");

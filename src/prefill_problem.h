@@ -192,6 +192,7 @@ struct PrefillProblem : RecurrenceCall {
   // of q, k, v (layer_step.h); the backend's part follows it.
   int32_t conv_staged_projections = 0;
   size_t conv_staging_bytes = 0;
+  bool conv_weight_table = false;  // the staging area ends with the GPU's weight table
 };
 
 }  // namespace fkda

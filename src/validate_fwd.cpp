@@ -130,7 +130,8 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   p.layer = check_layer_step(plan, a.layer, layer_call(plan, a, p));
   if (plan.layer_step) {
     p.conv_staged_projections = staged_projections(plan.backend);
-    p.conv_staging_bytes = conv_staging_bytes(B * T, plan.num_heads, plan.head_dim_k, p.conv_staged_projections);
+    p.conv_staging_bytes = conv_staging_bytes(B * T, plan.num_heads, plan.head_dim_k, plan.backend);
+    p.conv_weight_table = plan.backend == FKDA_BACKEND_GPU;
   }
 
   const size_t required = plan.workspace_size(B * T, N);

@@ -254,7 +254,7 @@ struct RecurrenceLaunch {
   unsigned heads = 0;
 
   RecurrenceLaunch(const LaunchContext& context, const PrefillProblem& problem, const Launch& checked,
-                   void* workspace)
+                   void* workspace, const float* conv_weights)
       : l(checked),
         total_tokens(problem.batch * problem.seq_len),
         num_seqs(problem.num_seqs),
@@ -285,6 +285,7 @@ struct RecurrenceLaunch {
     params.checkpoint_slots = index_table(problem.checkpoint_slots);
     params.checkpoint_is_bf16 = problem.checkpoint_dtype == FKDA_DTYPE_BF16;
     params.layer = kernel_layer(problem.layer);
+    params.layer.conv_table = conv_weights;
 
     const bool serving = params.state_indices.data != nullptr || params.has_initial_state.data != nullptr ||
                          params.checkpoint_offsets.data != nullptr;
@@ -342,15 +343,16 @@ struct RecurrenceLaunch {
   }
 };
 
-// fkda_fwd's layer step around the recurrence: before it the convolution
-// of v into the staging area (it writes the workspace only), after it the
+// fkda_fwd's layer step around the recurrence: before it the weight table
+// and the convolution of v into the staging area (both write the workspace
+// only), after it the
 // conv states and the output gate. Checked, sized and resolved on
 // construction, like the recurrence.
 struct LayerLaunch {
   FkdaLayerParams params;
-  ResolvedKernel convolve, store, gate;
+  ResolvedKernel pack_weights, convolve, store, gate;
   bool has_conv = false, has_state = false, has_gate = false;
-  int64_t conv_tiles = 0, conv_groups = 0, gate_blocks = 0;
+  int64_t conv_tiles = 0, conv_groups = 0, gate_blocks = 0, table_groups = 0;
 
   LayerLaunch(const LaunchContext& context, const PrefillProblem& problem, const ConvStaging& staging) {
     const int64_t tokens = problem.batch * problem.seq_len;
@@ -360,6 +362,7 @@ struct LayerLaunch {
     has_gate = problem.layer.has_out_gate() && any_tokens;
     conv_tiles = ceil_div(tokens, FKDA_CONV_TILE_TOKENS);
     conv_groups = ceil_div(int64_t(problem.num_heads) * FKDA_HEAD_DIM, FKDA_CONV_CHANNELS_PER_BLOCK);
+    table_groups = ceil_div(int64_t(problem.num_heads) * FKDA_HEAD_DIM, FKDA_CONV_THREADS);
     gate_blocks = ceil_div(tokens * problem.num_heads, FKDA_GATE_ROWS_PER_BLOCK);
     const int64_t max_grid_x = std::numeric_limits<int32_t>::max();
     if ((has_conv && conv_tiles > max_grid_x) || (has_gate && gate_blocks > max_grid_x) ||
@@ -372,6 +375,7 @@ struct LayerLaunch {
     params.call = kernel_call(problem);
     params.layer = kernel_layer(problem.layer);
     params.staged_v = staging.v;
+    params.conv_table = staging.conv_weights;
     params.batch = problem.batch;
     params.state_indices = index_table(problem.state_indices);
     params.pool_slots = problem.pool.slots;
@@ -381,13 +385,18 @@ struct LayerLaunch {
       params.checkpoint_offsets = index_table(problem.checkpoint_offsets);
       params.checkpoint_slots = index_table(problem.checkpoint_slots);
     }
-    if (has_conv) convolve = resolve(context, context.kernels.layer_convolve);
+    if (has_conv) {
+      pack_weights = resolve(context, context.kernels.layer_pack_conv_weights);
+      convolve = resolve(context, context.kernels.layer_convolve);
+    }
     if (has_state) store = resolve(context, context.kernels.layer_conv_store);
     if (has_gate) gate = resolve(context, context.kernels.layer_gate);
   }
 
   void before(const LaunchContext& context, CUstream stream) {
     if (!has_conv) return;
+    launch(context, pack_weights, unsigned(table_groups), FKDA_CONV_TABLE_PROJECTIONS, 1, FKDA_CONV_THREADS, 0, stream,
+           &params);
     launch(context, convolve, unsigned(conv_tiles), unsigned(conv_groups), 1, FKDA_CONV_THREADS, 0, stream, &params);
   }
 
@@ -414,7 +423,7 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace
   const LaunchContext context = launch_context();
   PrefillProblem staged = problem;
   if (problem.layer.has_conv()) staged.v = staging.view_of(staging.v);
-  RecurrenceLaunch recurrence(context, staged, checked, staging.rest);
+  RecurrenceLaunch recurrence(context, staged, checked, staging.rest, staging.conv_weights);
   LayerLaunch layer(context, problem, staging);
   layer.before(context, stream);
   const LaunchShape shape = recurrence.enqueue(context, stream);

@@ -84,6 +84,7 @@ Kernels load_kernels(const cuda::Driver& d) {
   get(&kernels.decode_streamed[0][1], "fkda_decode_streamed_bf16");
   get(&kernels.decode_streamed[1][0], "fkda_decode_streamed_f32_layer");
   get(&kernels.decode_streamed[1][1], "fkda_decode_streamed_bf16_layer");
+  get(&kernels.layer_pack_conv_weights, "fkda_layer_pack_conv_weights");
   get(&kernels.layer_convolve, "fkda_layer_convolve");
   get(&kernels.layer_conv_store, "fkda_layer_conv_store");
   get(&kernels.layer_gate, "fkda_layer_gate");

@@ -59,6 +59,7 @@ struct Kernels {
   // f32 0, bf16 1].
   NamedKernel decode_streamed[2][2];
   // fkda_fwd's layer step (kernels/layer_step.cuh).
+  NamedKernel layer_pack_conv_weights;
   NamedKernel layer_convolve;
   NamedKernel layer_conv_store;
   NamedKernel layer_gate;

@@ -402,8 +402,9 @@ static void no_partial(void* stub) {
    * are resolved before the convolution of v is launched. */
   desc.layer_step = 1;
   fkda_plan_t layer_plan = make_plan(FKDA_BACKEND_GPU, &desc);
-  const char* layer_kernels[] = {"layer_convolve", "prepare_chunks_conv", "chunk_recurrence", "layer_gate"};
-  for (int i = 0; i < 4; ++i) {
+  const char* layer_kernels[] = {"layer_pack_conv_weights", "layer_convolve", "prepare_chunks_conv", "chunk_recurrence",
+                                 "layer_gate"};
+  for (int i = 0; i < 5; ++i) {
     setenv("FKDA_STUB_FAIL_KERNEL", layer_kernels[i], 1);
     const int before_layer = stub_counter(stub, "fkda_stub_launches");
     expect(run_layer_forward(layer_plan, 64) == FKDA_ERROR_DRIVER,
@@ -414,15 +415,18 @@ static void no_partial(void* stub) {
   unsetenv("FKDA_STUB_FAIL_KERNEL");
   const int before_layer = stub_counter(stub, "fkda_stub_launches");
   expect(run_layer_forward(layer_plan, 64) == FKDA_SUCCESS, "fkda_fwd with the layer step");
-  expect(stub_counter(stub, "fkda_stub_launches") - before_layer == 14,
-         "the convolution of v, 6 windows of 2 launches, the output gate");
+  expect(stub_counter(stub, "fkda_stub_launches") - before_layer == 15,
+         "the weight table, the convolution of v, 6 windows of 2 launches, the output gate");
 
-  /* The staging area of a GPU plan holds v alone: 64 tokens of H * K bf16. */
+  /* The staging area of a GPU plan holds v alone, 64 tokens of H * K bf16,
+   * and the weight table: 10 floats a channel (q's and k's four weights
+   * and bias), rounded up to 256 bytes. */
   size_t plain_bytes = 0, layer_bytes = 0;
   expect(fkda_plan_workspace_size(plan, 64, 1, &plain_bytes) == FKDA_SUCCESS &&
              fkda_plan_workspace_size(layer_plan, 64, 1, &layer_bytes) == FKDA_SUCCESS,
          "workspace sizes");
-  expect(layer_bytes - plain_bytes == (size_t)(64 * H * K * 2), "a GPU plan's layer step stages v alone");
+  expect(layer_bytes - plain_bytes == (size_t)(64 * H * K * 2) + (size_t)((10 * 4 * H * K + 255) / 256 * 256),
+         "a GPU plan's layer step stages v alone, and the weight table");
   fkda_plan_destroy(layer_plan);
   fkda_plan_destroy(plan);
 }
