@@ -36,6 +36,7 @@ size_t conv_weight_table_bytes(int32_t num_heads, int32_t head_dim) {
 }
 
 size_t conv_staging_bytes(int64_t total_tokens, int32_t num_heads, int32_t head_dim, fkda_backend backend) {
+  if (total_tokens == 0) return 0;  // nothing to convolve: no table either
   const size_t one = staged_projection_bytes(total_tokens, num_heads, head_dim);
   if (one == std::numeric_limits<size_t>::max()) return one;
   const size_t table = backend == FKDA_BACKEND_GPU ? conv_weight_table_bytes(num_heads, head_dim) : 0;
@@ -65,7 +66,7 @@ ConvStaging conv_staging(const PrefillProblem& problem, void* workspace, size_t 
   void** tensors[3] = {&s.q, &s.k, &s.v};
   const size_t one = staged_projection_bytes(problem.batch * problem.seq_len, problem.num_heads, problem.head_dim_k);
   for (int32_t i = 0; i < staged; ++i) *tensors[3 - staged + i] = base + size_t(i) * one;
-  if (problem.conv_weight_table) s.conv_weights = reinterpret_cast<float*>(base + size_t(staged) * one);
+  if (problem.conv_weight_table && total > 0) s.conv_weights = reinterpret_cast<float*>(base + size_t(staged) * one);
   return s;
 }
 

@@ -18,8 +18,8 @@ int32_t staged_projections(fkda_backend backend);
 
 // The staging area: the backend's staged projections, packed
 // [total_tokens, H, K] bf16 tensors, then on the GPU the conv weight table
-// (conv_weight_table_bytes), each rounded up to 256 bytes. SIZE_MAX when
-// it cannot be counted.
+// (conv_weight_table_bytes), each rounded up to 256 bytes; nothing for no
+// tokens. SIZE_MAX when it cannot be counted.
 size_t conv_staging_bytes(int64_t total_tokens, int32_t num_heads, int32_t head_dim, fkda_backend backend);
 
 // The GPU's table of q's and k's conv weights, f32, in the order the

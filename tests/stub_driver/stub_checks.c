@@ -427,6 +427,9 @@ static void no_partial(void* stub) {
          "workspace sizes");
   expect(layer_bytes - plain_bytes == (size_t)(64 * H * K * 2) + (size_t)((10 * 4 * H * K + 255) / 256 * 256),
          "a GPU plan's layer step stages v alone, and the weight table");
+  expect(fkda_plan_workspace_size(plan, 0, 1, &plain_bytes) == FKDA_SUCCESS &&
+             fkda_plan_workspace_size(layer_plan, 0, 1, &layer_bytes) == FKDA_SUCCESS && layer_bytes == plain_bytes,
+         "an empty call stages nothing");
   fkda_plan_destroy(layer_plan);
   fkda_plan_destroy(plan);
 }
