@@ -4,7 +4,7 @@
 // RMSNorm(o) * w * sigmoid(g_out). The decode kernel calls the device
 // functions below inside its own steps; fkda_fwd's preparation kernel
 // convolves q and k as it loads them (prefill_prepare.cuh), and fkda_fwd
-// runs the three kernels at the end of this file around the recurrence:
+// runs the four kernels at the end of this file around the recurrence:
 //   fkda_layer_pack_conv_weights
 //                         q's and k's weights and biases, f32, into the
 //                         table the preparation kernel reads
