@@ -79,7 +79,7 @@ __device__ __forceinline__ float convolve_back(int width, float bias, const floa
   for (int b = FKDA_CONV_MAX_WIDTH - 1; b >= 0; --b) {
     if (b < width) acc = fmaf(weight_back[b], x_back[b], acc);
   }
-  if (kRounded) return acc * rcp_fast(1.0f + exp2_fast(-acc * kLog2e));
+  if (kRounded) return acc * sigmoid_fast(acc);
   return silu(acc);
 }
 __device__ __forceinline__ float convolve_rounded(int width, float bias,

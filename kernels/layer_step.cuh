@@ -65,14 +65,6 @@ __device__ __forceinline__ float gate_one(const FkdaLayerStep& layer, float inve
   return o * inverse_rms * w * sigmoid_accurate(g);
 }
 
-// The same for four of a head's values, given the sum of the squares of all 128.
-__device__ __forceinline__ void gate_four(const FkdaLayerStep& layer, float sum_squares, int first_v,
-                                          const float (&g)[4], float (&o)[4]) {
-  const float r = inverse_rms(layer, sum_squares);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) o[i] = gate_one(layer, r, first_v + i, g[i], o[i]);
-}
-
 // ---- fkda_fwd's kernels ----
 
 __device__ __forceinline__ const FkdaActivation& raw_projection(const FkdaLayerParams& p, int proj) {

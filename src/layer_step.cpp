@@ -16,6 +16,8 @@ size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 int32_t staged_projections(fkda_backend backend) { return backend == FKDA_BACKEND_GPU ? 1 : 3; }
 
+bool stages_conv_weight_table(fkda_backend backend) { return backend == FKDA_BACKEND_GPU; }
+
 namespace {
 
 // One staged projection's bytes; SIZE_MAX when it cannot be counted.
@@ -39,7 +41,7 @@ size_t conv_staging_bytes(int64_t total_tokens, int32_t num_heads, int32_t head_
   if (total_tokens == 0) return 0;  // nothing to convolve: no table either
   const size_t one = staged_projection_bytes(total_tokens, num_heads, head_dim);
   if (one == std::numeric_limits<size_t>::max()) return one;
-  const size_t table = backend == FKDA_BACKEND_GPU ? conv_weight_table_bytes(num_heads, head_dim) : 0;
+  const size_t table = stages_conv_weight_table(backend) ? conv_weight_table_bytes(num_heads, head_dim) : 0;
   return size_t(staged_projections(backend)) * one + table;
 }
 

@@ -16,6 +16,10 @@ namespace fkda {
 // kernel convolving q and k as it loads them.
 int32_t staged_projections(fkda_backend backend);
 
+// Whether a backend's staging area ends with the conv weight table: the
+// GPU's, whose preparation kernel reads q's and k's weights from it.
+bool stages_conv_weight_table(fkda_backend backend);
+
 // The staging area: the backend's staged projections, packed
 // [total_tokens, H, K] bf16 tensors, then on the GPU the conv weight table
 // (conv_weight_table_bytes), each rounded up to 256 bytes; nothing for no

@@ -131,7 +131,7 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
   if (plan.layer_step) {
     p.conv_staged_projections = staged_projections(plan.backend);
     p.conv_staging_bytes = conv_staging_bytes(B * T, plan.num_heads, plan.head_dim_k, plan.backend);
-    p.conv_weight_table = plan.backend == FKDA_BACKEND_GPU;
+    p.conv_weight_table = stages_conv_weight_table(plan.backend);
   }
 
   const size_t required = plan.workspace_size(B * T, N);

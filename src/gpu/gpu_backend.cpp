@@ -345,9 +345,8 @@ struct RecurrenceLaunch {
 
 // fkda_fwd's layer step around the recurrence: before it the weight table
 // and the convolution of v into the staging area (both write the workspace
-// only), after it the
-// conv states and the output gate. Checked, sized and resolved on
-// construction, like the recurrence.
+// only), after it the conv states and the output gate. Checked, sized and
+// resolved on construction, like the recurrence.
 struct LayerLaunch {
   FkdaLayerParams params;
   ResolvedKernel pack_weights, convolve, store, gate;
