@@ -403,16 +403,13 @@ std::vector<LayerCase> fwd_cases() {
   c.gate_mode = FKDA_GATE_SOFTPLUS;
   cases.push_back(c);
   c = base;
-  c.name = "W4 without conv states";
+  c.name = "W4 without conv states, one head";
   c.states = false;
+  c.H = 1;
   cases.push_back(c);
   c = base;
   c.name = "gate only";
   c.conv = false;
-  cases.push_back(c);
-  c = base;
-  c.name = "W4 one head";
-  c.H = 1;
   cases.push_back(c);
   return cases;
 }
