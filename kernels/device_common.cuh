@@ -309,4 +309,44 @@ __device__ __forceinline__ unsigned char* record_of(const FkdaPrefillParams& p, 
   return p.workspace + (window_slot * p.call.num_heads + head) * int64_t(FKDA_WS_RECORD_BYTES);
 }
 
+// ---------------------------------------------------------- clusters ---
+// Blocks launched as one cluster (sm_90 and later) read and write each
+// other's shared memory. The sm_80 forms of the kernels that call these
+// never run (the host launches clusters only where the device runs sm_90
+// code), so there they compile to nothing.
+
+// The shared-memory address, in block `rank` of the cluster, of what
+// `address` (a shared-memory address of this block) is here.
+__device__ __forceinline__ uint32_t cluster_block_address(uint32_t address, int rank) {
+  uint32_t remote = address;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
+#else
+  (void)rank;
+#endif
+  return remote;
+}
+
+__device__ __forceinline__ void store_cluster_shared(uint32_t remote, float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(x) : "memory");
+#else
+  (void)remote, (void)x;
+#endif
+}
+
+// The two halves of a cluster barrier: what a thread wrote before its
+// arrive (shared memory of any block, global memory) is visible to every
+// thread of the cluster after its matching wait.
+__device__ __forceinline__ void cluster_arrive_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
 }  // namespace fkda_dev

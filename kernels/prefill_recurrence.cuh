@@ -39,6 +39,7 @@
 #pragma once
 
 #include "device_common.cuh"
+#include "layer_gate.cuh"
 
 namespace fkda_dev {
 
@@ -472,15 +473,13 @@ __device__ __forceinline__ void advance_state(uint32_t stage, const unsigned cha
   }
 }
 
-// Step 6's output of chunk `chunk` of the sequence, off the chain:
-// Oi^T = Sh Qd^T, O^T = Oi^T + Uh^T Mqk^T, out = bf16(O) for the chunk's
-// tokens before the sequence's end, through the warp's tile (token-major)
-// so that each lane writes one 16-byte piece.
-__device__ __forceinline__ void write_chunk_output(uint32_t stage, const StageLanes& at, int lane,
-                                                   const uint32_t (&sh)[8][4], const uint32_t (&uh)[4],
-                                                   const uint32_t (&mqk)[4], unsigned char* out_tile,
-                                                   uint16_t* out_row, int64_t out_stride_t, const Sequence& seq,
-                                                   int64_t chunk) {
+// Step 6's output of a chunk, off the chain: Oi^T = Sh Qd^T,
+// O^T = Oi^T + Uh^T Mqk^T, rounded to bf16 into the warp's tile
+// (token-major), from which lane l takes token l / 2's values 8 (l % 2) to
+// 8 (l % 2) + 7 of the warp's 16 V rows (tile_piece): one 16-byte piece.
+__device__ __forceinline__ void chunk_output_tile(uint32_t stage, const StageLanes& at, int lane,
+                                                  const uint32_t (&sh)[8][4], const uint32_t (&uh)[4],
+                                                  const uint32_t (&mqk)[4], unsigned char* out_tile) {
   const int g = lane >> 2, t = lane & 3;
   float o[2][4] = {};
 #pragma unroll
@@ -503,12 +502,93 @@ __device__ __forceinline__ void write_chunk_output(uint32_t stage, const StageLa
     }
   }
   __syncwarp();
+}
+
+__device__ __forceinline__ uint4 tile_piece(const unsigned char* out_tile, int lane) {
+  return *reinterpret_cast<const uint4*>(out_tile + (lane >> 1) * FKDA_OUT_TILE_PITCH_BYTES + (lane & 1) * 16);
+}
+
+// The output of chunk `chunk` of the sequence: each lane stores its piece
+// for the chunk's tokens before the sequence's end.
+__device__ __forceinline__ void write_chunk_output(uint32_t stage, const StageLanes& at, int lane,
+                                                   const uint32_t (&sh)[8][4], const uint32_t (&uh)[4],
+                                                   const uint32_t (&mqk)[4], unsigned char* out_tile,
+                                                   uint16_t* out_row, int64_t out_stride_t, const Sequence& seq,
+                                                   int64_t chunk) {
+  chunk_output_tile(stage, at, lane, sh, uh, mqk, out_tile);
   const int64_t first = seq.begin + chunk * FKDA_CHUNK;
   const int token = lane >> 1, piece = lane & 1;
   if (first + token < seq.end) {
-    const uint4 value = *reinterpret_cast<const uint4*>(out_tile + token * FKDA_OUT_TILE_PITCH_BYTES + piece * 16);
-    *reinterpret_cast<uint4*>(out_row + (first + token) * out_stride_t + piece * 8) = value;
+    *reinterpret_cast<uint4*>(out_row + (first + token) * out_stride_t + piece * 8) = tile_piece(out_tile, lane);
   }
+}
+
+// ------------------------------------------------- the fused output gate ---
+// The gated forms (kGate: fkda_fwd's layer step with an output gate, on
+// sm_90 and later) write each chunk's output through the gate of
+// layer_gate.cuh, whose RMS runs over all 128 V values of a (token, head),
+// spread over the head's vsplit blocks, which run as one cluster. Each
+// warp adds the squares of its 16 values of each token and stores the sum
+// into the table of every block of the cluster; the chunk's output then
+// waits, in registers, for the next chunk's state step. By then every sum is
+// in: the block barrier at the top of each chunk orders a block's own
+// warps, and a cluster barrier, its arrive after the sums are stored and its
+// wait after the next state step, orders the blocks. The chain of state
+// steps gains no barrier. Double-buffered tables suffice: a block stores
+// chunk c's sums only after its wait for chunk c - 1, which every block
+// passes only after reading the sums of chunk c - 2 (in the same buffer).
+struct PendingGate {
+  uint4 o;     // the lane's piece of the waiting chunk's output, bf16
+  uint4 gate;  // g_out of the same values
+  float weight[kGateLaneValues];
+};
+
+// Where the sums of squares of chunk `chunk` start in the table: its
+// parity's [FKDA_CHUNK][8] half.
+__device__ __forceinline__ int gate_sums_offset(int64_t chunk) { return int(chunk & 1) * (FKDA_CHUNK * 8); }
+
+// The chunk's output (chunk_output_tile) into `pending`, its sums of
+// squares shared with the head's blocks, and g_out of its tokens loaded.
+template <int kVsplit>
+__device__ __forceinline__ void hold_gated_output(const FkdaPrefillParams& p, uint32_t stage, const StageLanes& at,
+                                                  int lane, int head_warp, const uint32_t (&sh)[8][4],
+                                                  const uint32_t (&uh)[4], const uint32_t (&mqk)[4],
+                                                  unsigned char* out_tile, float* sums, const uint16_t* gate_row,
+                                                  const Sequence& seq, int64_t chunk, PendingGate& pending) {
+  chunk_output_tile(stage, at, lane, sh, uh, mqk, out_tile);
+  pending.o = tile_piece(out_tile, lane);
+  const int token = lane >> 1, piece = lane & 1;
+  float squares = sum_squares8(pending.o);
+  squares += __shfl_xor_sync(0xffffffffu, squares, 1);
+  if (piece == 0) {
+    float* sum = sums + gate_sums_offset(chunk) + token * 8 + head_warp;
+    if constexpr (kVsplit == 1) {
+      *sum = squares;
+    } else {
+#pragma unroll
+      for (int rank = 0; rank < kVsplit; ++rank) store_cluster_shared(cluster_block_address(smem_address(sum), rank), squares);
+    }
+  }
+  const int64_t row = seq.begin + chunk * FKDA_CHUNK + token;
+  pending.gate = row < seq.end ? __ldg(reinterpret_cast<const uint4*>(gate_row + row * p.layer.out_gate.stride_t + piece * 8))
+                               : make_uint4(0u, 0u, 0u, 0u);
+  if constexpr (kVsplit > 1) cluster_arrive_release();
+}
+
+// The waiting output of chunk `chunk`, gated, for its tokens before the
+// sequence's end. The caller has ordered the chunk's sums before this
+// (above).
+__device__ __forceinline__ void write_gated_output(const FkdaPrefillParams& p, int lane, const float* sums,
+                                                   uint16_t* out_row, const Sequence& seq, int64_t chunk,
+                                                   const PendingGate& pending) {
+  const int token = lane >> 1, piece = lane & 1;
+  const float* token_sums = sums + gate_sums_offset(chunk) + token * 8;
+  const float4 a = *reinterpret_cast<const float4*>(token_sums);
+  const float4 b = *reinterpret_cast<const float4*>(token_sums + 4);
+  const float squares = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+  const uint4 gated = gate8(pending.o, pending.gate, gate_inverse_rms(p.layer, squares), pending.weight);
+  const int64_t row = seq.begin + chunk * FKDA_CHUNK + token;
+  if (row < seq.end) *reinterpret_cast<uint4*>(out_row + row * p.call.out.stride_t + piece * 8) = gated;
 }
 
 // Stores S as the checkpoint under the cursor (unless its slot is null)
@@ -527,8 +607,9 @@ __device__ __forceinline__ void store_checkpoint(const FkdaPrefillParams& p, con
 // The recurrence kernels' body for a V split, serving form and mode (above):
 // the block's chunks and state ends, then the chain of chunks, then the
 // state it leaves.
-template <int kVsplit, bool kServing, int kMode = kWholeRange>
+template <int kVsplit, bool kServing, int kMode = kWholeRange, bool kGate = false>
 __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
+  static_assert(!kGate || kMode != kTransition, "transitions write no output to gate");
   constexpr int kWarps = 8 / kVsplit;
   constexpr int kThreads = 32 * kWarps;
   static_assert(kThreads <= 256, "the kernels are launched with at most 256 threads");
@@ -569,6 +650,16 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   unsigned char* out_tile = smem + FKDA_RECURRENCE_STAGES * kStageBytes + warp * FKDA_OUT_TILE_BYTES;
   uint16_t* out_row = static_cast<uint16_t*>(p.call.out.data) + seq.row * p.call.out.stride_b +
                       int64_t(head) * p.call.out.stride_h + e0;
+  // The gated forms: the sums of squares after the output tiles, the
+  // lane's g_out values and norm weights (tile_piece's columns).
+  float* gate_sums = reinterpret_cast<float*>(smem + FKDA_RECURRENCE_STAGES * kStageBytes + kWarps * FKDA_OUT_TILE_BYTES);
+  const uint16_t* gate_row = nullptr;
+  PendingGate pending;
+  if constexpr (kGate) {
+    gate_row = static_cast<const uint16_t*>(p.layer.out_gate.data) + seq.row * p.layer.out_gate.stride_b +
+               int64_t(head) * p.layer.out_gate.stride_h + e0;
+    load_norm_weights(p.layer, e0 + (lane & 1) * kGateLaneValues, pending.weight);
+  }
 
   CheckpointCursor checkpoint{0, -1};
   if constexpr (kServing && kMode != kTransition) {
@@ -602,6 +693,12 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
 #pragma unroll
   for (int s = 0; s < FKDA_RECURRENCE_STAGES - 1; ++s) issue();
   const StageLanes at = stage_lanes<kVPitch>(lane, warp);
+  // Every block of the cluster has started before any stores into its
+  // shared memory.
+  if constexpr (kGate && kVsplit > 1) {
+    cluster_arrive_release();
+    cluster_wait_acquire();
+  }
 
   // ---- the chain: state step, output and checkpoints per chunk --------------
   // The chunks run in stretches that end at the next checkpoint inside this
@@ -622,12 +719,30 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
       uint32_t sh[8][4], uh[4], mqk[4];
       advance_state(stage, smem + (stage - stages), at, t, S, sh, uh, mqk);
       // Transitions write no output.
-      if constexpr (kMode != kTransition) {
+      if constexpr (kGate) {
+        if (chunk > run_first) {
+          if constexpr (kVsplit > 1) cluster_wait_acquire();
+          write_gated_output(p, lane, gate_sums, out_row, seq, chunk - 1, pending);
+        }
+        hold_gated_output<kVsplit>(p, stage, at, lane, e0 / 16, sh, uh, mqk, out_tile, gate_sums, gate_row, seq,
+                                   chunk, pending);
+      } else if constexpr (kMode != kTransition) {
         write_chunk_output(stage, at, lane, sh, uh, mqk, out_tile, out_row, p.call.out.stride_t, seq, chunk);
       }
     }
     if (!checkpoint_here) break;
     store_checkpoint(p, run, head_offset, e0, g, t, S, checkpoint);
+  }
+  // The gated forms' last chunk, once every warp of the head has shared its sums.
+  if constexpr (kGate) {
+    if (run_end > run_first) {
+      if constexpr (kVsplit > 1) {
+        cluster_wait_acquire();
+      } else {
+        __syncthreads();
+      }
+      write_gated_output(p, lane, gate_sums, out_row, seq, run_end - 1, pending);
+    }
   }
   // Drain the empty trailing groups before the block's shared memory goes away.
   cp_async_wait<0>();
@@ -655,6 +770,35 @@ FKDA_DEFINE_RECURRENCE(2)
 FKDA_DEFINE_RECURRENCE(4)
 FKDA_DEFINE_RECURRENCE(8)
 #undef FKDA_DEFINE_RECURRENCE
+
+// The gated forms (the fused output gate, above), in both forms, and the
+// gated last pass of chunk-parallel prefill (V split 2, the one its host
+// code runs). They run in clusters, which only code for sm_90 and later
+// has: the host launches them only where the device runs such code
+// (DeviceFacts.runs_sm90_code), and their sm_80 forms are empty.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define FKDA_GATED_BODY(...)
+#else
+#define FKDA_GATED_BODY(...) fkda_dev::chunk_recurrence<__VA_ARGS__, true>(p);
+#endif
+#define FKDA_DEFINE_GATED_RECURRENCE(vsplit)                                              \
+  extern "C" __global__ void __launch_bounds__(256 / (vsplit), 1)                         \
+      fkda_prefill_chunk_recurrence_gated_v##vsplit(const FkdaPrefillParams p) {          \
+    FKDA_GATED_BODY(vsplit, false, fkda_dev::kWholeRange)                                 \
+  }                                                                                       \
+  extern "C" __global__ void __launch_bounds__(256 / (vsplit), 1)                         \
+      fkda_prefill_chunk_recurrence_serving_gated_v##vsplit(const FkdaPrefillParams p) {  \
+    FKDA_GATED_BODY(vsplit, true, fkda_dev::kWholeRange)                                  \
+  }
+FKDA_DEFINE_GATED_RECURRENCE(1)
+FKDA_DEFINE_GATED_RECURRENCE(2)
+FKDA_DEFINE_GATED_RECURRENCE(4)
+FKDA_DEFINE_GATED_RECURRENCE(8)
+#undef FKDA_DEFINE_GATED_RECURRENCE
+extern "C" __global__ void __launch_bounds__(128, 1) fkda_prefill_segment_recurrence_gated_v2(const FkdaPrefillParams p) {
+  FKDA_GATED_BODY(2, true, fkda_dev::kSegment)
+}
+#undef FKDA_GATED_BODY
 
 // The two passes of chunk-parallel prefill around the scan, in the serving
 // form only (the chunk-parallel calls are long and few; registers are not

@@ -59,6 +59,9 @@ struct LayerCase {
   bool fresh_first = false;  // fwd: has_initial_state (bool), 0 for sequence 0
   fkda_null_slot_rule null_slot_rule = FKDA_NULL_SLOT_NEGATIVE;
   int64_t window_slots = 0;  // the plan's (fwd)
+  int32_t vsplit = 0;        // the plan's (fwd); 0: automatic
+  int32_t chunk_parallel = FKDA_CHUNK_PARALLEL_AUTO;  // the plan's (fwd)
+  bool pool_states = true;   // fwd: states in the pool by slot; else contiguous [N, H, V, K], in place
   fkda_dtype pool_dtype = FKDA_DTYPE_F32;  // the recurrent states' pool
   fkda_state_layout layout = FKDA_STATE_LAYOUT_VK;
   uint64_t seed = 7;
@@ -256,6 +259,14 @@ struct LayerSetup {
   fkda_fwd_args fwd_args(bool gpu) {
     fkda_fwd_args a = make_args(p, buffers(gpu), FKDA_DTYPE_F32);
     set_projections(gpu, a.q, a.k, a.v);
+    if (!c.pool_states) {
+      // The pool's first N matrices as sequence n's state, without
+      // indices: the plain forms of the kernels.
+      a.initial_state = tensor(pool.at(gpu), c.pool_dtype, {p.num_seqs(), p.H, kDim, kDim});
+      a.final_state = a.initial_state;
+      a.layer = layer(gpu);
+      return a;
+    }
     a.state_pool = pool_tensor(gpu);
     a.state_indices = tensor(state_indices.at(gpu), FKDA_DTYPE_I64, {p.num_seqs()});
     if (c.checkpoints) {
@@ -288,6 +299,8 @@ fkda_plan_desc layer_plan(const LayerSetup& s, fkda_backend backend) {
   apply_gate(s.p, &desc);
   desc.layer_step = 1;
   desc.window_slots = s.c.window_slots;
+  desc.vsplit = s.c.vsplit;
+  desc.chunk_parallel = s.c.chunk_parallel;
   return desc;
 }
 
@@ -414,10 +427,58 @@ std::vector<LayerCase> fwd_cases() {
   return cases;
 }
 
+// The output gate inside the recurrence: every V split of the serial
+// kernels, whose blocks of a head share the sums of squares in clusters,
+// in the plain form (contiguous states) and the serving form; across
+// windows; and in chunk-parallel prefill's segment pass. Sequences of
+// several chunks, so that each chunk's output waits for the next one's state
+// step and the sums' two buffers both come into use.
+std::vector<LayerCase> gated_recurrence_cases() {
+  std::vector<LayerCase> cases;
+  LayerCase base;
+  base.lengths = {93, 0, 50, 130, 16, 7};
+  base.H = 3;
+  for (int32_t vsplit : {1, 2, 4, 8}) {
+    for (bool pool_states : {false, true}) {
+      LayerCase c = base;
+      c.vsplit = vsplit;
+      c.pool_states = pool_states;
+      c.checkpoints = pool_states;
+      c.name = "V split " + std::to_string(vsplit) + (pool_states ? ", pool with a checkpoint" : ", contiguous states");
+      cases.push_back(c);
+    }
+  }
+  LayerCase c = base;
+  c.name = "V split 2, windows of 3 slots, gate only";
+  c.vsplit = 2;
+  c.window_slots = 3;
+  c.conv = false;
+  cases.push_back(c);
+  c = base;
+  c.name = "chunk-parallel, one long sequence";
+  c.lengths = {300, 61};
+  c.chunk_parallel = FKDA_CHUNK_PARALLEL_ON;
+  cases.push_back(c);
+  c.name = "chunk-parallel, one long sequence, contiguous states";
+  c.pool_states = false;
+  cases.push_back(c);
+  return cases;
+}
+
 }  // namespace
 
 TEST_CASE("layer step: GPU fkda_fwd matches the CPU backend", "[gpu][layer_step]") {
   for (const LayerCase& c : fwd_cases()) {
+    SECTION(c.name) {
+      const Outcome gpu = run(c, true, fwd_call);
+      const Outcome cpu = run(c, false, fwd_call);
+      compare(gpu, cpu, kFwdOut, kState);
+    }
+  }
+}
+
+TEST_CASE("layer step: the recurrence's fused output gate matches the CPU backend", "[gpu][layer_step]") {
+  for (const LayerCase& c : gated_recurrence_cases()) {
     SECTION(c.name) {
       const Outcome gpu = run(c, true, fwd_call);
       const Outcome cpu = run(c, false, fwd_call);
@@ -531,6 +592,10 @@ TEST_CASE("layer step: GPU calls under the sanitizers", "[gpu][layer_step][sanit
   // past the projections' end.
   for (LayerCase c : fwd_cases()) {
     if (!c.lengths.empty()) c.lengths = {20, 0, 33, 1, 17};
+    (void)run(c, true, fwd_call);
+  }
+  for (LayerCase c : gated_recurrence_cases()) {
+    if (c.chunk_parallel == FKDA_CHUNK_PARALLEL_AUTO) c.lengths = {40, 0, 33, 1, 17};
     (void)run(c, true, fwd_call);
   }
   LayerCase c = fwd_cases()[0];
