@@ -327,11 +327,53 @@ __device__ __forceinline__ uint32_t cluster_block_address(uint32_t address, int 
   return remote;
 }
 
-__device__ __forceinline__ void store_cluster_shared(uint32_t remote, float x) {
+// Shared-memory barriers (mbarrier): arrivals and, from sm_90 on, bytes of
+// asynchronous copies and stores that complete a phase.
+__device__ __forceinline__ void barrier_init(uint32_t barrier, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(count) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(uint32_t barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
+}
+// Arrives and tells the barrier to wait for `bytes` more of bulk copies.
+__device__ __forceinline__ void barrier_arrive_expecting(uint32_t barrier, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes) : "memory");
+}
+// Until the barrier's phase of parity `parity` has completed. The bytes
+// that completed it are in this block's shared memory by then, whichever
+// block of the cluster sent them (bulk copies, store_async): the wait needs
+// no cluster-scope acquire, whose invalidation of the L1 cache on every call
+// doubled the gated recurrence's time (bench/RESULTS.md).
+__device__ __forceinline__ void barrier_wait(uint32_t barrier, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred complete;\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, complete;\n}"
+        : "=r"(done)
+        : "r"(barrier), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// Makes barriers initialised by this thread visible to the cluster and to
+// the asynchronous proxy (bulk copies, store_async).
+__device__ __forceinline__ void fence_barrier_init() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(x) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// Stores x at `remote` (a shared-memory address of a block of the cluster,
+// cluster_block_address) without waiting; its 4 bytes complete on that
+// block's barrier `remote_barrier` (an address in the same block).
+__device__ __forceinline__ void store_async(uint32_t remote, float x, uint32_t remote_barrier) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];" ::"r"(remote), "f"(x),
+               "r"(remote_barrier)
+               : "memory");
 #else
-  (void)remote, (void)x;
+  (void)remote, (void)x, (void)remote_barrier;
 #endif
 }
 

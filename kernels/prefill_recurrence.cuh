@@ -530,59 +530,96 @@ __device__ __forceinline__ void write_chunk_output(uint32_t stage, const StageLa
 // spread over the head's vsplit blocks, which run as one cluster. Each
 // warp adds the squares of its 16 values of each token and stores the sum
 // into the table of every block of the cluster; the chunk's output then
-// waits, in registers, for the next chunk's state step. By then every sum is
-// in: the block barrier at the top of each chunk orders a block's own
-// warps, and a cluster barrier, its arrive after the sums are stored and its
-// wait after the next state step, orders the blocks. The chain of state
-// steps gains no barrier. Double-buffered tables suffice: a block stores
-// chunk c's sums only after its wait for chunk c - 1, which every block
-// passes only after reading the sums of chunk c - 2 (in the same buffer).
+// waits, in registers, for the next chunk's state step, by when every sum
+// is in, so the chain of state steps waits for no other block.
+//   vsplit 1: the block barrier at the top of each chunk orders the warps'
+//   sums before their reads.
+//   vsplit > 1: the sums travel as asynchronous stores whose bytes complete
+//   a phase of the receiving block's barrier for that table (512 bytes a
+//   chunk: 8 warps x 16 tokens); its thread 0 arms the phase. No fence and
+//   no cluster barrier per chunk (bench/RESULTS.md: either doubled the
+//   kernel's time).
+// Two tables suffice. Chunk i of the run (i = chunk - run_first) uses table
+// i % 2 and phase i / 2 of its barrier. A block sends chunk i's sums only
+// after it has read those of chunk i - 1, which every block of the cluster
+// sends only after reading chunk i - 2's from the same table.
 struct PendingGate {
   uint4 o;     // the lane's piece of the waiting chunk's output, bf16
   uint4 gate;  // g_out of the same values
   float weight[kGateLaneValues];
 };
 
-// Where the sums of squares of chunk `chunk` start in the table: its
-// parity's [FKDA_CHUNK][8] half.
-__device__ __forceinline__ int gate_sums_offset(int64_t chunk) { return int(chunk & 1) * (FKDA_CHUNK * 8); }
+struct GateExchange {
+  float* sums;        // [2][FKDA_CHUNK][8]
+  uint32_t barriers;  // two 8-byte barriers after the sums (vsplit > 1)
+};
+constexpr int kGateSumsPerTable = FKDA_CHUNK * 8;
+constexpr int kGateTableBytes = kGateSumsPerTable * 4;
+
+template <int kVsplit>
+__device__ __forceinline__ GateExchange gate_exchange(unsigned char* at) {
+  GateExchange x;
+  x.sums = reinterpret_cast<float*>(at);
+  x.barriers = smem_address(at + 2 * kGateTableBytes);
+  if constexpr (kVsplit > 1) {
+    if (threadIdx.x == 0) {
+      barrier_init(x.barriers, 1);
+      barrier_init(x.barriers + 8, 1);
+      fence_barrier_init();
+    }
+    // Every block of the cluster has started, its barriers ready, before
+    // any block stores into it.
+    cluster_arrive_release();
+    cluster_wait_acquire();
+  }
+  return x;
+}
 
 // The chunk's output (chunk_output_tile) into `pending`, its sums of
-// squares shared with the head's blocks, and g_out of its tokens loaded.
+// squares sent to the head's blocks, and g_out of its tokens loaded.
+// run_index: the chunk's index in the block's run.
 template <int kVsplit>
 __device__ __forceinline__ void hold_gated_output(const FkdaPrefillParams& p, uint32_t stage, const StageLanes& at,
                                                   int lane, int head_warp, const uint32_t (&sh)[8][4],
                                                   const uint32_t (&uh)[4], const uint32_t (&mqk)[4],
-                                                  unsigned char* out_tile, float* sums, const uint16_t* gate_row,
-                                                  const Sequence& seq, int64_t chunk, PendingGate& pending) {
+                                                  unsigned char* out_tile, const GateExchange& exchange,
+                                                  const uint16_t* gate_row, const Sequence& seq, int64_t chunk,
+                                                  int64_t run_index, PendingGate& pending) {
   chunk_output_tile(stage, at, lane, sh, uh, mqk, out_tile);
   pending.o = tile_piece(out_tile, lane);
   const int token = lane >> 1, piece = lane & 1;
   float squares = sum_squares8(pending.o);
   squares += __shfl_xor_sync(0xffffffffu, squares, 1);
-  if (piece == 0) {
-    float* sum = sums + gate_sums_offset(chunk) + token * 8 + head_warp;
-    if constexpr (kVsplit == 1) {
-      *sum = squares;
-    } else {
+  const int table = int(run_index & 1);
+  float* sum = exchange.sums + table * kGateSumsPerTable + token * 8 + head_warp;
+  if constexpr (kVsplit == 1) {
+    if (piece == 0) *sum = squares;
+  } else {
+    const uint32_t barrier = exchange.barriers + 8 * table;
+    if (threadIdx.x == 0) barrier_arrive_expecting(barrier, kGateTableBytes);
+    if (piece == 0) {
 #pragma unroll
-      for (int rank = 0; rank < kVsplit; ++rank) store_cluster_shared(cluster_block_address(smem_address(sum), rank), squares);
+      for (int rank = 0; rank < kVsplit; ++rank) {
+        store_async(cluster_block_address(smem_address(sum), rank), squares, cluster_block_address(barrier, rank));
+      }
     }
   }
   const int64_t row = seq.begin + chunk * FKDA_CHUNK + token;
   pending.gate = row < seq.end ? __ldg(reinterpret_cast<const uint4*>(gate_row + row * p.layer.out_gate.stride_t + piece * 8))
                                : make_uint4(0u, 0u, 0u, 0u);
-  if constexpr (kVsplit > 1) cluster_arrive_release();
 }
 
-// The waiting output of chunk `chunk`, gated, for its tokens before the
-// sequence's end. The caller has ordered the chunk's sums before this
-// (above).
-__device__ __forceinline__ void write_gated_output(const FkdaPrefillParams& p, int lane, const float* sums,
+// The waiting output of chunk `chunk` (index run_index in the run), gated,
+// for its tokens before the sequence's end, once its sums are in. With
+// vsplit 1 the caller has ordered them (a block barrier).
+template <int kVsplit>
+__device__ __forceinline__ void write_gated_output(const FkdaPrefillParams& p, int lane, const GateExchange& exchange,
                                                    uint16_t* out_row, const Sequence& seq, int64_t chunk,
-                                                   const PendingGate& pending) {
+                                                   int64_t run_index, const PendingGate& pending) {
+  const int table = int(run_index & 1);
+  if constexpr (kVsplit > 1) barrier_wait(exchange.barriers + 8 * table, uint32_t(run_index >> 1) & 1u);
   const int token = lane >> 1, piece = lane & 1;
-  const float* token_sums = sums + gate_sums_offset(chunk) + token * 8;
+  const float* token_sums = exchange.sums + table * kGateSumsPerTable + token * 8;
   const float4 a = *reinterpret_cast<const float4*>(token_sums);
   const float4 b = *reinterpret_cast<const float4*>(token_sums + 4);
   const float squares = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
@@ -650,12 +687,13 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   unsigned char* out_tile = smem + FKDA_RECURRENCE_STAGES * kStageBytes + warp * FKDA_OUT_TILE_BYTES;
   uint16_t* out_row = static_cast<uint16_t*>(p.call.out.data) + seq.row * p.call.out.stride_b +
                       int64_t(head) * p.call.out.stride_h + e0;
-  // The gated forms: the sums of squares after the output tiles, the
-  // lane's g_out values and norm weights (tile_piece's columns).
-  float* gate_sums = reinterpret_cast<float*>(smem + FKDA_RECURRENCE_STAGES * kStageBytes + kWarps * FKDA_OUT_TILE_BYTES);
+  // The gated forms: the sums' exchange after the output tiles, the lane's
+  // g_out row and norm weights (tile_piece's columns).
+  GateExchange exchange{};
   const uint16_t* gate_row = nullptr;
   PendingGate pending;
   if constexpr (kGate) {
+    exchange = gate_exchange<kVsplit>(smem + FKDA_RECURRENCE_STAGES * kStageBytes + kWarps * FKDA_OUT_TILE_BYTES);
     gate_row = static_cast<const uint16_t*>(p.layer.out_gate.data) + seq.row * p.layer.out_gate.stride_b +
                int64_t(head) * p.layer.out_gate.stride_h + e0;
     load_norm_weights(p.layer, e0 + (lane & 1) * kGateLaneValues, pending.weight);
@@ -693,12 +731,6 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
 #pragma unroll
   for (int s = 0; s < FKDA_RECURRENCE_STAGES - 1; ++s) issue();
   const StageLanes at = stage_lanes<kVPitch>(lane, warp);
-  // Every block of the cluster has started before any stores into its
-  // shared memory.
-  if constexpr (kGate && kVsplit > 1) {
-    cluster_arrive_release();
-    cluster_wait_acquire();
-  }
 
   // ---- the chain: state step, output and checkpoints per chunk --------------
   // The chunks run in stretches that end at the next checkpoint inside this
@@ -721,11 +753,10 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
       // Transitions write no output.
       if constexpr (kGate) {
         if (chunk > run_first) {
-          if constexpr (kVsplit > 1) cluster_wait_acquire();
-          write_gated_output(p, lane, gate_sums, out_row, seq, chunk - 1, pending);
+          write_gated_output<kVsplit>(p, lane, exchange, out_row, seq, chunk - 1, chunk - 1 - run_first, pending);
         }
-        hold_gated_output<kVsplit>(p, stage, at, lane, e0 / 16, sh, uh, mqk, out_tile, gate_sums, gate_row, seq,
-                                   chunk, pending);
+        hold_gated_output<kVsplit>(p, stage, at, lane, e0 / 16, sh, uh, mqk, out_tile, exchange, gate_row, seq,
+                                   chunk, chunk - run_first, pending);
       } else if constexpr (kMode != kTransition) {
         write_chunk_output(stage, at, lane, sh, uh, mqk, out_tile, out_row, p.call.out.stride_t, seq, chunk);
       }
@@ -736,12 +767,8 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   // The gated forms' last chunk, once every warp of the head has shared its sums.
   if constexpr (kGate) {
     if (run_end > run_first) {
-      if constexpr (kVsplit > 1) {
-        cluster_wait_acquire();
-      } else {
-        __syncthreads();
-      }
-      write_gated_output(p, lane, gate_sums, out_row, seq, run_end - 1, pending);
+      if constexpr (kVsplit == 1) __syncthreads();
+      write_gated_output<kVsplit>(p, lane, exchange, out_row, seq, run_end - 1, run_end - 1 - run_first, pending);
     }
   }
   // Drain the empty trailing groups before the block's shared memory goes away.

@@ -204,16 +204,18 @@ struct LayerSetup {
     auto* base = static_cast<unsigned char*>(biases.at(gpu)) + size_t(proj * channels) * element_bytes(c.weight_dtype);
     return strided(base, c.weight_dtype, {channels}, {1});
   }
-  // [slots, 3*H*K, Wc], or channel-last [slots, Wc, 3*H*K], viewed per projection.
+  // [slots, 3*H*K, Wc], or channel-last [slots, Wc, 3*H*K], viewed per
+  // projection; without the pool, its first N rows (one per sequence).
   fkda_tensor conv_state(bool gpu, int proj) {
     const int64_t all = 3 * channels;
+    const int64_t rows = c.pool_states ? slots : p.num_seqs();
     auto* base = static_cast<unsigned char*>(conv_states.at(gpu));
     if (c.channel_last) {
       return strided(base + size_t(proj * channels) * element_bytes(c.conv_state_dtype), c.conv_state_dtype,
-                     {slots, channels, c.state_width}, {all * c.state_width, 1, all});
+                     {rows, channels, c.state_width}, {all * c.state_width, 1, all});
     }
     return strided(base + size_t(proj * channels * c.state_width) * element_bytes(c.conv_state_dtype),
-                   c.conv_state_dtype, {slots, channels, c.state_width}, {all * c.state_width, c.state_width, 1});
+                   c.conv_state_dtype, {rows, channels, c.state_width}, {all * c.state_width, c.state_width, 1});
   }
   // q, k, v: views into the packed [T, 3*H*K] buffer.
   void set_projections(bool gpu, fkda_tensor& q, fkda_tensor& k, fkda_tensor& v) {
