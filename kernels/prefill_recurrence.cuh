@@ -138,16 +138,17 @@ __device__ __forceinline__ void stage_record(uint32_t stage, const unsigned char
   }
 }
 
-// One 16-byte piece of the v tile per thread (16 rows of kVCols / 8 pieces);
-// rows past the sequence's end are zero-filled.
+// One 16-byte piece of a tile of 16 token rows of the block's kVCols
+// columns per thread (v's, and g_out's in the gated forms) at shared
+// address `tile`; rows past the sequence's end are zero-filled.
 template <int kThreads, int kVCols>
-__device__ __forceinline__ void stage_v_rows(uint32_t stage, const uint16_t* v_first, int64_t v_stride_t, int len) {
+__device__ __forceinline__ void stage_rows(uint32_t tile, const uint16_t* first, int64_t stride_t, int len) {
   constexpr int kRowPieces = kVCols / 8;
-  static_assert(FKDA_CHUNK * kRowPieces == kThreads, "one v piece per thread");
+  static_assert(FKDA_CHUNK * kRowPieces == kThreads, "one piece per thread");
   const int row = threadIdx.x / kRowPieces, col = threadIdx.x % kRowPieces;
   const bool valid = row < len;
-  cp_async_16(stage + FKDA_STAGE_V + row * (kVCols * 2 + 16) + col * 16,
-              v_first + (valid ? row * v_stride_t + col * 8 : 0), valid ? 16 : 0);
+  cp_async_16(tile + row * (kVCols * 2 + 16) + col * 16, first + (valid ? row * stride_t + col * 8 : 0),
+              valid ? 16 : 0);
 }
 
 // Zeros over the block's V columns of the output rows of a padding
@@ -575,15 +576,16 @@ __device__ __forceinline__ GateExchange gate_exchange(unsigned char* at) {
   return x;
 }
 
-// The chunk's output (chunk_output_tile) into `pending`, its sums of
-// squares sent to the head's blocks, and g_out of its tokens loaded.
-// run_index: the chunk's index in the block's run.
+// The chunk's output (chunk_output_tile) into `pending` with g_out of the
+// same values (from `gate_piece`, the lane's piece of the stage's g_out
+// tile: the stage is refilled before the output is written), and its sums
+// of squares sent to the head's blocks. run_index: the chunk's index in the
+// block's run.
 template <int kVsplit>
-__device__ __forceinline__ void hold_gated_output(const FkdaPrefillParams& p, uint32_t stage, const StageLanes& at,
-                                                  int lane, int head_warp, const uint32_t (&sh)[8][4],
-                                                  const uint32_t (&uh)[4], const uint32_t (&mqk)[4],
-                                                  unsigned char* out_tile, const GateExchange& exchange,
-                                                  const uint16_t* gate_row, const Sequence& seq, int64_t chunk,
+__device__ __forceinline__ void hold_gated_output(uint32_t stage, const StageLanes& at, int lane, int head_warp,
+                                                  const uint32_t (&sh)[8][4], const uint32_t (&uh)[4],
+                                                  const uint32_t (&mqk)[4], unsigned char* out_tile,
+                                                  const GateExchange& exchange, const unsigned char* gate_piece,
                                                   int64_t run_index, PendingGate& pending) {
   chunk_output_tile(stage, at, lane, sh, uh, mqk, out_tile);
   pending.o = tile_piece(out_tile, lane);
@@ -604,9 +606,7 @@ __device__ __forceinline__ void hold_gated_output(const FkdaPrefillParams& p, ui
       }
     }
   }
-  const int64_t row = seq.begin + chunk * FKDA_CHUNK + token;
-  pending.gate = row < seq.end ? __ldg(reinterpret_cast<const uint4*>(gate_row + row * p.layer.out_gate.stride_t + piece * 8))
-                               : make_uint4(0u, 0u, 0u, 0u);
+  pending.gate = *reinterpret_cast<const uint4*>(gate_piece);
 }
 
 // The waiting output of chunk `chunk` (index run_index in the run), gated,
@@ -652,7 +652,10 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   static_assert(kThreads <= 256, "the kernels are launched with at most 256 threads");
   constexpr int kVCols = FKDA_HEAD_DIM / kVsplit;
   constexpr int kVPitch = kVCols * 2 + 16;
-  constexpr int kStageBytes = FKDA_STAGE_V + FKDA_CHUNK * kVPitch;
+  // A stage: the chunk's record, its v tile, and in the gated forms its
+  // g_out tile (fkda_recurrence_gated_stage_bytes).
+  constexpr int kGateTile = FKDA_STAGE_V + FKDA_CHUNK * kVPitch;
+  constexpr int kStageBytes = kGateTile + (kGate ? FKDA_CHUNK * kVPitch : 0);
   extern __shared__ __align__(128) unsigned char smem[];
 
   // The block's sequence (one block per sequence, or per segment of one),
@@ -687,15 +690,12 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   unsigned char* out_tile = smem + FKDA_RECURRENCE_STAGES * kStageBytes + warp * FKDA_OUT_TILE_BYTES;
   uint16_t* out_row = static_cast<uint16_t*>(p.call.out.data) + seq.row * p.call.out.stride_b +
                       int64_t(head) * p.call.out.stride_h + e0;
-  // The gated forms: the sums' exchange after the output tiles, the lane's
-  // g_out row and norm weights (tile_piece's columns).
+  // The gated forms: the sums' exchange after the output tiles, and the
+  // lane's norm weights (tile_piece's columns).
   GateExchange exchange{};
-  const uint16_t* gate_row = nullptr;
   PendingGate pending;
   if constexpr (kGate) {
     exchange = gate_exchange<kVsplit>(smem + FKDA_RECURRENCE_STAGES * kStageBytes + kWarps * FKDA_OUT_TILE_BYTES);
-    gate_row = static_cast<const uint16_t*>(p.layer.out_gate.data) + seq.row * p.layer.out_gate.stride_b +
-               int64_t(head) * p.layer.out_gate.stride_h + e0;
     load_norm_weights(p.layer, e0 + (lane & 1) * kGateLaneValues, pending.weight);
   }
 
@@ -713,14 +713,25 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
                            int64_t(head) * p.call.v.stride_h + v_block +
                            (seq.begin + run_first * FKDA_CHUNK) * p.call.v.stride_t;
   const int64_t v_step = FKDA_CHUNK * p.call.v.stride_t;
+  const FkdaActivation& gate = p.layer.out_gate;
+  const uint16_t* next_gate = nullptr;
+  if constexpr (kGate) {
+    next_gate = static_cast<const uint16_t*>(gate.data) + seq.row * gate.stride_b + int64_t(head) * gate.stride_h +
+                v_block + (seq.begin + run_first * FKDA_CHUNK) * gate.stride_t;
+  }
   auto issue = [&]() {
     if (next < run_end) {
       const int64_t left = seq.end - (seq.begin + next * FKDA_CHUNK);
       const uint32_t stage = stages + int(next % FKDA_RECURRENCE_STAGES) * kStageBytes;
       stage_record<kThreads>(stage, next_record);
       // M is the same recurrence with v = 0: zero-filled rows.
-      stage_v_rows<kThreads, kVCols>(stage, next_v, p.call.v.stride_t,
-                                     forms_m ? 0 : int(left < FKDA_CHUNK ? left : FKDA_CHUNK));
+      const int rows = int(left < FKDA_CHUNK ? left : FKDA_CHUNK);
+      stage_rows<kThreads, kVCols>(stage + FKDA_STAGE_V, next_v, p.call.v.stride_t, forms_m ? 0 : rows);
+      if constexpr (kGate) {
+        // g_out's rows past the sequence's end are zeros: their outputs are never written.
+        stage_rows<kThreads, kVCols>(stage + kGateTile, next_gate, gate.stride_t, rows);
+        next_gate += FKDA_CHUNK * gate.stride_t;
+      }
       next_record += record_step;
       next_v += v_step;
     }
@@ -755,8 +766,10 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
         if (chunk > run_first) {
           write_gated_output<kVsplit>(p, lane, exchange, out_row, seq, chunk - 1, chunk - 1 - run_first, pending);
         }
-        hold_gated_output<kVsplit>(p, stage, at, lane, e0 / 16, sh, uh, mqk, out_tile, exchange, gate_row, seq,
-                                   chunk, chunk - run_first, pending);
+        hold_gated_output<kVsplit>(stage, at, lane, e0 / 16, sh, uh, mqk, out_tile, exchange,
+                                   smem + (stage - stages) + kGateTile + (lane >> 1) * kVPitch +
+                                       (warp * 16 + (lane & 1) * 8) * 2,
+                                   chunk - run_first, pending);
       } else if constexpr (kMode != kTransition) {
         write_chunk_output(stage, at, lane, sh, uh, mqk, out_tile, out_row, p.call.out.stride_t, seq, chunk);
       }

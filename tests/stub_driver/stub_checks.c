@@ -546,8 +546,9 @@ static void decode_routes(void* stub, int sm80_code) {
 /* Where fkda_fwd's output gate runs: where the device runs sm_90 code,
  * inside the recurrence, whose gated forms run in clusters of the vsplit
  * blocks of a head along z (serial: vsplit 8 for N x H = 2; chunk-parallel:
- * the segment pass's 2), with 1,040 bytes more shared memory for the sums
- * of squares; else in fkda_layer_gate, launched last. */
+ * the segment pass's 2), with g_out's tiles in their stages and the sums
+ * of squares in more shared memory; else in fkda_layer_gate, launched
+ * last. */
 static void expect_layer_launches(void* stub, fkda_plan_t plan, const fkda_layer_step* layer, int launches,
                                   const char* kernel, const char* what) {
   const int before = stub_counter(stub, "fkda_stub_launches");
@@ -572,10 +573,10 @@ static void layer_routes(void* stub, int sm80_code) {
   if (!sm80_code) {
     expect(stub_counter(stub, "fkda_stub_last_grid_z") == 8 && stub_counter(stub, "fkda_stub_last_cluster_z") == 8,
            "a head's 8 blocks form one cluster");
-    /* 4 stages of a 13,824-byte record and 16 v rows of 48 bytes (16
-     * values and the padding), 1 output tile of 768 bytes, and two tables
-     * of sums with their two barriers. */
-    expect(stub_counter(stub, "fkda_stub_last_smem") == 4 * (13824 + 16 * 48) + 768 + 1024 + 16,
+    /* 4 stages of a 13,824-byte record and 16 rows of 48 bytes (16
+     * values and the padding) of v and of g_out, 1 output tile of 768
+     * bytes, and two tables of sums with their two barriers. */
+    expect(stub_counter(stub, "fkda_stub_last_smem") == 4 * (13824 + 2 * 16 * 48) + 768 + 1024 + 16,
            "the sums of squares after the output tiles");
   }
   /* The gate without the convolution. */
