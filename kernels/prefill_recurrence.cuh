@@ -530,48 +530,57 @@ __device__ __forceinline__ void write_chunk_output(uint32_t stage, const StageLa
 // layer_gate.cuh, whose RMS runs over all 128 V values of a (token, head),
 // spread over the head's vsplit blocks, which run as one cluster. Each
 // warp adds the squares of its 16 values of each token and stores the sum
-// into the table of every block of the cluster; the chunk's output then
-// waits, in registers, for the next chunk's state step, by when every sum
-// is in, so the chain of state steps waits for no other block.
-//   vsplit 1: the block barrier at the top of each chunk orders the warps'
-//   sums before their reads.
+// into a table of every block of the cluster; the chunk's output waits, in
+// registers, until two chunks later, and is gated and written right after
+// that chunk's barrier, where it is straight-line code beside the state
+// step (whose stalls its instructions fill) and every sum is in:
+//   vsplit 1: the block barriers order the warps' sums before their reads.
 //   vsplit > 1: the sums travel as asynchronous stores whose bytes complete
 //   a phase of the receiving block's barrier for that table (512 bytes a
-//   chunk: 8 warps x 16 tokens); its thread 0 arms the phase. No fence and
-//   no cluster barrier per chunk (bench/RESULTS.md: either doubled the
-//   kernel's time).
-// Two tables suffice. Chunk i of the run (i = chunk - run_first) uses table
-// i % 2 and phase i / 2 of its barrier. A block sends chunk i's sums only
-// after it has read those of chunk i - 1, which every block of the cluster
-// sends only after reading chunk i - 2's from the same table.
+//   chunk: 8 warps x 16 tokens); its thread 0 arms the phase, and every
+//   thread waits for chunk c's sums at the end of chunk c + 1, a chunk
+//   after they were sent. No fence and no cluster barrier per chunk
+//   (bench/RESULTS.md: either doubled the kernel's time).
+// Four tables. Chunk i of the run (i = chunk - run_first) uses table i % 4
+// and phase i / 4 of its barrier. A block sends chunk i's sums after its
+// wait for chunk i - 2's, which every block sent after reading chunk
+// i - 4's, the table's previous content.
+constexpr int kGateTables = 4;
+constexpr int kGateSumsPerTable = FKDA_CHUNK * 8;
+constexpr int kGateTableBytes = kGateSumsPerTable * 4;
+static_assert(FKDA_GATE_SUMS_BYTES == kGateTables * (kGateTableBytes + 8), "the sums' tables and barriers");
+
+// A waiting chunk's output: the lane's piece (tile_piece's), bf16, and
+// g_out of the same values.
 struct PendingGate {
-  uint4 o;     // the lane's piece of the waiting chunk's output, bf16
-  uint4 gate;  // g_out of the same values
-  float weight[kGateLaneValues];
+  uint4 o;
+  uint4 gate;
 };
 
 struct GateExchange {
-  float* sums;        // [2][FKDA_CHUNK][8]
-  uint32_t barriers;  // two 8-byte barriers after the sums (vsplit > 1)
+  float* sums;        // [kGateTables][FKDA_CHUNK][8]
+  uint32_t barriers;  // kGateTables 8-byte barriers after the sums (vsplit > 1)
 };
-constexpr int kGateSumsPerTable = FKDA_CHUNK * 8;
-constexpr int kGateTableBytes = kGateSumsPerTable * 4;
 
 template <int kVsplit>
 __device__ __forceinline__ GateExchange gate_exchange(unsigned char* at) {
   GateExchange x;
   x.sums = reinterpret_cast<float*>(at);
-  x.barriers = smem_address(at + 2 * kGateTableBytes);
+  x.barriers = smem_address(at + kGateTables * kGateTableBytes);
+  // The tables start as zeros: the gate of the two chunks before the run's
+  // first reads them (and writes nothing).
+  for (int i = threadIdx.x; i < kGateTables * kGateSumsPerTable; i += blockDim.x) x.sums[i] = 0.f;
   if constexpr (kVsplit > 1) {
     if (threadIdx.x == 0) {
-      barrier_init(x.barriers, 1);
-      barrier_init(x.barriers + 8, 1);
+      for (int t = 0; t < kGateTables; ++t) barrier_init(x.barriers + 8 * t, 1);
       fence_barrier_init();
     }
     // Every block of the cluster has started, its barriers ready, before
     // any block stores into it.
     cluster_arrive_release();
     cluster_wait_acquire();
+  } else {
+    __syncthreads();
   }
   return x;
 }
@@ -589,10 +598,11 @@ __device__ __forceinline__ void hold_gated_output(uint32_t stage, const StageLan
                                                   int64_t run_index, PendingGate& pending) {
   chunk_output_tile(stage, at, lane, sh, uh, mqk, out_tile);
   pending.o = tile_piece(out_tile, lane);
+  pending.gate = *reinterpret_cast<const uint4*>(gate_piece);
   const int token = lane >> 1, piece = lane & 1;
   float squares = sum_squares8(pending.o);
   squares += __shfl_xor_sync(0xffffffffu, squares, 1);
-  const int table = int(run_index & 1);
+  const int table = int(run_index % kGateTables);
   float* sum = exchange.sums + table * kGateSumsPerTable + token * 8 + head_warp;
   if constexpr (kVsplit == 1) {
     if (piece == 0) *sum = squares;
@@ -606,26 +616,28 @@ __device__ __forceinline__ void hold_gated_output(uint32_t stage, const StageLan
       }
     }
   }
-  pending.gate = *reinterpret_cast<const uint4*>(gate_piece);
 }
 
-// The waiting output of chunk `chunk` (index run_index in the run), gated,
-// for its tokens before the sequence's end, once its sums are in. With
-// vsplit 1 the caller has ordered them (a block barrier).
-template <int kVsplit>
+// Until every block's sums of chunk run_index are in (vsplit > 1).
+__device__ __forceinline__ void wait_gate_sums(const GateExchange& exchange, int64_t run_index) {
+  barrier_wait(exchange.barriers + 8 * int(run_index % kGateTables), uint32_t(run_index / kGateTables) & 1u);
+}
+
+// The waiting output of chunk run_first + run_index, gated, for its tokens
+// before the sequence's end; nothing for run_index < 0. Its sums are in
+// (above).
 __device__ __forceinline__ void write_gated_output(const FkdaPrefillParams& p, int lane, const GateExchange& exchange,
-                                                   uint16_t* out_row, const Sequence& seq, int64_t chunk,
-                                                   int64_t run_index, const PendingGate& pending) {
-  const int table = int(run_index & 1);
-  if constexpr (kVsplit > 1) barrier_wait(exchange.barriers + 8 * table, uint32_t(run_index >> 1) & 1u);
+                                                   const float (&weight)[kGateLaneValues], uint16_t* out_row,
+                                                   const Sequence& seq, int64_t run_first, int64_t run_index,
+                                                   const PendingGate& pending) {
   const int token = lane >> 1, piece = lane & 1;
-  const float* token_sums = exchange.sums + table * kGateSumsPerTable + token * 8;
+  const float* token_sums = exchange.sums + int((run_index + kGateTables) % kGateTables) * kGateSumsPerTable + token * 8;
   const float4 a = *reinterpret_cast<const float4*>(token_sums);
   const float4 b = *reinterpret_cast<const float4*>(token_sums + 4);
   const float squares = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
-  const uint4 gated = gate8(pending.o, pending.gate, gate_inverse_rms(p.layer, squares), pending.weight);
-  const int64_t row = seq.begin + chunk * FKDA_CHUNK + token;
-  if (row < seq.end) *reinterpret_cast<uint4*>(out_row + row * p.call.out.stride_t + piece * 8) = gated;
+  const uint4 gated = gate8(pending.o, pending.gate, gate_inverse_rms(p.layer, squares), weight);
+  const int64_t row = seq.begin + (run_first + run_index) * FKDA_CHUNK + token;
+  if (run_index >= 0 && row < seq.end) *reinterpret_cast<uint4*>(out_row + row * p.call.out.stride_t + piece * 8) = gated;
 }
 
 // Stores S as the checkpoint under the cursor (unless its slot is null)
@@ -690,13 +702,15 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   unsigned char* out_tile = smem + FKDA_RECURRENCE_STAGES * kStageBytes + warp * FKDA_OUT_TILE_BYTES;
   uint16_t* out_row = static_cast<uint16_t*>(p.call.out.data) + seq.row * p.call.out.stride_b +
                       int64_t(head) * p.call.out.stride_h + e0;
-  // The gated forms: the sums' exchange after the output tiles, and the
-  // lane's norm weights (tile_piece's columns).
+  // The gated forms: the sums' exchange after the output tiles, the lane's
+  // norm weights (tile_piece's columns), and the outputs of the two chunks
+  // before the current one, waiting.
   GateExchange exchange{};
-  PendingGate pending;
+  float norm_weight[kGateLaneValues];
+  PendingGate older{}, newer{};
   if constexpr (kGate) {
     exchange = gate_exchange<kVsplit>(smem + FKDA_RECURRENCE_STAGES * kStageBytes + kWarps * FKDA_OUT_TILE_BYTES);
-    load_norm_weights(p.layer, e0 + (lane & 1) * kGateLaneValues, pending.weight);
+    load_norm_weights(p.layer, e0 + (lane & 1) * kGateLaneValues, norm_weight);
   }
 
   CheckpointCursor checkpoint{0, -1};
@@ -759,17 +773,19 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
       __syncthreads();
       issue();
       const uint32_t stage = stages + int(chunk % FKDA_RECURRENCE_STAGES) * kStageBytes;
+      if constexpr (kGate) {
+        write_gated_output(p, lane, exchange, norm_weight, out_row, seq, run_first, chunk - 2 - run_first, older);
+        older = newer;
+      }
       uint32_t sh[8][4], uh[4], mqk[4];
       advance_state(stage, smem + (stage - stages), at, t, S, sh, uh, mqk);
       // Transitions write no output.
       if constexpr (kGate) {
-        if (chunk > run_first) {
-          write_gated_output<kVsplit>(p, lane, exchange, out_row, seq, chunk - 1, chunk - 1 - run_first, pending);
-        }
         hold_gated_output<kVsplit>(stage, at, lane, e0 / 16, sh, uh, mqk, out_tile, exchange,
                                    smem + (stage - stages) + kGateTile + (lane >> 1) * kVPitch +
                                        (warp * 16 + (lane & 1) * 8) * 2,
-                                   chunk - run_first, pending);
+                                   chunk - run_first, newer);
+        if (kVsplit > 1 && chunk > run_first) wait_gate_sums(exchange, chunk - 1 - run_first);
       } else if constexpr (kMode != kTransition) {
         write_chunk_output(stage, at, lane, sh, uh, mqk, out_tile, out_row, p.call.out.stride_t, seq, chunk);
       }
@@ -777,11 +793,16 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
     if (!checkpoint_here) break;
     store_checkpoint(p, run, head_offset, e0, g, t, S, checkpoint);
   }
-  // The gated forms' last chunk, once every warp of the head has shared its sums.
+  // The gated forms' last two chunks, once every warp of the head has shared its sums.
   if constexpr (kGate) {
     if (run_end > run_first) {
-      if constexpr (kVsplit == 1) __syncthreads();
-      write_gated_output<kVsplit>(p, lane, exchange, out_row, seq, run_end - 1, run_end - 1 - run_first, pending);
+      if constexpr (kVsplit == 1) {
+        __syncthreads();
+      } else {
+        wait_gate_sums(exchange, run_end - 1 - run_first);
+      }
+      write_gated_output(p, lane, exchange, norm_weight, out_row, seq, run_first, run_end - 2 - run_first, older);
+      write_gated_output(p, lane, exchange, norm_weight, out_row, seq, run_first, run_end - 1 - run_first, newer);
     }
   }
   // Drain the empty trailing groups before the block's shared memory goes away.

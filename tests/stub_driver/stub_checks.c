@@ -575,8 +575,8 @@ static void layer_routes(void* stub, int sm80_code) {
            "a head's 8 blocks form one cluster");
     /* 4 stages of a 13,824-byte record and 16 rows of 48 bytes (16
      * values and the padding) of v and of g_out, 1 output tile of 768
-     * bytes, and two tables of sums with their two barriers. */
-    expect(stub_counter(stub, "fkda_stub_last_smem") == 4 * (13824 + 2 * 16 * 48) + 768 + 1024 + 16,
+     * bytes, and four tables of sums with their four barriers. */
+    expect(stub_counter(stub, "fkda_stub_last_smem") == 4 * (13824 + 2 * 16 * 48) + 768 + 4 * (512 + 8),
            "the sums of squares after the output tiles");
   }
   /* The gate without the convolution. */
