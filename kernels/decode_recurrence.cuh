@@ -458,7 +458,10 @@ __device__ __forceinline__ void head_blocks_wait(int vsplit) {
 // The shared-memory address, in block `rank` of the cluster, of what `local`
 // is in this block.
 __device__ __forceinline__ uint32_t head_block_address(const float* local, int rank) {
-  return cluster_block_address(static_cast<uint32_t>(__cvta_generic_to_shared(local)), rank);
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(local));
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
+  return remote;
 }
 #endif
 

@@ -64,7 +64,30 @@ template <bool kLayer>
 using StreamHeaderOf = typename std::conditional<kLayer, LayerStreamHeader, StreamHeader>::type;
 static_assert(sizeof(LayerStreamHeader) <= FKDA_DECODE_STREAM_HEADER_BYTES, "the header fits its place");
 
-// ---- the bulk copies of sm_90 (barriers: device_common.cuh) ----
+// ---- the barriers and bulk copies of sm_90 ----
+__device__ __forceinline__ void barrier_init(uint32_t barrier, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(count) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(uint32_t barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
+}
+// Arrives and tells the barrier to wait for `bytes` more of bulk copies.
+__device__ __forceinline__ void barrier_arrive_expecting(uint32_t barrier, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes) : "memory");
+}
+// Until the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void barrier_wait(uint32_t barrier, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred complete;\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, complete;\n}"
+        : "=r"(done)
+        : "r"(barrier), "r"(parity)
+        : "memory");
+  } while (!done);
+}
 // `bytes` (a multiple of 16, both ends 16-byte aligned) from global memory
 // to shared memory, completing on `barrier`.
 __device__ __forceinline__ void bulk_load(uint32_t to, const void* from, int bytes, uint32_t barrier) {
@@ -587,7 +610,7 @@ __device__ __forceinline__ void decode_streamed(const FkdaDecodeParams& p) {
     }
     // The bulk copies complete on these barriers through the async proxy,
     // which sees their initialisation only after this fence.
-    fence_barrier_init();
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   if (threadIdx.x >= 32 * Form::kWarps) {

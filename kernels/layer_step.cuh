@@ -20,7 +20,6 @@
 
 #include "device_common.cuh"
 #include "layer_conv.cuh"
-#include "layer_gate.cuh"
 #include "layer_params.h"
 
 namespace fkda_dev {
@@ -296,7 +295,7 @@ __device__ __forceinline__ void store_conv_states(const FkdaLayerParams& p) {
 // below a bf16 step): with the accurate ones and 64-bit row arithmetic per
 // value the kernel was bound by its instructions, at half the bandwidth.
 __device__ __forceinline__ void gate_output_rows(const FkdaLayerParams& p) {
-  constexpr int kValues = kGateLaneValues;                    // a lane's values of a row
+  constexpr int kValues = 8;                                  // a lane's values of a row
   constexpr int kLanesPerRow = FKDA_HEAD_DIM / kValues;       // 16: a half-warp
   constexpr int kRowsPerPass = 32 / kLanesPerRow;             // 2
   constexpr int kPasses = FKDA_GATE_ROWS_PER_WARP / kRowsPerPass;
@@ -336,16 +335,38 @@ __device__ __forceinline__ void gate_output_rows(const FkdaLayerParams& p) {
     g_bits[pass] = __ldg(reinterpret_cast<const uint4*>(gate_rows[pass]));
   }
   float weight[kValues];
-  load_norm_weights(p.layer, v0, weight);
+#pragma unroll
+  for (int e = 0; e < kValues; ++e) {
+    weight[e] = load_real(p.layer.norm_weight, p.layer.norm_weight_is_f32 != 0,
+                          int64_t(v0 + e) * p.layer.norm_weight_stride);
+  }
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     // Every lane of the warp takes part in the shuffles; a row past the
     // end is computed on zeros and not stored.
-    float squares = sum_squares8(o_bits[pass]);
+    const uint32_t o_words[4] = {o_bits[pass].x, o_bits[pass].y, o_bits[pass].z, o_bits[pass].w};
+    const uint32_t g_words[4] = {g_bits[pass].x, g_bits[pass].y, g_bits[pass].z, g_bits[pass].w};
+    float o[kValues], squares = 0.f;
+#pragma unroll
+    for (int e = 0; e < kValues; ++e) {
+      o[e] = e % 2 ? bf16_hi(o_words[e / 2]) : bf16_lo(o_words[e / 2]);
+      squares = fmaf(o[e], o[e], squares);
+    }
 #pragma unroll
     for (int d = kLanesPerRow / 2; d >= 1; d >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, d);
-    const uint4 gated = gate8(o_bits[pass], g_bits[pass], gate_inverse_rms(p.layer, squares), weight);
-    if (out_rows[pass] != nullptr) *reinterpret_cast<uint4*>(out_rows[pass]) = gated;
+    const float inverse_rms = rsqrtf(squares * (1.0f / float(FKDA_HEAD_DIM)) + p.layer.norm_eps);
+    uint32_t packed[kValues / 2];
+#pragma unroll
+    for (int e = 0; e < kValues; e += 2) {
+      float y[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float g = h ? bf16_hi(g_words[e / 2]) : bf16_lo(g_words[e / 2]);
+        y[h] = o[e + h] * inverse_rms * weight[e + h] * sigmoid_fast(g);
+      }
+      packed[e / 2] = pack_bf16x2(y[0], y[1]);
+    }
+    if (out_rows[pass] != nullptr) *reinterpret_cast<uint4*>(out_rows[pass]) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   }
 }
 

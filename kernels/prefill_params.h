@@ -80,21 +80,6 @@ static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_smem_bytes(int32_t vsplit
          fkda_recurrence_warps(vsplit) * FKDA_OUT_TILE_BYTES;
 }
 
-/* The gated forms of the recurrence (fkda_fwd's layer step with an output
- * gate, sm_90 and later: the vsplit blocks of a head run as one cluster)
- * hold the sums of squares of four chunks' outputs, f32
- * [4][FKDA_CHUNK][8], one per token and warp of the head, and the four
- * barriers on which their arrival completes. */
-#define FKDA_GATE_SUMS_BYTES (4 * (FKDA_CHUNK * 8 * 4 + 8))
-/* Their stages also hold the chunk's g_out tile, laid out as its v tile. */
-static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_gated_stage_bytes(int32_t vsplit) {
-  return fkda_recurrence_stage_bytes(vsplit) + FKDA_CHUNK * fkda_v_tile_pitch_bytes(vsplit);
-}
-static inline FKDA_HOST_DEVICE int32_t fkda_recurrence_gated_smem_bytes(int32_t vsplit) {
-  return FKDA_RECURRENCE_STAGES * fkda_recurrence_gated_stage_bytes(vsplit) +
-         fkda_recurrence_warps(vsplit) * FKDA_OUT_TILE_BYTES + FKDA_GATE_SUMS_BYTES;
-}
-
 /* The preparation kernel: one block of this many threads per (slot, head),
  * compiled for this many resident blocks per multiprocessor (64 registers a
  * thread) from sm_90 on (prefill_prepare.cuh). */

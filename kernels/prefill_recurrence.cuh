@@ -39,7 +39,6 @@
 #pragma once
 
 #include "device_common.cuh"
-#include "layer_gate.cuh"
 
 namespace fkda_dev {
 
@@ -138,17 +137,16 @@ __device__ __forceinline__ void stage_record(uint32_t stage, const unsigned char
   }
 }
 
-// One 16-byte piece of a tile of 16 token rows of the block's kVCols
-// columns per thread (v's, and g_out's in the gated forms) at shared
-// address `tile`; rows past the sequence's end are zero-filled.
+// One 16-byte piece of the v tile per thread (16 rows of kVCols / 8 pieces);
+// rows past the sequence's end are zero-filled.
 template <int kThreads, int kVCols>
-__device__ __forceinline__ void stage_rows(uint32_t tile, const uint16_t* first, int64_t stride_t, int len) {
+__device__ __forceinline__ void stage_v_rows(uint32_t stage, const uint16_t* v_first, int64_t v_stride_t, int len) {
   constexpr int kRowPieces = kVCols / 8;
-  static_assert(FKDA_CHUNK * kRowPieces == kThreads, "one piece per thread");
+  static_assert(FKDA_CHUNK * kRowPieces == kThreads, "one v piece per thread");
   const int row = threadIdx.x / kRowPieces, col = threadIdx.x % kRowPieces;
   const bool valid = row < len;
-  cp_async_16(tile + row * (kVCols * 2 + 16) + col * 16, first + (valid ? row * stride_t + col * 8 : 0),
-              valid ? 16 : 0);
+  cp_async_16(stage + FKDA_STAGE_V + row * (kVCols * 2 + 16) + col * 16,
+              v_first + (valid ? row * v_stride_t + col * 8 : 0), valid ? 16 : 0);
 }
 
 // Zeros over the block's V columns of the output rows of a padding
@@ -474,13 +472,15 @@ __device__ __forceinline__ void advance_state(uint32_t stage, const unsigned cha
   }
 }
 
-// Step 6's output of a chunk, off the chain: Oi^T = Sh Qd^T,
-// O^T = Oi^T + Uh^T Mqk^T, rounded to bf16 into the warp's tile
-// (token-major), from which lane l takes token l / 2's values 8 (l % 2) to
-// 8 (l % 2) + 7 of the warp's 16 V rows (tile_piece): one 16-byte piece.
-__device__ __forceinline__ void chunk_output_tile(uint32_t stage, const StageLanes& at, int lane,
-                                                  const uint32_t (&sh)[8][4], const uint32_t (&uh)[4],
-                                                  const uint32_t (&mqk)[4], unsigned char* out_tile) {
+// Step 6's output of chunk `chunk` of the sequence, off the chain:
+// Oi^T = Sh Qd^T, O^T = Oi^T + Uh^T Mqk^T, out = bf16(O) for the chunk's
+// tokens before the sequence's end, through the warp's tile (token-major)
+// so that each lane writes one 16-byte piece.
+__device__ __forceinline__ void write_chunk_output(uint32_t stage, const StageLanes& at, int lane,
+                                                   const uint32_t (&sh)[8][4], const uint32_t (&uh)[4],
+                                                   const uint32_t (&mqk)[4], unsigned char* out_tile,
+                                                   uint16_t* out_row, int64_t out_stride_t, const Sequence& seq,
+                                                   int64_t chunk) {
   const int g = lane >> 2, t = lane & 3;
   float o[2][4] = {};
 #pragma unroll
@@ -503,141 +503,12 @@ __device__ __forceinline__ void chunk_output_tile(uint32_t stage, const StageLan
     }
   }
   __syncwarp();
-}
-
-__device__ __forceinline__ uint4 tile_piece(const unsigned char* out_tile, int lane) {
-  return *reinterpret_cast<const uint4*>(out_tile + (lane >> 1) * FKDA_OUT_TILE_PITCH_BYTES + (lane & 1) * 16);
-}
-
-// The output of chunk `chunk` of the sequence: each lane stores its piece
-// for the chunk's tokens before the sequence's end.
-__device__ __forceinline__ void write_chunk_output(uint32_t stage, const StageLanes& at, int lane,
-                                                   const uint32_t (&sh)[8][4], const uint32_t (&uh)[4],
-                                                   const uint32_t (&mqk)[4], unsigned char* out_tile,
-                                                   uint16_t* out_row, int64_t out_stride_t, const Sequence& seq,
-                                                   int64_t chunk) {
-  chunk_output_tile(stage, at, lane, sh, uh, mqk, out_tile);
   const int64_t first = seq.begin + chunk * FKDA_CHUNK;
   const int token = lane >> 1, piece = lane & 1;
   if (first + token < seq.end) {
-    *reinterpret_cast<uint4*>(out_row + (first + token) * out_stride_t + piece * 8) = tile_piece(out_tile, lane);
+    const uint4 value = *reinterpret_cast<const uint4*>(out_tile + token * FKDA_OUT_TILE_PITCH_BYTES + piece * 16);
+    *reinterpret_cast<uint4*>(out_row + (first + token) * out_stride_t + piece * 8) = value;
   }
-}
-
-// ------------------------------------------------- the fused output gate ---
-// The gated forms (kGate: fkda_fwd's layer step with an output gate, on
-// sm_90 and later) write each chunk's output through the gate of
-// layer_gate.cuh, whose RMS runs over all 128 V values of a (token, head),
-// spread over the head's vsplit blocks, which run as one cluster. Each
-// warp adds the squares of its 16 values of each token and stores the sum
-// into a table of every block of the cluster; the chunk's output waits, in
-// registers, until two chunks later, and is gated and written right after
-// that chunk's barrier, where it is straight-line code beside the state
-// step (whose stalls its instructions fill) and every sum is in:
-//   vsplit 1: the block barriers order the warps' sums before their reads.
-//   vsplit > 1: the sums travel as asynchronous stores whose bytes complete
-//   a phase of the receiving block's barrier for that table (512 bytes a
-//   chunk: 8 warps x 16 tokens); its thread 0 arms the phase, and every
-//   thread waits for chunk c's sums at the end of chunk c + 1, a chunk
-//   after they were sent. No fence and no cluster barrier per chunk
-//   (bench/RESULTS.md: either doubled the kernel's time).
-// Four tables. Chunk i of the run (i = chunk - run_first) uses table i % 4
-// and phase i / 4 of its barrier. A block sends chunk i's sums after its
-// wait for chunk i - 2's, which every block sent after reading chunk
-// i - 4's, the table's previous content.
-constexpr int kGateTables = 4;
-constexpr int kGateSumsPerTable = FKDA_CHUNK * 8;
-constexpr int kGateTableBytes = kGateSumsPerTable * 4;
-static_assert(FKDA_GATE_SUMS_BYTES == kGateTables * (kGateTableBytes + 8), "the sums' tables and barriers");
-
-// A waiting chunk's output: the lane's piece (tile_piece's), bf16, and
-// g_out of the same values.
-struct PendingGate {
-  uint4 o;
-  uint4 gate;
-};
-
-struct GateExchange {
-  float* sums;        // [kGateTables][FKDA_CHUNK][8]
-  uint32_t barriers;  // kGateTables 8-byte barriers after the sums (vsplit > 1)
-};
-
-template <int kVsplit>
-__device__ __forceinline__ GateExchange gate_exchange(unsigned char* at) {
-  GateExchange x;
-  x.sums = reinterpret_cast<float*>(at);
-  x.barriers = smem_address(at + kGateTables * kGateTableBytes);
-  // The tables start as zeros: the gate of the two chunks before the run's
-  // first reads them (and writes nothing).
-  for (int i = threadIdx.x; i < kGateTables * kGateSumsPerTable; i += blockDim.x) x.sums[i] = 0.f;
-  if constexpr (kVsplit > 1) {
-    if (threadIdx.x == 0) {
-      for (int t = 0; t < kGateTables; ++t) barrier_init(x.barriers + 8 * t, 1);
-      fence_barrier_init();
-    }
-    // Every block of the cluster has started, its barriers ready, before
-    // any block stores into it.
-    cluster_arrive_release();
-    cluster_wait_acquire();
-  } else {
-    __syncthreads();
-  }
-  return x;
-}
-
-// The chunk's output (chunk_output_tile) into `pending` with g_out of the
-// same values (from `gate_piece`, the lane's piece of the stage's g_out
-// tile: the stage is refilled before the output is written), and its sums
-// of squares sent to the head's blocks. run_index: the chunk's index in the
-// block's run.
-template <int kVsplit>
-__device__ __forceinline__ void hold_gated_output(uint32_t stage, const StageLanes& at, int lane, int head_warp,
-                                                  const uint32_t (&sh)[8][4], const uint32_t (&uh)[4],
-                                                  const uint32_t (&mqk)[4], unsigned char* out_tile,
-                                                  const GateExchange& exchange, const unsigned char* gate_piece,
-                                                  int64_t run_index, PendingGate& pending) {
-  chunk_output_tile(stage, at, lane, sh, uh, mqk, out_tile);
-  pending.o = tile_piece(out_tile, lane);
-  pending.gate = *reinterpret_cast<const uint4*>(gate_piece);
-  const int token = lane >> 1, piece = lane & 1;
-  float squares = sum_squares8(pending.o);
-  squares += __shfl_xor_sync(0xffffffffu, squares, 1);
-  const int table = int(run_index % kGateTables);
-  float* sum = exchange.sums + table * kGateSumsPerTable + token * 8 + head_warp;
-  if constexpr (kVsplit == 1) {
-    if (piece == 0) *sum = squares;
-  } else {
-    const uint32_t barrier = exchange.barriers + 8 * table;
-    if (threadIdx.x == 0) barrier_arrive_expecting(barrier, kGateTableBytes);
-    if (piece == 0) {
-#pragma unroll
-      for (int rank = 0; rank < kVsplit; ++rank) {
-        store_async(cluster_block_address(smem_address(sum), rank), squares, cluster_block_address(barrier, rank));
-      }
-    }
-  }
-}
-
-// Until every block's sums of chunk run_index are in (vsplit > 1).
-__device__ __forceinline__ void wait_gate_sums(const GateExchange& exchange, int64_t run_index) {
-  barrier_wait(exchange.barriers + 8 * int(run_index % kGateTables), uint32_t(run_index / kGateTables) & 1u);
-}
-
-// The waiting output of chunk run_first + run_index, gated, for its tokens
-// before the sequence's end; nothing for run_index < 0. Its sums are in
-// (above).
-__device__ __forceinline__ void write_gated_output(const FkdaPrefillParams& p, int lane, const GateExchange& exchange,
-                                                   const float (&weight)[kGateLaneValues], uint16_t* out_row,
-                                                   const Sequence& seq, int64_t run_first, int64_t run_index,
-                                                   const PendingGate& pending) {
-  const int token = lane >> 1, piece = lane & 1;
-  const float* token_sums = exchange.sums + int((run_index + kGateTables) % kGateTables) * kGateSumsPerTable + token * 8;
-  const float4 a = *reinterpret_cast<const float4*>(token_sums);
-  const float4 b = *reinterpret_cast<const float4*>(token_sums + 4);
-  const float squares = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
-  const uint4 gated = gate8(pending.o, pending.gate, gate_inverse_rms(p.layer, squares), weight);
-  const int64_t row = seq.begin + (run_first + run_index) * FKDA_CHUNK + token;
-  if (run_index >= 0 && row < seq.end) *reinterpret_cast<uint4*>(out_row + row * p.call.out.stride_t + piece * 8) = gated;
 }
 
 // Stores S as the checkpoint under the cursor (unless its slot is null)
@@ -656,18 +527,14 @@ __device__ __forceinline__ void store_checkpoint(const FkdaPrefillParams& p, con
 // The recurrence kernels' body for a V split, serving form and mode (above):
 // the block's chunks and state ends, then the chain of chunks, then the
 // state it leaves.
-template <int kVsplit, bool kServing, int kMode = kWholeRange, bool kGate = false>
+template <int kVsplit, bool kServing, int kMode = kWholeRange>
 __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
-  static_assert(!kGate || kMode != kTransition, "transitions write no output to gate");
   constexpr int kWarps = 8 / kVsplit;
   constexpr int kThreads = 32 * kWarps;
   static_assert(kThreads <= 256, "the kernels are launched with at most 256 threads");
   constexpr int kVCols = FKDA_HEAD_DIM / kVsplit;
   constexpr int kVPitch = kVCols * 2 + 16;
-  // A stage: the chunk's record, its v tile, and in the gated forms its
-  // g_out tile (fkda_recurrence_gated_stage_bytes).
-  constexpr int kGateTile = FKDA_STAGE_V + FKDA_CHUNK * kVPitch;
-  constexpr int kStageBytes = kGateTile + (kGate ? FKDA_CHUNK * kVPitch : 0);
+  constexpr int kStageBytes = FKDA_STAGE_V + FKDA_CHUNK * kVPitch;
   extern __shared__ __align__(128) unsigned char smem[];
 
   // The block's sequence (one block per sequence, or per segment of one),
@@ -702,16 +569,6 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
   unsigned char* out_tile = smem + FKDA_RECURRENCE_STAGES * kStageBytes + warp * FKDA_OUT_TILE_BYTES;
   uint16_t* out_row = static_cast<uint16_t*>(p.call.out.data) + seq.row * p.call.out.stride_b +
                       int64_t(head) * p.call.out.stride_h + e0;
-  // The gated forms: the sums' exchange after the output tiles, the lane's
-  // norm weights (tile_piece's columns), and the outputs of the two chunks
-  // before the current one, waiting.
-  GateExchange exchange{};
-  float norm_weight[kGateLaneValues];
-  PendingGate older{}, newer{};
-  if constexpr (kGate) {
-    exchange = gate_exchange<kVsplit>(smem + FKDA_RECURRENCE_STAGES * kStageBytes + kWarps * FKDA_OUT_TILE_BYTES);
-    load_norm_weights(p.layer, e0 + (lane & 1) * kGateLaneValues, norm_weight);
-  }
 
   CheckpointCursor checkpoint{0, -1};
   if constexpr (kServing && kMode != kTransition) {
@@ -727,25 +584,14 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
                            int64_t(head) * p.call.v.stride_h + v_block +
                            (seq.begin + run_first * FKDA_CHUNK) * p.call.v.stride_t;
   const int64_t v_step = FKDA_CHUNK * p.call.v.stride_t;
-  const FkdaActivation& gate = p.layer.out_gate;
-  const uint16_t* next_gate = nullptr;
-  if constexpr (kGate) {
-    next_gate = static_cast<const uint16_t*>(gate.data) + seq.row * gate.stride_b + int64_t(head) * gate.stride_h +
-                v_block + (seq.begin + run_first * FKDA_CHUNK) * gate.stride_t;
-  }
   auto issue = [&]() {
     if (next < run_end) {
       const int64_t left = seq.end - (seq.begin + next * FKDA_CHUNK);
       const uint32_t stage = stages + int(next % FKDA_RECURRENCE_STAGES) * kStageBytes;
       stage_record<kThreads>(stage, next_record);
       // M is the same recurrence with v = 0: zero-filled rows.
-      const int rows = int(left < FKDA_CHUNK ? left : FKDA_CHUNK);
-      stage_rows<kThreads, kVCols>(stage + FKDA_STAGE_V, next_v, p.call.v.stride_t, forms_m ? 0 : rows);
-      if constexpr (kGate) {
-        // g_out's rows past the sequence's end are zeros: their outputs are never written.
-        stage_rows<kThreads, kVCols>(stage + kGateTile, next_gate, gate.stride_t, rows);
-        next_gate += FKDA_CHUNK * gate.stride_t;
-      }
+      stage_v_rows<kThreads, kVCols>(stage, next_v, p.call.v.stride_t,
+                                     forms_m ? 0 : int(left < FKDA_CHUNK ? left : FKDA_CHUNK));
       next_record += record_step;
       next_v += v_step;
     }
@@ -773,37 +619,15 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
       __syncthreads();
       issue();
       const uint32_t stage = stages + int(chunk % FKDA_RECURRENCE_STAGES) * kStageBytes;
-      if constexpr (kGate) {
-        write_gated_output(p, lane, exchange, norm_weight, out_row, seq, run_first, chunk - 2 - run_first, older);
-        older = newer;
-      }
       uint32_t sh[8][4], uh[4], mqk[4];
       advance_state(stage, smem + (stage - stages), at, t, S, sh, uh, mqk);
       // Transitions write no output.
-      if constexpr (kGate) {
-        hold_gated_output<kVsplit>(stage, at, lane, e0 / 16, sh, uh, mqk, out_tile, exchange,
-                                   smem + (stage - stages) + kGateTile + (lane >> 1) * kVPitch +
-                                       (warp * 16 + (lane & 1) * 8) * 2,
-                                   chunk - run_first, newer);
-        if (kVsplit > 1 && chunk > run_first) wait_gate_sums(exchange, chunk - 1 - run_first);
-      } else if constexpr (kMode != kTransition) {
+      if constexpr (kMode != kTransition) {
         write_chunk_output(stage, at, lane, sh, uh, mqk, out_tile, out_row, p.call.out.stride_t, seq, chunk);
       }
     }
     if (!checkpoint_here) break;
     store_checkpoint(p, run, head_offset, e0, g, t, S, checkpoint);
-  }
-  // The gated forms' last two chunks, once every warp of the head has shared its sums.
-  if constexpr (kGate) {
-    if (run_end > run_first) {
-      if constexpr (kVsplit == 1) {
-        __syncthreads();
-      } else {
-        wait_gate_sums(exchange, run_end - 1 - run_first);
-      }
-      write_gated_output(p, lane, exchange, norm_weight, out_row, seq, run_first, run_end - 2 - run_first, older);
-      write_gated_output(p, lane, exchange, norm_weight, out_row, seq, run_first, run_end - 1 - run_first, newer);
-    }
   }
   // Drain the empty trailing groups before the block's shared memory goes away.
   cp_async_wait<0>();
@@ -831,35 +655,6 @@ FKDA_DEFINE_RECURRENCE(2)
 FKDA_DEFINE_RECURRENCE(4)
 FKDA_DEFINE_RECURRENCE(8)
 #undef FKDA_DEFINE_RECURRENCE
-
-// The gated forms (the fused output gate, above), in both forms, and the
-// gated last pass of chunk-parallel prefill (V split 2, the one its host
-// code runs). They run in clusters, which only code for sm_90 and later
-// has: the host launches them only where the device runs such code
-// (DeviceFacts.runs_sm90_code), and their sm_80 forms are empty.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define FKDA_GATED_BODY(...)
-#else
-#define FKDA_GATED_BODY(...) fkda_dev::chunk_recurrence<__VA_ARGS__, true>(p);
-#endif
-#define FKDA_DEFINE_GATED_RECURRENCE(vsplit)                                              \
-  extern "C" __global__ void __launch_bounds__(256 / (vsplit), 1)                         \
-      fkda_prefill_chunk_recurrence_gated_v##vsplit(const FkdaPrefillParams p) {          \
-    FKDA_GATED_BODY(vsplit, false, fkda_dev::kWholeRange)                                 \
-  }                                                                                       \
-  extern "C" __global__ void __launch_bounds__(256 / (vsplit), 1)                         \
-      fkda_prefill_chunk_recurrence_serving_gated_v##vsplit(const FkdaPrefillParams p) {  \
-    FKDA_GATED_BODY(vsplit, true, fkda_dev::kWholeRange)                                  \
-  }
-FKDA_DEFINE_GATED_RECURRENCE(1)
-FKDA_DEFINE_GATED_RECURRENCE(2)
-FKDA_DEFINE_GATED_RECURRENCE(4)
-FKDA_DEFINE_GATED_RECURRENCE(8)
-#undef FKDA_DEFINE_GATED_RECURRENCE
-extern "C" __global__ void __launch_bounds__(128, 1) fkda_prefill_segment_recurrence_gated_v2(const FkdaPrefillParams p) {
-  FKDA_GATED_BODY(2, true, fkda_dev::kSegment)
-}
-#undef FKDA_GATED_BODY
 
 // The two passes of chunk-parallel prefill around the scan, in the serving
 // form only (the chunk-parallel calls are long and few; registers are not

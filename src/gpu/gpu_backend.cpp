@@ -252,10 +252,6 @@ struct RecurrenceLaunch {
   float* carry = nullptr;
   int64_t total_tokens = 0, num_seqs = 0;
   unsigned heads = 0;
-  // The recurrence applies fkda_fwd's output gate itself (its gated forms,
-  // in clusters of a head's blocks): where the device runs sm_90 code and
-  // their shared memory fits. Else fkda_layer_gate follows (LayerLaunch).
-  bool gates_output = false;
 
   RecurrenceLaunch(const LaunchContext& context, const PrefillProblem& problem, const Launch& checked,
                    void* workspace, const float* conv_weights)
@@ -293,42 +289,21 @@ struct RecurrenceLaunch {
 
     const bool serving = params.state_indices.data != nullptr || params.has_initial_state.data != nullptr ||
                          params.checkpoint_offsets.data != nullptr;
-    const int output_vsplit = l.seg.chunks > 0 ? kSegmentVsplit : params.vsplit;
-    gates_output = problem.layer.has_out_gate() && total_tokens > 0 && problem.num_seqs > 0 &&
-                   context.facts.runs_sm90_code &&
-                   fkda_recurrence_gated_smem_bytes(output_vsplit) <= context.facts.max_dynamic_smem;
     // Resolved before the first launch: a kernel that fails to resolve must
     // not find earlier windows' pools already advanced.
     if (total_tokens > 0) {
       prepare = resolve(context, prepare_kernel(context.kernels, problem.gate, problem.layer.has_conv()));
     }
-    const Kernels& k = context.kernels;
-    const NamedKernel* serial = gates_output ? (serving ? k.recurrence_serving_gated : k.recurrence_gated)
-                                             : (serving ? k.recurrence_serving : k.recurrence);
-    recurrence = resolve(context, serial[vsplit_index(params.vsplit)]);
+    recurrence = resolve(
+        context,
+        (serving ? context.kernels.recurrence_serving : context.kernels.recurrence)[vsplit_index(params.vsplit)]);
     if (l.seg.chunks > 0) {
-      segment_transitions = resolve(context, k.segment_transitions[kSegmentVsplit - 1]);
-      segment_scan = resolve(context, k.segment_scan);
-      static_assert(kSegmentVsplit == 2, "the gated segment pass exists for V split 2");
-      segment_recurrence =
-          resolve(context, gates_output ? k.segment_recurrence_gated : k.segment_recurrence[kSegmentVsplit - 1]);
+      segment_transitions = resolve(context, context.kernels.segment_transitions[kSegmentVsplit - 1]);
+      segment_scan = resolve(context, context.kernels.segment_scan);
+      segment_recurrence = resolve(context, context.kernels.segment_recurrence[kSegmentVsplit - 1]);
     }
     // After the serial recurrence's kernel is chosen: with segments the V split is theirs.
     carry = place_workspace(l, problem.num_heads, static_cast<unsigned char*>(workspace), params);
-  }
-
-  // A pass that writes the output: the gated forms in clusters of the
-  // vsplit blocks of a head (along z), with their sums of squares.
-  void launch_output_pass(const LaunchContext& context, const ResolvedKernel& kernel, unsigned grid_x, int vsplit,
-                          CUstream stream) {
-    const unsigned threads = unsigned(32 * fkda_recurrence_warps(vsplit));
-    if (gates_output) {
-      launch_clusters(context, kernel, 1, unsigned(vsplit), grid_x, heads, unsigned(vsplit), threads,
-                      unsigned(fkda_recurrence_gated_smem_bytes(vsplit)), stream, &params);
-    } else {
-      launch(context, kernel, grid_x, heads, unsigned(vsplit), threads, unsigned(fkda_recurrence_smem_bytes(vsplit)),
-             stream, &params);
-    }
   }
 
   LaunchShape enqueue(const LaunchContext& context, CUstream stream) {
@@ -354,12 +329,15 @@ struct RecurrenceLaunch {
                unsigned(2 * kSegmentVsplit), segment_threads, segment_smem, stream, &params);
         launch(context, segment_scan, unsigned(num_seqs), heads,
                unsigned(FKDA_HEAD_DIM / FKDA_SCAN_ROWS), FKDA_SCAN_THREADS, FKDA_SCAN_SMEM_BYTES, stream, &params);
-        launch_output_pass(context, segment_recurrence, segment_grid_x, kSegmentVsplit, stream);
+        launch(context, segment_recurrence, segment_grid_x, heads,
+               unsigned(kSegmentVsplit), segment_threads, segment_smem, stream, &params);
         continue;
       }
       // Launched even without tokens: zero-length sequences still copy their
       // initial state (or zeros) to the final state.
-      launch_output_pass(context, recurrence, unsigned(num_seqs), params.vsplit, stream);
+      launch(context, recurrence, unsigned(num_seqs), heads, unsigned(params.vsplit),
+             unsigned(32 * fkda_recurrence_warps(params.vsplit)),
+             unsigned(fkda_recurrence_smem_bytes(params.vsplit)), stream, &params);
     }
     return LaunchShape{params.vsplit, windows.count, windows.slots, seg.chunks > 0 ? 1 : 0, seg.chunks};
   }
@@ -375,14 +353,12 @@ struct LayerLaunch {
   bool has_conv = false, has_state = false, has_gate = false;
   int64_t conv_tiles = 0, conv_groups = 0, gate_blocks = 0, table_groups = 0;
 
-  // gated_recurrence: the recurrence applies the output gate itself.
-  LayerLaunch(const LaunchContext& context, const PrefillProblem& problem, const ConvStaging& staging,
-              bool gated_recurrence) {
+  LayerLaunch(const LaunchContext& context, const PrefillProblem& problem, const ConvStaging& staging) {
     const int64_t tokens = problem.batch * problem.seq_len;
     const bool any_tokens = tokens > 0 && problem.num_seqs > 0;
     has_conv = problem.layer.has_conv() && any_tokens;
     has_state = has_conv && problem.layer.has_conv_state();
-    has_gate = problem.layer.has_out_gate() && any_tokens && !gated_recurrence;
+    has_gate = problem.layer.has_out_gate() && any_tokens;
     conv_tiles = ceil_div(tokens, FKDA_CONV_TILE_TOKENS);
     conv_groups = ceil_div(int64_t(problem.num_heads) * FKDA_HEAD_DIM, FKDA_CONV_CHANNELS_PER_BLOCK);
     table_groups = ceil_div(int64_t(problem.num_heads) * FKDA_HEAD_DIM, FKDA_CONV_THREADS);
@@ -447,7 +423,7 @@ LaunchShape fwd(const PrefillProblem& problem, void* workspace, size_t workspace
   PrefillProblem staged = problem;
   if (problem.layer.has_conv()) staged.v = staging.view_of(staging.v);
   RecurrenceLaunch recurrence(context, staged, checked, staging.rest, staging.conv_weights);
-  LayerLaunch layer(context, problem, staging, recurrence.gates_output);
+  LayerLaunch layer(context, problem, staging);
   layer.before(context, stream);
   const LaunchShape shape = recurrence.enqueue(context, stream);
   layer.after(context, stream);

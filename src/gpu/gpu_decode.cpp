@@ -145,8 +145,8 @@ void decode(const DecodeProblem& problem, CUstream stream) {
   const unsigned smem = unsigned(fkda_decode_layer_smem_bytes(params.max_tokens, params.warps) +
                                  (clusters ? fkda_decode_staged_state_bytes(params.warps, params.call.state_is_bf16) : 0));
   if (clusters) {
-    launch_clusters(context, kernel, unsigned(vsplit), 1, grid_x, unsigned(problem.num_heads), 1, threads, smem,
-                    stream, &params);
+    launch_clusters(context, kernel, unsigned(vsplit), grid_x, unsigned(problem.num_heads), threads, smem, stream,
+                    &params);
   } else {
     launch(context, kernel, grid_x, unsigned(problem.num_heads), 1, threads, smem, stream, &params);
   }

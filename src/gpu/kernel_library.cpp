@@ -58,19 +58,10 @@ Kernels load_kernels(const cuda::Driver& d) {
   const char* recurrence_serving[kVsplitCount] = {
       "fkda_prefill_chunk_recurrence_serving_v1", "fkda_prefill_chunk_recurrence_serving_v2",
       "fkda_prefill_chunk_recurrence_serving_v4", "fkda_prefill_chunk_recurrence_serving_v8"};
-  const char* recurrence_gated[kVsplitCount] = {
-      "fkda_prefill_chunk_recurrence_gated_v1", "fkda_prefill_chunk_recurrence_gated_v2",
-      "fkda_prefill_chunk_recurrence_gated_v4", "fkda_prefill_chunk_recurrence_gated_v8"};
-  const char* recurrence_serving_gated[kVsplitCount] = {
-      "fkda_prefill_chunk_recurrence_serving_gated_v1", "fkda_prefill_chunk_recurrence_serving_gated_v2",
-      "fkda_prefill_chunk_recurrence_serving_gated_v4", "fkda_prefill_chunk_recurrence_serving_gated_v8"};
   for (int i = 0; i < kVsplitCount; ++i) {
     get(&kernels.recurrence[i], recurrence[i]);
     get(&kernels.recurrence_serving[i], recurrence_serving[i]);
-    get(&kernels.recurrence_gated[i], recurrence_gated[i]);
-    get(&kernels.recurrence_serving_gated[i], recurrence_serving_gated[i]);
   }
-  get(&kernels.segment_recurrence_gated, "fkda_prefill_segment_recurrence_gated_v2");
   const char* segment_transitions[kSegmentVsplitCount] = {"fkda_prefill_segment_transitions_v1",
                                                           "fkda_prefill_segment_transitions_v2"};
   const char* segment_recurrence[kSegmentVsplitCount] = {"fkda_prefill_segment_recurrence_v1",
@@ -162,11 +153,6 @@ const DeviceFacts& device_facts(const cuda::Driver& d, CUdevice device, const Ke
       allow_smem(k.segment_transitions[vsplit - 1], bytes);
       allow_smem(k.segment_recurrence[vsplit - 1], bytes);
     }
-    const int gated_bytes = fkda_recurrence_gated_smem_bytes(vsplit);
-    if (gated_bytes > facts.max_dynamic_smem) continue;
-    allow_smem(k.recurrence_gated[at], gated_bytes);
-    allow_smem(k.recurrence_serving_gated[at], gated_bytes);
-    if (vsplit == 2) allow_smem(k.segment_recurrence_gated, gated_bytes);
   }
   // The virtual architecture the device's code was compiled for (80, 90,
   // ...), what the kernels' source could use whatever the device; every
@@ -266,20 +252,19 @@ void launch(const LaunchContext& context, const NamedKernel& kernel, unsigned gr
   launch(context, resolve(context, kernel), grid_x, grid_y, grid_z, threads, smem, stream, params);
 }
 
-void launch_clusters(const LaunchContext& context, const ResolvedKernel& kernel, unsigned cluster_x, unsigned cluster_z,
-                     unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned threads, unsigned smem,
-                     CUstream stream, void* params) {
+void launch_clusters(const LaunchContext& context, const ResolvedKernel& kernel, unsigned cluster_x, unsigned grid_x,
+                     unsigned grid_y, unsigned threads, unsigned smem, CUstream stream, void* params) {
   CUlaunchAttribute cluster;
   std::memset(&cluster, 0, sizeof(cluster));
   cluster.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
   cluster.value.clusterDim.x = cluster_x;
   cluster.value.clusterDim.y = 1;
-  cluster.value.clusterDim.z = cluster_z;
+  cluster.value.clusterDim.z = 1;
   CUlaunchConfig config;
   std::memset(&config, 0, sizeof(config));
   config.gridDimX = grid_x;
   config.gridDimY = grid_y;
-  config.gridDimZ = grid_z;
+  config.gridDimZ = 1;
   config.blockDimX = threads;
   config.blockDimY = 1;
   config.blockDimZ = 1;
@@ -291,7 +276,7 @@ void launch_clusters(const LaunchContext& context, const ResolvedKernel& kernel,
   CUresult result = context.driver.cuLaunchKernelEx(&config, kernel.function, args, nullptr);
   if (result != CUDA_SUCCESS) {
     fail(FKDA_ERROR_LAUNCH_FAILED, std::string("launch of ") + kernel.name + " in clusters of " +
-                                       std::to_string(cluster_x * cluster_z) + " failed: " + cuda::describe(result));
+                                       std::to_string(cluster_x) + " failed: " + cuda::describe(result));
   }
 }
 

@@ -47,12 +47,6 @@ struct Kernels {
   NamedKernel prepare_log_decay[2][kPrepareForms];  // LOG_DECAY gate: g bf16, g f32
   NamedKernel recurrence[kVsplitCount];          // contiguous states or none
   NamedKernel recurrence_serving[kVsplitCount];  // pool slots, has_initial_state, checkpoints
-  // The same with fkda_fwd's output gate inside (sm_90 and later, in
-  // clusters of a head's vsplit blocks), and the gated segment pass (V
-  // split 2).
-  NamedKernel recurrence_gated[kVsplitCount];
-  NamedKernel recurrence_serving_gated[kVsplitCount];
-  NamedKernel segment_recurrence_gated;
   // Chunk-parallel prefill: the transition and segment passes (V split 1
   // and 2, indexed by vsplit - 1) and the scan between them.
   NamedKernel segment_transitions[kSegmentVsplitCount];
@@ -114,11 +108,9 @@ void launch(const LaunchContext& context, const ResolvedKernel& kernel, unsigned
             unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params);
 void launch(const LaunchContext& context, const NamedKernel& kernel, unsigned grid_x, unsigned grid_y,
             unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params);
-// The same in clusters of cluster_x by cluster_z blocks (grid_x and grid_z
-// multiples of them).
-void launch_clusters(const LaunchContext& context, const ResolvedKernel& kernel, unsigned cluster_x, unsigned cluster_z,
-                     unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned threads, unsigned smem,
-                     CUstream stream, void* params);
+// The same in clusters of cluster_x blocks along x (grid_x a multiple of it).
+void launch_clusters(const LaunchContext& context, const ResolvedKernel& kernel, unsigned cluster_x, unsigned grid_x,
+                     unsigned grid_y, unsigned threads, unsigned smem, CUstream stream, void* params);
 
 // Each kernel's parameters travel in the launch's 4 KB of parameter space.
 static_assert(sizeof(FkdaPrefillParams) <= 4096, "FkdaPrefillParams exceeds the kernel parameter space");

@@ -429,13 +429,12 @@ std::vector<LayerCase> fwd_cases() {
   return cases;
 }
 
-// The output gate inside the recurrence: every V split of the serial
-// kernels, whose blocks of a head share the sums of squares in clusters,
-// in the plain form (contiguous states) and the serving form; across
-// windows; and in chunk-parallel prefill's segment pass. Sequences of
-// several chunks, so that each chunk's output waits for the next one's state
-// step and the sums' two buffers both come into use.
-std::vector<LayerCase> gated_recurrence_cases() {
+// The layer step on every route of the recurrence: each V split of the
+// serial kernels (1 to 8 blocks a head), in the plain form (contiguous
+// states, no pool) and the serving form; across windows; and through
+// chunk-parallel prefill's segments. Sequences of several chunks, an empty
+// one, and ends part way through a chunk.
+std::vector<LayerCase> recurrence_route_cases() {
   std::vector<LayerCase> cases;
   LayerCase base;
   base.lengths = {93, 0, 50, 130, 16, 7};
@@ -479,8 +478,8 @@ TEST_CASE("layer step: GPU fkda_fwd matches the CPU backend", "[gpu][layer_step]
   }
 }
 
-TEST_CASE("layer step: the recurrence's fused output gate matches the CPU backend", "[gpu][layer_step]") {
-  for (const LayerCase& c : gated_recurrence_cases()) {
+TEST_CASE("layer step: every route of the recurrence matches the CPU backend", "[gpu][layer_step]") {
+  for (const LayerCase& c : recurrence_route_cases()) {
     SECTION(c.name) {
       const Outcome gpu = run(c, true, fwd_call);
       const Outcome cpu = run(c, false, fwd_call);
@@ -596,7 +595,7 @@ TEST_CASE("layer step: GPU calls under the sanitizers", "[gpu][layer_step][sanit
     if (!c.lengths.empty()) c.lengths = {20, 0, 33, 1, 17};
     (void)run(c, true, fwd_call);
   }
-  for (LayerCase c : gated_recurrence_cases()) {
+  for (LayerCase c : recurrence_route_cases()) {
     if (c.chunk_parallel == FKDA_CHUNK_PARALLEL_AUTO) c.lengths = {40, 0, 33, 1, 17};
     (void)run(c, true, fwd_call);
   }

@@ -143,44 +143,33 @@ static CUresult stub_kernel_attribute(CUfunction_attribute which, int value, CUk
   return CUDA_SUCCESS;
 }
 
-/* The last launch: its kernel's name, grid (x and z), threads, dynamic
- * shared memory and cluster (z; 1 without clusters), for the checks of
- * which kernel a call chose. */
+/* The last launch: its kernel's name, grid (x), threads and dynamic shared
+ * memory, for the checks of which kernel a call chose. */
 static const char* last_kernel = "";
-static unsigned last_grid_x, last_grid_z, last_threads, last_smem, last_cluster_z;
+static unsigned last_grid_x, last_threads, last_smem;
 STUB_API const char* fkda_stub_last_kernel(void) { return last_kernel; }
-STUB_API int fkda_stub_last_grid_z(void) { return (int)last_grid_z; }
-STUB_API int fkda_stub_last_cluster_z(void) { return (int)last_cluster_z; }
 STUB_API int fkda_stub_last_grid_x(void) { return (int)last_grid_x; }
 STUB_API int fkda_stub_last_threads(void) { return (int)last_threads; }
 STUB_API int fkda_stub_last_smem(void) { return (int)last_smem; }
 
-static void record_launch(CUfunction f, unsigned gx, unsigned gz, unsigned bx, unsigned smem, unsigned cluster_z) {
+static void record_launch(CUfunction f, unsigned gx, unsigned bx, unsigned smem) {
   ++launches;
   last_kernel = (const char*)f;
   last_grid_x = gx;
-  last_grid_z = gz;
   last_threads = bx;
   last_smem = smem;
-  last_cluster_z = cluster_z;
 }
 
 static CUresult stub_launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                             unsigned bz, unsigned smem, CUstream stream, void** params, void** extra) {
-  (void)gy, (void)by, (void)bz, (void)stream, (void)params, (void)extra;
-  record_launch(f, gx, gz, bx, smem, 1);
+  (void)gy, (void)gz, (void)by, (void)bz, (void)stream, (void)params, (void)extra;
+  record_launch(f, gx, bx, smem);
   return CUDA_SUCCESS;
 }
 
 static CUresult stub_launch_ex(const CUlaunchConfig* config, CUfunction f, void** params, void** extra) {
   (void)params, (void)extra;
-  unsigned cluster_z = 1;
-  for (unsigned i = 0; i < config->numAttrs; ++i) {
-    if (config->attrs[i].id == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) cluster_z = config->attrs[i].value.clusterDim.z;
-  }
-  /* A cluster must tile the grid, as the real driver demands. */
-  if (cluster_z == 0 || config->gridDimZ % cluster_z != 0) return CUDA_ERROR_INVALID_VALUE;
-  record_launch(f, config->gridDimX, config->gridDimZ, config->blockDimX, config->sharedMemBytes, cluster_z);
+  record_launch(f, config->gridDimX, config->blockDimX, config->sharedMemBytes);
   return CUDA_SUCCESS;
 }
 

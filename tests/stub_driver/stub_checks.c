@@ -19,11 +19,6 @@
  *                              the plain kernels otherwise
  *   stub_checks decode_routes_sm80  ... and only the plain ones where the
  *                              device runs sm_80 code
- *   stub_checks layer_routes   fkda_fwd's output gate runs inside the
- *                              recurrence, in clusters of a head's blocks
- *   stub_checks layer_routes_sm80  ... and in fkda_layer_gate after the
- *                              plain recurrence where the device runs sm_80
- *                              code
  * The stub reports every pointer as device memory and runs no kernel, so the
  * GPU calls here only reach the launches, which the stub counts.
  */
@@ -407,9 +402,9 @@ static void no_partial(void* stub) {
    * are resolved before the convolution of v is launched. */
   desc.layer_step = 1;
   fkda_plan_t layer_plan = make_plan(FKDA_BACKEND_GPU, &desc);
-  const char* layer_kernels[] = {"layer_pack_conv_weights", "layer_convolve", "prepare_chunks_conv",
-                                 "chunk_recurrence_gated"};
-  for (int i = 0; i < 4; ++i) {
+  const char* layer_kernels[] = {"layer_pack_conv_weights", "layer_convolve", "prepare_chunks_conv", "chunk_recurrence",
+                                 "layer_gate"};
+  for (int i = 0; i < 5; ++i) {
     setenv("FKDA_STUB_FAIL_KERNEL", layer_kernels[i], 1);
     const int before_layer = stub_counter(stub, "fkda_stub_launches");
     expect(run_layer_forward(layer_plan, 64) == FKDA_ERROR_DRIVER,
@@ -420,8 +415,8 @@ static void no_partial(void* stub) {
   unsetenv("FKDA_STUB_FAIL_KERNEL");
   const int before_layer = stub_counter(stub, "fkda_stub_launches");
   expect(run_layer_forward(layer_plan, 64) == FKDA_SUCCESS, "fkda_fwd with the layer step");
-  expect(stub_counter(stub, "fkda_stub_launches") - before_layer == 14,
-         "the weight table, the convolution of v, 6 windows of 2 launches (the recurrence gates its output)");
+  expect(stub_counter(stub, "fkda_stub_launches") - before_layer == 15,
+         "the weight table, the convolution of v, 6 windows of 2 launches, the output gate");
 
   /* The staging area of a GPU plan holds v alone, 64 tokens of H * K bf16,
    * and the weight table: 10 floats a channel (q's and k's four weights
@@ -543,65 +538,6 @@ static void decode_routes(void* stub, int sm80_code) {
   fkda_plan_destroy(plan);
 }
 
-/* Where fkda_fwd's output gate runs: where the device runs sm_90 code,
- * inside the recurrence, whose gated forms run in clusters of the vsplit
- * blocks of a head along z (serial: vsplit 8 for N x H = 2; chunk-parallel:
- * the segment pass's 2), with g_out's tiles in their stages and the sums
- * of squares in more shared memory; else in fkda_layer_gate, launched
- * last. */
-static void expect_layer_launches(void* stub, fkda_plan_t plan, const fkda_layer_step* layer, int launches,
-                                  const char* kernel, const char* what) {
-  const int before = stub_counter(stub, "fkda_stub_launches");
-  expect(run_forward_with(plan, 1, 64, layer) == FKDA_SUCCESS, what);
-  expect(stub_counter(stub, "fkda_stub_launches") - before == launches, what);
-  const char* launched = stub_text(stub, "fkda_stub_last_kernel");
-  if (strcmp(launched, kernel) != 0) {
-    fprintf(stderr, "FAILED: %s: launched %s last, expected %s\n", what, launched, kernel);
-    ++failures;
-  }
-}
-
-static void layer_routes(void* stub, int sm80_code) {
-  fkda_plan_desc desc = FKDA_PLAN_DESC_INIT;
-  desc.layer_step = 1;
-  fkda_plan_t plan = make_plan(FKDA_BACKEND_GPU, &desc);
-  struct LayerInputs in = layer_inputs(64);
-  /* The weight table, the convolution of v, the preparation, the
-   * recurrence, and the gate where it runs alone. */
-  expect_layer_launches(stub, plan, &in.layer, sm80_code ? 5 : 4,
-                        sm80_code ? "fkda_layer_gate" : "fkda_prefill_chunk_recurrence_gated_v8", "serial prefill");
-  if (!sm80_code) {
-    expect(stub_counter(stub, "fkda_stub_last_grid_z") == 8 && stub_counter(stub, "fkda_stub_last_cluster_z") == 8,
-           "a head's 8 blocks form one cluster");
-    /* 4 stages of a 13,824-byte record and 16 rows of 48 bytes (16
-     * values and the padding) of v and of g_out, 1 output tile of 768
-     * bytes, and four tables of sums with their four barriers. */
-    expect(stub_counter(stub, "fkda_stub_last_smem") == 4 * (13824 + 2 * 16 * 48) + 768 + 4 * (512 + 8),
-           "the sums of squares after the output tiles");
-  }
-  /* The gate without the convolution. */
-  fkda_layer_step gate_only = FKDA_LAYER_STEP_INIT;
-  gate_only.out_gate = in.layer.out_gate;
-  gate_only.out_norm_weight = in.layer.out_norm_weight;
-  expect_layer_launches(stub, plan, &gate_only, sm80_code ? 3 : 2,
-                        sm80_code ? "fkda_layer_gate" : "fkda_prefill_chunk_recurrence_gated_v8", "the gate alone");
-  fkda_plan_destroy(plan);
-
-  /* Chunk-parallel: the preparation, the transitions, the scan, the
-   * segment pass (gated), and the gate where it runs alone. */
-  desc.chunk_parallel = FKDA_CHUNK_PARALLEL_ON;
-  plan = make_plan(FKDA_BACKEND_GPU, &desc);
-  expect_layer_launches(stub, plan, &gate_only, sm80_code ? 5 : 4,
-                        sm80_code ? "fkda_layer_gate" : "fkda_prefill_segment_recurrence_gated_v2",
-                        "chunk-parallel prefill");
-  if (!sm80_code) {
-    expect(stub_counter(stub, "fkda_stub_last_grid_z") == 2 && stub_counter(stub, "fkda_stub_last_cluster_z") == 2,
-           "a segment's 2 blocks form one cluster");
-  }
-  fkda_plan_destroy(plan);
-  free_layer_inputs(&in);
-}
-
 int main(int argc, char** argv) {
   const char* mode = argc > 1 ? argv[1] : "";
   if (strcmp(mode, "cpu_only") == 0) {
@@ -609,8 +545,7 @@ int main(int argc, char** argv) {
   } else if (strcmp(mode, "cpu_resident") == 0) {
     cpu_resident();
   } else if (strcmp(mode, "tuning") == 0 || strcmp(mode, "no_partial") == 0 || strcmp(mode, "small_smem") == 0 ||
-             strcmp(mode, "decode_routes") == 0 || strcmp(mode, "decode_routes_sm80") == 0 ||
-             strcmp(mode, "layer_routes") == 0 || strcmp(mode, "layer_routes_sm80") == 0) {
+             strcmp(mode, "decode_routes") == 0 || strcmp(mode, "decode_routes_sm80") == 0) {
     void* stub = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (stub == NULL) {
       fprintf(stderr, "no libcuda.so.1 on the library path: %s\n", dlerror());
@@ -625,17 +560,12 @@ int main(int argc, char** argv) {
     } else if (strcmp(mode, "decode_routes_sm80") == 0) {
       setenv("FKDA_STUB_PTX_VERSION", "80", 1);
       decode_routes(stub, 1);
-    } else if (strcmp(mode, "layer_routes") == 0) {
-      layer_routes(stub, 0);
-    } else if (strcmp(mode, "layer_routes_sm80") == 0) {
-      setenv("FKDA_STUB_PTX_VERSION", "80", 1);
-      layer_routes(stub, 1);
     } else {
       no_partial(stub);
     }
   } else {
     fprintf(stderr, "usage: stub_checks cpu_only|cpu_resident|tuning|no_partial|small_smem|decode_routes|"
-                    "decode_routes_sm80|layer_routes|layer_routes_sm80\n");
+                    "decode_routes_sm80\n");
     return 2;
   }
   if (failures == 0) printf("stub_checks %s: all checks passed\n", mode);
