@@ -261,21 +261,20 @@ struct LayerSetup {
   fkda_fwd_args fwd_args(bool gpu) {
     fkda_fwd_args a = make_args(p, buffers(gpu), FKDA_DTYPE_F32);
     set_projections(gpu, a.q, a.k, a.v);
-    if (!c.pool_states) {
+    if (c.pool_states) {
+      a.state_pool = pool_tensor(gpu);
+      a.state_indices = tensor(state_indices.at(gpu), FKDA_DTYPE_I64, {p.num_seqs()});
+      if (c.checkpoints) {
+        a.checkpoint_offsets = tensor(checkpoint_offsets.at(gpu), FKDA_DTYPE_I64, {p.num_seqs(), 1});
+        a.checkpoint_slots = tensor(checkpoint_slots.at(gpu), FKDA_DTYPE_I64, {p.num_seqs(), 1});
+      }
+      if (c.fresh_first) a.has_initial_state = tensor(has_initial_state.at(gpu), FKDA_DTYPE_BOOL, {p.num_seqs()});
+    } else {
       // The pool's first N matrices as sequence n's state, without
       // indices: the plain forms of the kernels.
       a.initial_state = tensor(pool.at(gpu), c.pool_dtype, {p.num_seqs(), p.H, kDim, kDim});
       a.final_state = a.initial_state;
-      a.layer = layer(gpu);
-      return a;
     }
-    a.state_pool = pool_tensor(gpu);
-    a.state_indices = tensor(state_indices.at(gpu), FKDA_DTYPE_I64, {p.num_seqs()});
-    if (c.checkpoints) {
-      a.checkpoint_offsets = tensor(checkpoint_offsets.at(gpu), FKDA_DTYPE_I64, {p.num_seqs(), 1});
-      a.checkpoint_slots = tensor(checkpoint_slots.at(gpu), FKDA_DTYPE_I64, {p.num_seqs(), 1});
-    }
-    if (c.fresh_first) a.has_initial_state = tensor(has_initial_state.at(gpu), FKDA_DTYPE_BOOL, {p.num_seqs()});
     a.layer = layer(gpu);
     return a;
   }
@@ -359,6 +358,13 @@ void compare(const Outcome& gpu, const Outcome& cpu, double out_tolerance, doubl
   CHECK(rel_l2(gpu.out, widened(cpu.out)) <= out_tolerance);
   CHECK(rel_l2(gpu.pool, widened(cpu.pool)) <= state_tolerance);
   CHECK(gpu.conv_states == cpu.conv_states);
+}
+
+// One fkda_fwd call of the case on each backend, compared.
+void compare_fwd(const LayerCase& c) {
+  const Outcome gpu = run(c, true, fwd_call);
+  const Outcome cpu = run(c, false, fwd_call);
+  compare(gpu, cpu, kFwdOut, kState);
 }
 
 // One decode call of the case on each backend, compared.
@@ -470,21 +476,13 @@ std::vector<LayerCase> recurrence_route_cases() {
 
 TEST_CASE("layer step: GPU fkda_fwd matches the CPU backend", "[gpu][layer_step]") {
   for (const LayerCase& c : fwd_cases()) {
-    SECTION(c.name) {
-      const Outcome gpu = run(c, true, fwd_call);
-      const Outcome cpu = run(c, false, fwd_call);
-      compare(gpu, cpu, kFwdOut, kState);
-    }
+    SECTION(c.name) { compare_fwd(c); }
   }
 }
 
 TEST_CASE("layer step: every route of the recurrence matches the CPU backend", "[gpu][layer_step]") {
   for (const LayerCase& c : recurrence_route_cases()) {
-    SECTION(c.name) {
-      const Outcome gpu = run(c, true, fwd_call);
-      const Outcome cpu = run(c, false, fwd_call);
-      compare(gpu, cpu, kFwdOut, kState);
-    }
+    SECTION(c.name) { compare_fwd(c); }
   }
 }
 
