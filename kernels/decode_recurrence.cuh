@@ -383,42 +383,106 @@ __device__ __forceinline__ float4 load_bf16x4(const uint16_t* at) {
   return make_float4(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
 }
 
-// The layer step's convolution in decode: the convolved value of token t
-// (of `tokens`, from `begin`) for channel i of projection `proj` of the
-// head, from the call's raw inputs and the pool slot's conv state. A channel
-// a thread: the chain of loads, SiLU and stores of one thread is what the
-// block waits for.
-__device__ __forceinline__ float convolve_channel(const FkdaDecodeParams& p, int proj, const FkdaActivation& raw,
-                                                  int64_t batch_row, int64_t begin, int t, int tokens, int head,
-                                                  int i, int64_t slot) {
-  const FkdaConv& conv = p.layer.conv[proj];
+// The layer step's convolution in the clustered decode kernels. A block
+// convolves, for each token, its share of q's and k's channels (which its
+// peers read through the cluster) and the v channels of its own rows: both
+// are channels block_row .. block_row + rows - 1 of the head, so item `item`
+// is token t's channel block_row + (item mod rows) of projection proj, with
+// (t, proj) = divmod(item / rows, 3). rows is a power of two (16 x warps).
+struct DecodeConvItem {
+  int t, proj, i;
+};
+__device__ __forceinline__ DecodeConvItem decode_conv_item(int item, int rows_log2, int block_row) {
+  const int unit = item >> rows_log2;
+  return {unit / 3, unit % 3, block_row + (item & ((1 << rows_log2) - 1))};
+}
+
+// A real of a bf16 or f32 tensor, as its bits (bf16 in the low half), and
+// the float they make.
+__device__ __forceinline__ uint32_t load_real_bits(const void* data, bool is_f32, int64_t at) {
+  return is_f32 ? __ldg(static_cast<const uint32_t*>(data) + at) : uint32_t(__ldg(static_cast<const uint16_t*>(data) + at));
+}
+__device__ __forceinline__ float real_of_bits(uint32_t bits, bool is_f32) {
+  return __uint_as_float(is_f32 ? bits : bits << 16);
+}
+
+// One item's inputs, loaded in two halves: what does not depend on the pool
+// slot (weights, bias, the call's raw inputs), then the conv state. They
+// stay the bits the loads returned until every load of the thread's first
+// items is in flight: one sequence's decode is a chain of dependent steps,
+// and a widening next to its load, inside the branch that chose the load,
+// made each load wait for the one before.
+struct DecodeConvChannel {
+  uint32_t weight_back[FKDA_CONV_MAX_WIDTH];  // weight[W - 1 - b]
+  uint32_t bias;
+  uint32_t x_back[FKDA_CONV_MAX_WIDTH];  // the input b tokens back (0: the item's token)
+  uint32_t x_is_f32;                     // bit b: x_back[b] came from an f32 conv state
+};
+__device__ __forceinline__ DecodeConvChannel start_conv_channel(const FkdaDecodeParams& p, const DecodeConvItem& it,
+                                                                int64_t batch_row, int64_t begin, int head) {
+  const FkdaActivation& raw = it.proj == 0 ? p.call.q : (it.proj == 1 ? p.call.k : p.call.v);
+  const FkdaConv& conv = p.layer.conv[it.proj];
+  const bool f32 = p.layer.conv_is_f32 != 0;
   const int width = p.layer.conv_width;
-  const int64_t c = int64_t(head) * FKDA_HEAD_DIM + i;
-  float x[FKDA_CONV_MAX_WIDTH] = {};
+  const int64_t c = int64_t(head) * FKDA_HEAD_DIM + it.i;
+  DecodeConvChannel ch;
+  ch.bias = conv.bias != nullptr ? load_real_bits(conv.bias, f32, c * conv.bias_stride) : 0u;
+  ch.x_is_f32 = 0;
+  const uint16_t* raw_row = static_cast<const uint16_t*>(raw.data) + batch_row * raw.stride_b +
+                            int64_t(head) * raw.stride_h + it.i;
 #pragma unroll
-  for (int j = 0; j < FKDA_CONV_MAX_WIDTH; ++j) {
-    if (j >= width) continue;
-    const int at = t - (width - 1) + j;
-    if (at >= 0) {
-      x[j] = raw_input(raw, batch_row, begin + at, head, i);
-    } else if (conv.state != nullptr) {
-      x[j] = conv_state_at(p.layer, conv, slot, c, p.layer.conv_state_width + at);
+  for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) {
+    ch.weight_back[b] = b < width ? load_real_bits(conv.weight, f32, c * conv.weight_stride_c +
+                                                                        (width - 1 - b) * conv.weight_stride_w)
+                                  : 0u;
+    ch.x_back[b] = b < width && it.t >= b ? uint32_t(__ldg(raw_row + (begin + it.t - b) * raw.stride_t)) : 0u;
+  }
+  return ch;
+}
+
+// The inputs before the sequence's first token, from the slot's conv state
+// (zeros without one). Plain loads: a one-token sequence rewrites the row
+// in this kernel (keep_and_convolve).
+__device__ __forceinline__ void load_conv_window(const FkdaDecodeParams& p, const DecodeConvItem& it, int head,
+                                                 int64_t slot, DecodeConvChannel& ch) {
+  const FkdaConv& conv = p.layer.conv[it.proj];
+  if (conv.state == nullptr) return;
+  const bool f32 = p.layer.conv_state_is_f32 != 0;
+  const int64_t row = slot * conv.state_stride_row + (int64_t(head) * FKDA_HEAD_DIM + it.i) * conv.state_stride_c;
+#pragma unroll
+  for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) {
+    if (b < p.layer.conv_width && it.t < b) {
+      const int64_t at = row + (p.layer.conv_state_width + it.t - b) * conv.state_stride_w;
+      ch.x_back[b] = f32 ? static_cast<const uint32_t*>(conv.state)[at] : uint32_t(static_cast<const uint16_t*>(conv.state)[at]);
+      if (f32) ch.x_is_f32 |= 1u << b;
     }
   }
-  // A sequence of one token: the thread that read the channel's old state
-  // is its only reader (each block owns its channels, see
-  // store_decode_conv_states), so it writes the new one now, the last Wc of
-  // its W inputs, instead of reading them again after the steps.
+}
+
+// The convolved value. A sequence of one token: the thread that read the
+// channel's old conv state is its only reader (each block owns its
+// channels, see store_decode_conv_states), so it writes the new one now,
+// the last Wc inputs oldest first, instead of reading them again after the
+// steps. Every conv state read of the thread's items comes before this.
+__device__ __forceinline__ float keep_and_convolve(const FkdaDecodeParams& p, const DecodeConvItem& it, int tokens,
+                                                   int head, int64_t slot, const DecodeConvChannel& ch) {
+  const FkdaConv& conv = p.layer.conv[it.proj];
+  const bool f32 = p.layer.conv_is_f32 != 0;
+  float weight_back[FKDA_CONV_MAX_WIDTH], x_back[FKDA_CONV_MAX_WIDTH];
+#pragma unroll
+  for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) {
+    weight_back[b] = real_of_bits(ch.weight_back[b], f32);
+    x_back[b] = real_of_bits(ch.x_back[b], (ch.x_is_f32 >> b) & 1u);
+  }
   if (tokens == 1 && conv.state != nullptr) {
-    const int shift = width - p.layer.conv_state_width;  // 0 or 1
+    const int64_t c = int64_t(head) * FKDA_HEAD_DIM + it.i;
 #pragma unroll
-    for (int col = 0; col < FKDA_CONV_MAX_WIDTH; ++col) {
-      if (col >= p.layer.conv_state_width) continue;
-      const float kept = shift == 0 ? x[col] : (col + 1 < FKDA_CONV_MAX_WIDTH ? x[col + 1] : 0.f);
-      store_conv_state(p.layer, conv, slot, c, col, kept);
+    for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) {
+      const int col = p.layer.conv_state_width - 1 - b;
+      if (col >= 0) store_conv_state(p.layer, conv, slot, c, col, x_back[b]);
     }
   }
-  return convolve(p.layer, conv, c, x);
+  return convolve_back<false>(p.layer.conv_width, real_of_bits(ch.bias, f32), weight_back, x_back);
 }
 
 // The blocks that share a head's rows (decode_params.h, "The layer step's
@@ -533,11 +597,12 @@ __device__ __forceinline__ uint16_t out_gate_bits(const FkdaDecodeParams& p, int
 // all 128 values of each token (`gated`, the block's rows at their local
 // place; `partial`, [tokens] sums of squares of them, exchanged between the
 // head's blocks) and the conv states. `out` points at the block's first row;
-// first_gate_bits is g_out of the thread's first item, loaded at the start.
+// first_gate_bits and first_weight are g_out and the norm weight of the
+// thread's first item, loaded at the start.
 __device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, float* gated, float* partial,
                                                     uint16_t* out, int64_t batch_row, int64_t begin, int tokens,
                                                     int head, int64_t slot, int block_row, int rows,
-                                                    uint16_t first_gate_bits) {
+                                                    uint16_t first_gate_bits, float first_weight) {
   const int vsplit = FKDA_HEAD_DIM / rows, rank = block_row / rows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const bool gate = p.layer.out_gate.data != nullptr;
@@ -554,12 +619,13 @@ __device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, f
     head_blocks_sync(vsplit);
     for (int item = threadIdx.x; item < tokens * rows; item += blockDim.x) {
       const int t = item / rows, local = item % rows;
-      const float g = bf16_bits(item == int(threadIdx.x) ? first_gate_bits
-                                                        : out_gate_bits(p, batch_row, begin, t, head, block_row + local));
+      const bool first = item == int(threadIdx.x);
+      const float g = bf16_bits(first ? first_gate_bits : out_gate_bits(p, batch_row, begin, t, head, block_row + local));
+      const float w = first ? first_weight : norm_weight(p.layer, block_row + local);
       float sum_squares = 0.f;  // in rank order, so every block of the head gets the same sum
       for (int r = 0; r < vsplit; ++r) sum_squares += load_head_block_shared(partial + t, r);
       const float o = gated[t * FKDA_HEAD_DIM + local];
-      out[t * p.call.out.stride_t + local] = to_bf16(gate_one(p.layer, inverse_rms(p.layer, sum_squares), block_row + local, g, o));
+      out[t * p.call.out.stride_t + local] = to_bf16(gate_one(inverse_rms(p.layer, sum_squares), w, g, o));
     }
   }
   head_blocks_arrive(vsplit);  // this block has read the others' sums; the caller waits
@@ -674,11 +740,13 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   } else {
     load_state_rows<kBf16, kKV>(matrix_of(start_slot), e, l, s);
   }
-  // g_out of the thread's first item of the output gate (finish_decode_layer),
-  // so that its latency passes during the steps.
+  // g_out and the norm weight of the thread's first item of the output gate
+  // (finish_decode_layer), so that their latency passes during the steps.
   uint16_t first_gate_bits = 0;
+  float first_weight = 0.f;
   if (kLayer && p.layer.out_gate.data != nullptr && tid < tokens * rows) {
     first_gate_bits = out_gate_bits(p, batch_row, begin, tid / rows, head, block_row + tid % rows);
+    first_weight = norm_weight(p.layer, block_row + tid % rows);
   }
 
   // ---- preparation of every token, into shared memory ----
@@ -735,33 +803,51 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       first_g = load_g(warp);
       if (lane == 0) first_beta = load_beta_of(warp);
     }
-    // The convolution: each block of the head convolves its share of q's and
-    // k's channels (into `convolved_qk`, which its peers read through the
-    // cluster) and the v channels of its own rows, in one pass, so that
-    // their loads are in flight together.
+    // The convolution (decode_conv_item): q's and k's channels of the
+    // block's rows go to `convolved_qk`, which the head's blocks read
+    // through the cluster, v's to `value`.
     float* convolved_qk = reinterpret_cast<float*>(decode_smem + fkda_decode_layer_conv_offset(p.max_tokens, warps));
-    const int share = FKDA_HEAD_DIM / vsplit, rank = block_row / rows;
+    const int rows_log2 = 31 - __clz(rows);
     if (convolved) {
-      const int per_token = 2 * share + rows;
-      for (int item = tid; item < tokens * per_token; item += blockDim.x) {
-        const int t = item / per_token, channel = item % per_token;
-        if (channel < 2 * share) {
-          const int proj = channel / share, i = rank * share + channel % share;
-          convolved_qk[(2 * t + proj) * FKDA_HEAD_DIM + i] = convolve_channel(
-              p, proj, proj == 0 ? p.call.q : p.call.k, batch_row, begin, t, tokens, head, i, start_slot);
-        } else {
-          const int local = channel - 2 * share;
-          value[t * rows + local] =
-              convolve_channel(p, 2, p.call.v, batch_row, begin, t, tokens, head, block_row + local, start_slot);
-        }
+      const int items = tokens * 3 * rows;
+      auto convolved_at = [&](const DecodeConvItem& it) {
+        return it.proj < 2 ? convolved_qk + (2 * it.t + it.proj) * FKDA_HEAD_DIM + it.i
+                           : value + it.t * rows + it.i - block_row;
+      };
+      // The thread's first two items (every item of a one-token sequence:
+      // 3 x rows of them over 2 x rows threads) load together; one at a
+      // time on sm_80, whose layer kernels hold their state rows in
+      // registers (with two at once they spilled).
+      constexpr int kItemsAtOnce = kDecodeLayerStaged ? 2 : 1;
+      DecodeConvChannel first[kItemsAtOnce];
+#pragma unroll
+      for (int j = 0; j < kItemsAtOnce; ++j) {
+        const int item = tid + j * int(blockDim.x);
+        if (item >= items) continue;
+        const DecodeConvItem it = decode_conv_item(item, rows_log2, block_row);
+        first[j] = start_conv_channel(p, it, batch_row, begin, head);
+        load_conv_window(p, it, head, start_slot, first[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < kItemsAtOnce; ++j) {
+        const int item = tid + j * int(blockDim.x);
+        if (item >= items) continue;
+        const DecodeConvItem it = decode_conv_item(item, rows_log2, block_row);
+        *convolved_at(it) = keep_and_convolve(p, it, tokens, head, start_slot, first[j]);
+      }
+      for (int item = tid + kItemsAtOnce * int(blockDim.x); item < items; item += blockDim.x) {
+        const DecodeConvItem it = decode_conv_item(item, rows_log2, block_row);
+        DecodeConvChannel ch = start_conv_channel(p, it, batch_row, begin, head);
+        load_conv_window(p, it, head, start_slot, ch);
+        *convolved_at(it) = keep_and_convolve(p, it, tokens, head, start_slot, ch);
       }
       head_blocks_sync(vsplit);
     }
     for (int t = warp; t < tokens; t += warps) {
-      // Channels 4 lane.. of the convolved q and k are block 4 lane / share's.
-      const float4 q = convolved ? load_head_block_shared4(convolved_qk + 2 * t * FKDA_HEAD_DIM + 4 * lane, 4 * lane / share)
+      // Channels 4 lane.. of the convolved q and k are block 4 lane / rows's.
+      const float4 q = convolved ? load_head_block_shared4(convolved_qk + 2 * t * FKDA_HEAD_DIM + 4 * lane, (4 * lane) >> rows_log2)
                                  : load_bf16x4(token_row(p.call.q, t) + 4 * lane);
-      const float4 k = convolved ? load_head_block_shared4(convolved_qk + (2 * t + 1) * FKDA_HEAD_DIM + 4 * lane, 4 * lane / share)
+      const float4 k = convolved ? load_head_block_shared4(convolved_qk + (2 * t + 1) * FKDA_HEAD_DIM + 4 * lane, (4 * lane) >> rows_log2)
                                  : load_bf16x4(token_row(p.call.k, t) + 4 * lane);
       const float4 g = kLayer && t == warp ? first_g : load_g(t);
       const float rq = 1.0f / sqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f);
@@ -873,7 +959,7 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   }
   if constexpr (kLayer) {
     finish_decode_layer(p, gated, gated + p.max_tokens * FKDA_HEAD_DIM, out, batch_row, begin, tokens, head,
-                        start_slot, block_row, rows, first_gate_bits);
+                        start_slot, block_row, rows, first_gate_bits, first_weight);
     // No block leaves while another of its head may still read its sums.
     head_blocks_wait(vsplit);
   }

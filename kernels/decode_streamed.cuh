@@ -575,7 +575,7 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
           const float4 x = reinterpret_cast<const float4*>(outputs)[lane];
           const float squares = warp_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w);
           out[t * p.call.out.stride_t + channel] =
-              to_bf16(gate_one(p.layer, inverse_rms(p.layer, squares), channel, gate_g, outputs[channel]));
+              to_bf16(gate_one(inverse_rms(p.layer, squares), norm_weight(p.layer, channel), gate_g, outputs[channel]));
         }
       } else if (l == 0) {
         // The group's four outputs in one 8-byte store (as the plain kernel).

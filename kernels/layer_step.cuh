@@ -41,27 +41,18 @@ __device__ __forceinline__ void store_conv_state(const FkdaLayerStep& layer, con
              row * conv.state_stride_row + c * conv.state_stride_c + col * conv.state_stride_w, x);
 }
 
-// The convolution's output for channel c from its W inputs, oldest first:
-// silu(bias + sum_j weight[c][j] x[j]), accumulated in that order.
-__device__ __forceinline__ float convolve(const FkdaLayerStep& layer, const FkdaConv& conv, int64_t c,
-                                          const float (&x)[FKDA_CONV_MAX_WIDTH]) {
-  const bool f32 = layer.conv_is_f32 != 0;
-  float acc = conv.bias != nullptr ? load_real(conv.bias, f32, c * conv.bias_stride) : 0.f;
-#pragma unroll
-  for (int j = 0; j < FKDA_CONV_MAX_WIDTH; ++j) {
-    if (j < layer.conv_width) acc = fmaf(load_real(conv.weight, f32, c * conv.weight_stride_c + j * conv.weight_stride_w), x[j], acc);
-  }
-  return silu(acc);
-}
-
 // 1 / RMS of a head's values from the sum of the squares of all 128.
 __device__ __forceinline__ float inverse_rms(const FkdaLayerStep& layer, float sum_squares) {
   return 1.0f / sqrtf(sum_squares / float(FKDA_HEAD_DIM) + layer.norm_eps);
 }
 
-// RMSNorm * w * sigmoid(g) of value v (o) of a head.
-__device__ __forceinline__ float gate_one(const FkdaLayerStep& layer, float inverse_rms, int v, float g, float o) {
-  const float w = load_real(layer.norm_weight, layer.norm_weight_is_f32 != 0, int64_t(v) * layer.norm_weight_stride);
+// The norm weight w of value v of a head.
+__device__ __forceinline__ float norm_weight(const FkdaLayerStep& layer, int v) {
+  return load_real(layer.norm_weight, layer.norm_weight_is_f32 != 0, int64_t(v) * layer.norm_weight_stride);
+}
+
+// RMSNorm * w * sigmoid(g) of a head's value o, whose norm weight is w.
+__device__ __forceinline__ float gate_one(float inverse_rms, float w, float g, float o) {
   return o * inverse_rms * w * sigmoid_accurate(g);
 }
 
