@@ -352,12 +352,14 @@ __device__ __forceinline__ void load_lane_columns(const float* row, int l, float
   }
 }
 
-// A dot product's partial sums: one, or four added pairwise.
+// A dot product's partial sums: one, two, or four added pairwise.
 template <int n>
 __device__ __forceinline__ float sum_of(const float (&x)[n]) {
-  static_assert(n == 1 || n == 4, "one or four partial sums");
+  static_assert(n == 1 || n == 2 || n == 4, "one, two or four partial sums");
   if constexpr (n == 1) {
     return x[0];
+  } else if constexpr (n == 2) {
+    return x[0] + x[1];
   } else {
     return (x[0] + x[1]) + (x[2] + x[3]);
   }
@@ -732,7 +734,7 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   // The plain kernels load all four rows into registers; the layer kernels
   // of sm_90 and later stage them (see the steps below).
   constexpr bool kStaged = kLayer && kDecodeLayerStaged;
-  constexpr int kRowsAtOnce = kStaged ? 1 : kDecodeRowsPerGroup;
+  constexpr int kRowsAtOnce = kStaged ? 2 : kDecodeRowsPerGroup;
   float s[kRowsAtOnce][kDecodeColumnsPerLane];
   unsigned char* staged = decode_smem + fkda_decode_layer_smem_bytes(p.max_tokens, warps);
   if constexpr (kStaged) {
@@ -880,8 +882,10 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   // (about 140 a thread, three blocks a multiprocessor; capped at 128 for
   // four blocks, the H200 ran D4 6% slower). The staged layer kernels,
   // whose convolution and gate leave them bound by latency rather than by
-  // bandwidth, take one row at a time: fewer registers, five blocks
-  // resident, and partial sums to shorten each dot product's chain.
+  // bandwidth, take two rows at a time: at most 96 registers, so five
+  // blocks stay resident, two chains to overlap (with one, a single
+  // sequence's warp waited on each step), and two partial sums for each
+  // dot product.
   if constexpr (kStaged) wait_staged_state();
   const bool gate = kLayer && p.layer.out_gate.data != nullptr;
   constexpr int kPartials = kDecodeRowsPerGroup / kRowsAtOnce;
