@@ -248,7 +248,7 @@ __device__ __forceinline__ void read_staged_row(unsigned char* staged, int r, fl
 // Row `row` of a matrix from the lane's 16 values, rounded to bf16 (nearest
 // even) for a bf16 pool. V x K: 16-byte stores, a group's 8 lanes writing
 // 128 contiguous bytes each. K x V: the row is one element of each column's
-// line, so scalar stores; a kernel that takes one row at a time takes them
+// line, so scalar stores; a kernel that takes fewer rows at once takes them
 // only for a table's per-token states (its call's final state goes through
 // the staged pieces, write_staged_row_kv).
 template <bool kBf16, bool kKV, bool kShared = false>
