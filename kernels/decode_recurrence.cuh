@@ -595,16 +595,21 @@ __device__ __forceinline__ uint16_t out_gate_bits(const FkdaDecodeParams& p, int
                int64_t(head) * g_out.stride_h + col);
 }
 
+// The norm weight of value v of a head as its bits (widened where used).
+__device__ __forceinline__ uint32_t norm_weight_bits(const FkdaLayerStep& layer, int v) {
+  return load_real_bits(layer.norm_weight, layer.norm_weight_is_f32 != 0, int64_t(v) * layer.norm_weight_stride);
+}
+
 // The layer step's end, after the recurrence's steps: the output gate over
 // all 128 values of each token (`gated`, the block's rows at their local
 // place; `partial`, [tokens] sums of squares of them, exchanged between the
 // head's blocks) and the conv states. `out` points at the block's first row;
-// first_gate_bits and first_weight are g_out and the norm weight of the
-// thread's first item, loaded at the start.
+// first_gate_bits and first_weight_bits are g_out and the norm weight of
+// the thread's first item, loaded at the start.
 __device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, float* gated, float* partial,
                                                     uint16_t* out, int64_t batch_row, int64_t begin, int tokens,
                                                     int head, int64_t slot, int block_row, int rows,
-                                                    uint16_t first_gate_bits, float first_weight) {
+                                                    uint16_t first_gate_bits, uint32_t first_weight_bits) {
   const int vsplit = FKDA_HEAD_DIM / rows, rank = block_row / rows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const bool gate = p.layer.out_gate.data != nullptr;
@@ -623,7 +628,8 @@ __device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, f
       const int t = item / rows, local = item % rows;
       const bool first = item == int(threadIdx.x);
       const float g = bf16_bits(first ? first_gate_bits : out_gate_bits(p, batch_row, begin, t, head, block_row + local));
-      const float w = first ? first_weight : norm_weight(p.layer, block_row + local);
+      const float w = first ? real_of_bits(first_weight_bits, p.layer.norm_weight_is_f32 != 0)
+                            : norm_weight(p.layer, block_row + local);
       float sum_squares = 0.f;  // in rank order, so every block of the head gets the same sum
       for (int r = 0; r < vsplit; ++r) sum_squares += load_head_block_shared(partial + t, r);
       const float o = gated[t * FKDA_HEAD_DIM + local];
@@ -718,6 +724,64 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     }
   }
 
+  auto token_offset = [&](const FkdaActivation& a, int t) {
+    return batch_row * a.stride_b + int64_t(head) * a.stride_h + (begin + t) * a.stride_t;
+  };
+  auto token_row = [&](const FkdaActivation& a, int t) {
+    return static_cast<const uint16_t*>(a.data) + token_offset(a, t);
+  };
+  // g of token t at the lane's four channels as loaded (four f32 words, or
+  // two words of bf16 pairs), and as floats.
+  auto load_g_bits = [&](int t) {
+    if (p.call.gate.g_is_f32) {
+      return __ldg(reinterpret_cast<const uint4*>(static_cast<const float*>(p.call.g.data) + token_offset(p.call.g, t)) + lane);
+    }
+    const uint2 w = __ldg(reinterpret_cast<const uint2*>(token_row(p.call.g, t) + 4 * lane));
+    return make_uint4(w.x, w.y, 0u, 0u);
+  };
+  auto g_of_bits = [&](uint4 w) {
+    return p.call.gate.g_is_f32 ? make_float4(__uint_as_float(w.x), __uint_as_float(w.y), __uint_as_float(w.z), __uint_as_float(w.w))
+                                : make_float4(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
+  };
+  auto load_beta_of = [&](int t) { return load_beta(p.call.gate, p.call.beta.data, token_offset(p.call.beta, t)); };
+
+  // The layer step's loads that need the sequence but not its slot, issued
+  // while the slot's index is in flight: one sequence's decode is a chain
+  // of dependent loads, and these would otherwise start only once the slot
+  // is known. They are the convolution's weights, bias and raw inputs of
+  // the thread's first items (decode_conv_item; every item of a one-token
+  // sequence, 3 x rows of them over 2 x rows threads; one at a time on
+  // sm_80, whose layer kernels hold their state rows in registers and
+  // spilled with two), the warp's first token's g and beta, and the output
+  // gate's first g_out and norm weight (finish_decode_layer). Each stays the
+  // bits its load returned until a later phase widens it: a widening in the
+  // branch that issued the load made the thread wait there for the load. A
+  // padding sequence issues them for nothing.
+  const bool convolved = kLayer && p.layer.conv_width > 0;
+  const int rows_log2 = 31 - __clz(rows);
+  const int known_tokens = kLayer && length <= p.max_tokens ? int(length) : 0;
+  const int items = convolved ? known_tokens * 3 * rows : 0;
+  constexpr int kItemsAtOnce = kDecodeLayerStaged ? 2 : 1;
+  DecodeConvChannel first[kItemsAtOnce];
+  uint4 first_g_bits = make_uint4(0u, 0u, 0u, 0u);
+  uint32_t first_beta_bits = 0, first_weight_bits = 0;
+  uint16_t first_gate_bits = 0;
+  if constexpr (kLayer) {
+#pragma unroll
+    for (int j = 0; j < kItemsAtOnce; ++j) {
+      const int item = tid + j * int(blockDim.x);
+      if (item < items) first[j] = start_conv_channel(p, decode_conv_item(item, rows_log2, block_row), batch_row, begin, head);
+    }
+    if (warp < known_tokens) {
+      first_g_bits = load_g_bits(warp);
+      if (lane == 0) first_beta_bits = load_real_bits(p.call.beta.data, p.call.gate.beta_is_f32 != 0, token_offset(p.call.beta, warp));
+    }
+    if (p.layer.out_gate.data != nullptr && tid < known_tokens * rows) {
+      first_gate_bits = out_gate_bits(p, batch_row, begin, tid / rows, head, block_row + tid % rows);
+      first_weight_bits = norm_weight_bits(p.layer, block_row + tid % rows);
+    }
+  }
+
   uint16_t* out = static_cast<uint16_t*>(p.call.out.data) + batch_row * p.call.out.stride_b + int64_t(head) * p.call.out.stride_h +
                   begin * p.call.out.stride_t + block_row;
   if (start_slot < 0) {
@@ -731,6 +795,15 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   auto matrix_of = [&](int64_t slot) {
     return static_cast<unsigned char*>(p.pool) + (slot * p.pool_slot_stride + head_offset) * element_bytes;
   };
+  // The first items' conv state, the convolution's only loads that wait
+  // for the slot, go out before the state's rows.
+  if constexpr (kLayer) {
+#pragma unroll
+    for (int j = 0; j < kItemsAtOnce; ++j) {
+      const int item = tid + j * int(blockDim.x);
+      if (item < items) load_conv_window(p, decode_conv_item(item, rows_log2, block_row), head, start_slot, first[j]);
+    }
+  }
   // The plain kernels load all four rows into registers; the layer kernels
   // of sm_90 and later stage them (see the steps below).
   constexpr bool kStaged = kLayer && kDecodeLayerStaged;
@@ -741,14 +814,6 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     stage_state<kBf16, kKV>(matrix_of(start_slot), e, l, staged);
   } else {
     load_state_rows<kBf16, kKV>(matrix_of(start_slot), e, l, s);
-  }
-  // g_out and the norm weight of the thread's first item of the output gate
-  // (finish_decode_layer), so that their latency passes during the steps.
-  uint16_t first_gate_bits = 0;
-  float first_weight = 0.f;
-  if (kLayer && p.layer.out_gate.data != nullptr && tid < tokens * rows) {
-    first_gate_bits = out_gate_bits(p, batch_row, begin, tid / rows, head, block_row + tid % rows);
-    first_weight = norm_weight(p.layer, block_row + tid % rows);
   }
 
   // ---- preparation of every token, into shared memory ----
@@ -765,12 +830,6 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     }
   }
   {
-    auto token_offset = [&](const FkdaActivation& a, int t) {
-      return batch_row * a.stride_b + int64_t(head) * a.stride_h + (begin + t) * a.stride_t;
-    };
-    auto token_row = [&](const FkdaActivation& a, int t) {
-      return static_cast<const uint16_t*>(a.data) + token_offset(a, t);
-    };
     // The block's rows of v, as 16-byte pieces of 8 rows: tokens x rows / 8
     // pieces over 32 x warps threads (rows = 16 x warps), so at most one a
     // thread, held packed in 4 registers. Loaded before the work on q, k and
@@ -781,55 +840,31 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     const int pieces_per_token = rows / 8;
     const int v_token = tid / pieces_per_token, v_row = 8 * (tid % pieces_per_token);
     uint4 v_piece = make_uint4(0, 0, 0, 0);
-    const bool convolved = kLayer && p.layer.conv_width > 0;
     if (v_token < tokens && !convolved) {
       v_piece = __ldg(reinterpret_cast<const uint4*>(token_row(p.call.v, v_token) + block_row + v_row));
     }
-    const float rate = gate_rate(p.call.A_log, head, true);
+    // exp(A_log) is taken in the preparation below, not next to its load,
+    // where the thread waited for the load; but at once in sm_80's layer
+    // kernels, whose state rows fill their registers through the
+    // preparation (taken there, it spilled).
+    constexpr bool kRateAtOnce = kLayer && !kDecodeLayerStaged;
+    const float a_log = load_a_log(p.call.A_log, head);
+    const float rate_now = kRateAtOnce ? rate_of_a_log(p.call.A_log, a_log, true) : 0.f;
     float dt[4] = {0.f, 0.f, 0.f, 0.f};
     if (p.call.dt_bias != nullptr) {
       const float* dt_bias = p.call.dt_bias + int64_t(head) * FKDA_HEAD_DIM + 4 * lane;
       for (int i = 0; i < 4; ++i) dt[i] = __ldg(dt_bias + i);
     }
-    auto load_g = [&](int t) {
-      return p.call.gate.g_is_f32 ? __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.call.g.data) +
-                                                                          token_offset(p.call.g, t)) + lane)
-                                  : load_bf16x4(token_row(p.call.g, t) + 4 * lane);
-    };
-    auto load_beta_of = [&](int t) { return load_beta(p.call.gate, p.call.beta.data, token_offset(p.call.beta, t)); };
-    // With the layer step, the warp's first token's g and beta are loaded
-    // before the convolution, so that their latency passes with its own.
-    float4 first_g = make_float4(0.f, 0.f, 0.f, 0.f);
-    float first_beta = 0.f;
-    if (kLayer && warp < tokens) {
-      first_g = load_g(warp);
-      if (lane == 0) first_beta = load_beta_of(warp);
-    }
     // The convolution (decode_conv_item): q's and k's channels of the
     // block's rows go to `convolved_qk`, which the head's blocks read
-    // through the cluster, v's to `value`.
+    // through the cluster, v's to `value`. The first items' inputs are in
+    // `first` (loaded above).
     float* convolved_qk = reinterpret_cast<float*>(decode_smem + fkda_decode_layer_conv_offset(p.max_tokens, warps));
-    const int rows_log2 = 31 - __clz(rows);
     if (convolved) {
-      const int items = tokens * 3 * rows;
       auto convolved_at = [&](const DecodeConvItem& it) {
         return it.proj < 2 ? convolved_qk + (2 * it.t + it.proj) * FKDA_HEAD_DIM + it.i
                            : value + it.t * rows + it.i - block_row;
       };
-      // The thread's first two items (every item of a one-token sequence:
-      // 3 x rows of them over 2 x rows threads) load together; one at a
-      // time on sm_80, whose layer kernels hold their state rows in
-      // registers (with two at once they spilled).
-      constexpr int kItemsAtOnce = kDecodeLayerStaged ? 2 : 1;
-      DecodeConvChannel first[kItemsAtOnce];
-#pragma unroll
-      for (int j = 0; j < kItemsAtOnce; ++j) {
-        const int item = tid + j * int(blockDim.x);
-        if (item >= items) continue;
-        const DecodeConvItem it = decode_conv_item(item, rows_log2, block_row);
-        first[j] = start_conv_channel(p, it, batch_row, begin, head);
-        load_conv_window(p, it, head, start_slot, first[j]);
-      }
 #pragma unroll
       for (int j = 0; j < kItemsAtOnce; ++j) {
         const int item = tid + j * int(blockDim.x);
@@ -851,7 +886,8 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
                                  : load_bf16x4(token_row(p.call.q, t) + 4 * lane);
       const float4 k = convolved ? load_head_block_shared4(convolved_qk + (2 * t + 1) * FKDA_HEAD_DIM + 4 * lane, (4 * lane) >> rows_log2)
                                  : load_bf16x4(token_row(p.call.k, t) + 4 * lane);
-      const float4 g = kLayer && t == warp ? first_g : load_g(t);
+      const float4 g = g_of_bits(kLayer && t == warp ? first_g_bits : load_g_bits(t));
+      const float rate = kRateAtOnce ? rate_now : rate_of_a_log(p.call.A_log, a_log, true);
       const float rq = 1.0f / sqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f);
       const float rk = 1.0f / sqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
       const float qs = rq * p.call.scale;
@@ -864,7 +900,9 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       for (int i = 0; i < 4; ++i) d[i] = decay_accurate(p.call.gate, p.call.gate_scale, gv[i], rate, dt[i]);
       reinterpret_cast<float4*>(decay + t * FKDA_HEAD_DIM)[lane] = make_float4(d[0], d[1], d[2], d[3]);
       if (lane == 0) {
-        beta[t] = step_size(p.call.gate, kLayer && t == warp ? first_beta : load_beta_of(t), true);
+        beta[t] = step_size(p.call.gate,
+                            kLayer && t == warp ? real_of_bits(first_beta_bits, p.call.gate.beta_is_f32 != 0) : load_beta_of(t),
+                            true);
       }
     }
     if (v_token < tokens && !convolved) {
@@ -963,7 +1001,7 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   }
   if constexpr (kLayer) {
     finish_decode_layer(p, gated, gated + p.max_tokens * FKDA_HEAD_DIM, out, batch_row, begin, tokens, head,
-                        start_slot, block_row, rows, first_gate_bits, first_weight);
+                        start_slot, block_row, rows, first_gate_bits, first_weight_bits);
     // No block leaves while another of its head may still read its sums.
     head_blocks_wait(vsplit);
   }

@@ -60,10 +60,17 @@ __device__ __forceinline__ float sigmoid_accurate(float x) { return 1.0f / (1.0f
 constexpr float kLn2 = 0.693147180559945309f;
 
 // exp(A_log[h]) and dt_bias[h][channel], or 1 and 0 where they are absent.
-__device__ __forceinline__ float gate_rate(const float* A_log, int head, bool accurate) {
+// rate_of_a_log takes A_log[h] as loaded (any value where A_log is absent),
+// for kernels that load it long before they use it.
+__device__ __forceinline__ float rate_of_a_log(const float* A_log, float a_log, bool accurate) {
   if (A_log == nullptr) return 1.f;
-  const float x = __ldg(A_log + head);
-  return accurate ? expf(x) : exp2_fast(x * kLog2e);
+  return accurate ? expf(a_log) : exp2_fast(a_log * kLog2e);
+}
+__device__ __forceinline__ float load_a_log(const float* A_log, int head) {
+  return A_log != nullptr ? __ldg(A_log + head) : 0.f;
+}
+__device__ __forceinline__ float gate_rate(const float* A_log, int head, bool accurate) {
+  return rate_of_a_log(A_log, load_a_log(A_log, head), accurate);
 }
 
 // The base-2 log-decay of an unbounded gate for x = g + dt_bias (SOFTPLUS)
