@@ -26,10 +26,16 @@ struct CallTimes {
   // (last stop - first start) / iters. Above the median when the host cannot
   // queue calls as fast as the GPU runs them.
   double back_to_back_mean_ms = 0;
+  // The timed calls captured into one CUDA graph, a replay's time / iters
+  // (median of a few replays): the GPU's time per call without the host's
+  // launch gaps, as a runtime that replays its decode step from a graph
+  // sees it. NaN where the calls could not be captured.
+  double graph_mean_ms = 0;
 };
 
 // Runs call(0 ... warmup - 1) untimed, then call(warmup ... warmup + iters - 1)
-// each bracketed by CUDA events on `stream`, synchronising once at the end.
+// each bracketed by CUDA events on `stream`, synchronising once at the end,
+// then the same calls again as replays of a graph captured from `stream`.
 CallTimes time_calls(const std::function<void(int)>& call, const TimingOptions& options,
                      cudaStream_t stream);
 
