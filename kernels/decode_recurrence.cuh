@@ -420,24 +420,33 @@ struct DecodeConvChannel {
   uint32_t x_back[FKDA_CONV_MAX_WIDTH];  // the input b tokens back (0: the item's token)
   uint32_t x_is_f32;                     // bit b: x_back[b] came from an f32 conv state
 };
+// Each input's offset steps from the one before (one 64-bit add) instead
+// of being multiplied out of its strides: in a one-warp block the chain of
+// the convolution's loads was mostly address arithmetic.
+__device__ __forceinline__ uint32_t load_bits_at(const unsigned char* at, bool is_f32) {
+  return is_f32 ? __ldg(reinterpret_cast<const uint32_t*>(at)) : uint32_t(__ldg(reinterpret_cast<const uint16_t*>(at)));
+}
 __device__ __forceinline__ DecodeConvChannel start_conv_channel(const FkdaDecodeParams& p, const DecodeConvItem& it,
                                                                 int64_t batch_row, int64_t begin, int head) {
   const FkdaActivation& raw = it.proj == 0 ? p.call.q : (it.proj == 1 ? p.call.k : p.call.v);
   const FkdaConv& conv = p.layer.conv[it.proj];
   const bool f32 = p.layer.conv_is_f32 != 0;
+  const int bytes_log2 = f32 ? 2 : 1;
   const int width = p.layer.conv_width;
   const int64_t c = int64_t(head) * FKDA_HEAD_DIM + it.i;
   DecodeConvChannel ch;
   ch.bias = conv.bias != nullptr ? load_real_bits(conv.bias, f32, c * conv.bias_stride) : 0u;
   ch.x_is_f32 = 0;
-  const uint16_t* raw_row = static_cast<const uint16_t*>(raw.data) + batch_row * raw.stride_b +
-                            int64_t(head) * raw.stride_h + it.i;
+  // weight[W - 1 - b] (bytes) and the input b tokens back (elements), from b = 0 on.
+  int64_t weight_at = (c * conv.weight_stride_c + (width - 1) * conv.weight_stride_w) << bytes_log2;
+  const int64_t weight_step = conv.weight_stride_w << bytes_log2;
+  int64_t x_at = batch_row * raw.stride_b + int64_t(head) * raw.stride_h + (begin + it.t) * raw.stride_t + it.i;
 #pragma unroll
   for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) {
-    ch.weight_back[b] = b < width ? load_real_bits(conv.weight, f32, c * conv.weight_stride_c +
-                                                                        (width - 1 - b) * conv.weight_stride_w)
-                                  : 0u;
-    ch.x_back[b] = b < width && it.t >= b ? uint32_t(__ldg(raw_row + (begin + it.t - b) * raw.stride_t)) : 0u;
+    ch.weight_back[b] = b < width ? load_bits_at(static_cast<const unsigned char*>(conv.weight) + weight_at, f32) : 0u;
+    ch.x_back[b] = b < width && it.t >= b ? uint32_t(__ldg(static_cast<const uint16_t*>(raw.data) + x_at)) : 0u;
+    weight_at -= weight_step;
+    x_at -= raw.stride_t;
   }
   return ch;
 }
@@ -450,14 +459,19 @@ __device__ __forceinline__ void load_conv_window(const FkdaDecodeParams& p, cons
   const FkdaConv& conv = p.layer.conv[it.proj];
   if (conv.state == nullptr) return;
   const bool f32 = p.layer.conv_state_is_f32 != 0;
-  const int64_t row = slot * conv.state_stride_row + (int64_t(head) * FKDA_HEAD_DIM + it.i) * conv.state_stride_c;
+  const int bytes_log2 = f32 ? 2 : 1;
+  // Column Wc + t - b of the channel's row (bytes), from b = 0 on.
+  int64_t at = (slot * conv.state_stride_row + (int64_t(head) * FKDA_HEAD_DIM + it.i) * conv.state_stride_c +
+                (p.layer.conv_state_width + it.t) * conv.state_stride_w) << bytes_log2;
+  const int64_t step = conv.state_stride_w << bytes_log2;
+  const unsigned char* state = static_cast<const unsigned char*>(conv.state);
 #pragma unroll
   for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) {
     if (b < p.layer.conv_width && it.t < b) {
-      const int64_t at = row + (p.layer.conv_state_width + it.t - b) * conv.state_stride_w;
-      ch.x_back[b] = f32 ? static_cast<const uint32_t*>(conv.state)[at] : uint32_t(static_cast<const uint16_t*>(conv.state)[at]);
+      ch.x_back[b] = f32 ? *reinterpret_cast<const uint32_t*>(state + at) : uint32_t(*reinterpret_cast<const uint16_t*>(state + at));
       if (f32) ch.x_is_f32 |= 1u << b;
     }
+    at -= step;
   }
 }
 
