@@ -79,10 +79,6 @@ bool buffer_finite(const DeviceBuffer& buffer, bool is_f32) {
   return all_finite(RunMemory(true).read(buffer.get(), buffer.bytes()), is_f32);
 }
 
-}  // namespace
-
-namespace {
-
 constexpr int kGraphReplays = 5;
 
 // See CallTimes::graph_mean_ms. A call that fails inside the capture ends
