@@ -386,8 +386,8 @@ __device__ __forceinline__ float4 load_bf16x4(const uint16_t* at) {
 }
 
 // The layer step's convolution in the clustered decode kernels. A block
-// convolves, for each token, its share of q's and k's channels (which its
-// peers read through the cluster) and the v channels of its own rows: both
+// convolves, for each token, its share of q's and k's channels (which it
+// pushes to every block of the head) and the v channels of its own rows: both
 // are channels block_row .. block_row + rows - 1 of the head, so item `item`
 // is token t's channel block_row + (item mod rows) of projection proj, with
 // (t, proj) = divmod(item / rows, 3). rows is a power of two (16 x warps).
@@ -501,32 +501,51 @@ __device__ __forceinline__ float keep_and_convolve(const FkdaDecodeParams& p, co
   return convolve_back<false>(p.layer.conv_width, real_of_bits(ch.bias, f32), weight_back, x_back);
 }
 
+// ---- What the blocks of a head send each other ----
 // The blocks that share a head's rows (decode_params.h, "The layer step's
 // decode"): a cluster of vsplit blocks on sm_90 and later; the block alone
-// (vsplit 1) on sm_80, whose layer kernels take all 128 rows. The full
-// barrier orders this block's earlier writes (shared and global) before
-// every later read of the head's blocks; arrive and wait split the last
-// barrier, which only keeps each block's shared memory alive until the
-// others have read it, around the state's stores.
-__device__ __forceinline__ void head_blocks_sync(int vsplit) {
+// (vsplit 1) on sm_80, whose layer kernels take all 128 rows. Each block
+// pushes what the others need (the convolved q and k of its channels, each
+// token's sum of squares over its rows) into every block's shared memory
+// with st.async, whose bytes count down the receiver's mbarrier: a block
+// then waits for the bytes it expects and never for the others to reach a
+// point, and no block reads another's shared memory, so none has to stay
+// for the others. (A release/acquire cluster barrier compiles to a
+// GPU-wide memory barrier, which also waited for the block's conv state
+// stores.) On sm_80 a push is a local store and the wait a block barrier.
+//
+// Two barriers a block, each used for one phase: kHeadConvolved, the
+// convolved q and k of every token (2 x 128 x tokens floats); kHeadSums,
+// the sums of squares (vsplit x tokens floats).
+enum HeadExchange { kHeadConvolved = 0, kHeadSums = 1 };
+
+// Before any push: thread 0 arms both barriers with the bytes this block
+// will receive, and the cluster's barrier makes them armed for every sender
+// (head_exchange_open). Its arrival is relaxed: nothing but the barriers'
+// initialisation needs ordering, which the mbarrier fence gives.
+__device__ __forceinline__ void head_exchange_arm(uint64_t* barriers, int vsplit, uint32_t convolved_bytes,
+                                                  uint32_t sums_bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (vsplit > 1) {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-    return;
+    if (threadIdx.x == 0) {
+      const uint32_t bytes[2] = {convolved_bytes, sums_bytes};
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(barriers + b));
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(at) : "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(at), "r"(bytes[b]) : "memory");
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   }
-#endif
-  __syncthreads();
-}
-
-__device__ __forceinline__ void head_blocks_arrive(int vsplit) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (vsplit > 1) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 #else
-  (void)vsplit;
+  (void)barriers, (void)vsplit, (void)convolved_bytes, (void)sums_bytes;
 #endif
 }
 
-__device__ __forceinline__ void head_blocks_wait(int vsplit) {
+// Every block of the head has armed its barriers.
+__device__ __forceinline__ void head_exchange_open(int vsplit) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (vsplit > 1) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 #else
@@ -537,7 +556,7 @@ __device__ __forceinline__ void head_blocks_wait(int vsplit) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The shared-memory address, in block `rank` of the cluster, of what `local`
 // is in this block.
-__device__ __forceinline__ uint32_t head_block_address(const float* local, int rank) {
+__device__ __forceinline__ uint32_t head_block_address(const void* local, int rank) {
   const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(local));
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
@@ -545,30 +564,43 @@ __device__ __forceinline__ uint32_t head_block_address(const float* local, int r
 }
 #endif
 
-// `local` (this block's shared memory) as block `rank` of the cluster holds it.
-__device__ __forceinline__ float load_head_block_shared(const float* local, int rank) {
+// x into `local`'s place in block `rank`, counted on that block's barrier
+// `phase`.
+__device__ __forceinline__ void push_to_head_block(float* local, float x, uint64_t* barriers, HeadExchange phase,
+                                                   int rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  float x;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(head_block_address(local, rank)) : "memory");
-  return x;
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                   head_block_address(local, rank)),
+               "r"(__float_as_uint(x)), "r"(head_block_address(barriers + phase, rank))
+               : "memory");
 #else
-  (void)rank;
-  return *local;
+  (void)barriers, (void)phase, (void)rank;
+  *local = x;
 #endif
 }
 
-__device__ __forceinline__ float4 load_head_block_shared4(const float* local, int rank) {
+// Every byte this block expects on barrier `phase` has landed (on sm_80:
+// every thread's local stores).
+__device__ __forceinline__ void wait_for_head_blocks(uint64_t* barriers, HeadExchange phase, int vsplit) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  float4 x;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
-               : "r"(head_block_address(local, rank))
-               : "memory");
-  return x;
+  if (vsplit > 1) {
+    const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(barriers + phase));
+    uint32_t done = 0;
+    while (!done) {
+      asm volatile(
+          "{\n\t.reg .pred landed;\n\t"
+          "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 landed, [%1], 0;\n\t"
+          "selp.u32 %0, 1, 0, landed;\n\t}"
+          : "=r"(done)
+          : "r"(at)
+          : "memory");
+    }
+    return;
+  }
 #else
-  (void)rank;
-  return *reinterpret_cast<const float4*>(local);
+  (void)barriers, (void)phase, (void)vsplit;
 #endif
+  __syncthreads();
 }
 
 // After the steps: each channel keeps its last Wc raw inputs, a thread per
@@ -616,14 +648,15 @@ __device__ __forceinline__ uint32_t norm_weight_bits(const FkdaLayerStep& layer,
 
 // The layer step's end, after the recurrence's steps: the output gate over
 // all 128 values of each token (`gated`, the block's rows at their local
-// place; `partial`, [tokens] sums of squares of them, exchanged between the
-// head's blocks) and the conv states. `out` points at the block's first row;
-// first_gate_bits and first_weight_bits are g_out and the norm weight of
-// the thread's first item, loaded at the start.
-__device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, float* gated, float* partial,
-                                                    uint16_t* out, int64_t batch_row, int64_t begin, int tokens,
-                                                    int head, int64_t slot, int block_row, int rows,
-                                                    uint16_t first_gate_bits, uint32_t first_weight_bits) {
+// place; `sums`, [FKDA_DECODE_MAX_TOKENS][FKDA_DECODE_MAX_HEAD_BLOCKS], each
+// token's sums of squares over the rows of each of the head's blocks, which
+// they push to each other) and the conv states. `out` points at the block's
+// first row; first_gate_bits and first_weight_bits are g_out and the norm
+// weight of the thread's first item, loaded at the start.
+__device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, float* gated, float* sums,
+                                                    uint64_t* barriers, uint16_t* out, int64_t batch_row,
+                                                    int64_t begin, int tokens, int head, int64_t slot, int block_row,
+                                                    int rows, uint16_t first_gate_bits, uint32_t first_weight_bits) {
   const int vsplit = FKDA_HEAD_DIM / rows, rank = block_row / rows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const bool gate = p.layer.out_gate.data != nullptr;
@@ -633,11 +666,15 @@ __device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, f
       float x = 0.f;
       for (int r = lane; r < rows; r += 32) x = fmaf(gated[t * FKDA_HEAD_DIM + r], gated[t * FKDA_HEAD_DIM + r], x);
       x = warp_sum(x);
-      if (lane == 0) partial[t] = x;
+      if (lane < vsplit) push_to_head_block(sums + t * FKDA_DECODE_MAX_HEAD_BLOCKS + rank, x, barriers, kHeadSums, lane);
     }
-    // The partial sums are visible to the head's blocks. (Without the gate
-    // nothing needs a barrier here: the convolution's ordered its reads.)
-    head_blocks_sync(vsplit);
+  }
+  // While the sums travel. (A one-token sequence wrote its conv states in keep_and_convolve.)
+  if (p.layer.conv_width > 0 && p.layer.conv[0].state != nullptr && tokens > 1) {
+    store_decode_conv_states(p, batch_row, begin, tokens, head, slot, rank, vsplit, block_row, rows);
+  }
+  if (gate) {
+    wait_for_head_blocks(barriers, kHeadSums, vsplit);
     for (int item = threadIdx.x; item < tokens * rows; item += blockDim.x) {
       const int t = item / rows, local = item % rows;
       const bool first = item == int(threadIdx.x);
@@ -645,14 +682,10 @@ __device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, f
       const float w = first ? real_of_bits(first_weight_bits, p.layer.norm_weight_is_f32 != 0)
                             : norm_weight(p.layer, block_row + local);
       float sum_squares = 0.f;  // in rank order, so every block of the head gets the same sum
-      for (int r = 0; r < vsplit; ++r) sum_squares += load_head_block_shared(partial + t, r);
+      for (int r = 0; r < vsplit; ++r) sum_squares += sums[t * FKDA_DECODE_MAX_HEAD_BLOCKS + r];
       const float o = gated[t * FKDA_HEAD_DIM + local];
       out[t * p.call.out.stride_t + local] = to_bf16(gate_one(inverse_rms(p.layer, sum_squares), w, g, o));
     }
-  }
-  head_blocks_arrive(vsplit);  // this block has read the others' sums; the caller waits
-  if (p.layer.conv_width > 0 && p.layer.conv[0].state != nullptr && tokens > 1) {  // one token: convolve_four
-    store_decode_conv_states(p, batch_row, begin, tokens, head, slot, rank, vsplit, block_row, rows);
   }
 }
 
@@ -803,6 +836,13 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     return;
   }
   const int tokens = int(length);
+  // The layer step's exchanges between the head's blocks: armed now, opened
+  // just before the first push.
+  uint64_t* head_barriers = reinterpret_cast<uint64_t*>(decode_smem + fkda_decode_layer_barriers_offset(p.max_tokens, warps));
+  if constexpr (kLayer) {
+    head_exchange_arm(head_barriers, vsplit, convolved ? uint32_t(tokens * 2 * FKDA_HEAD_DIM * 4) : 0u,
+                      p.layer.out_gate.data != nullptr ? uint32_t(tokens * vsplit * 4) : 0u);
+  }
 
   const int64_t element_bytes = kBf16 ? 2 : 4;
   const int64_t head_offset = int64_t(head) * (FKDA_HEAD_DIM * FKDA_HEAD_DIM);
@@ -870,35 +910,39 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       for (int i = 0; i < 4; ++i) dt[i] = __ldg(dt_bias + i);
     }
     // The convolution (decode_conv_item): q's and k's channels of the
-    // block's rows go to `convolved_qk`, which the head's blocks read
-    // through the cluster, v's to `value`. The first items' inputs are in
-    // `first` (loaded above).
+    // block's rows go to `convolved_qk` in every block of the head, v's to
+    // this block's `value`. The first items' inputs are in `first` (loaded
+    // above).
     float* convolved_qk = reinterpret_cast<float*>(decode_smem + fkda_decode_layer_conv_offset(p.max_tokens, warps));
+    if constexpr (kLayer) head_exchange_open(vsplit);
     if (convolved) {
-      auto convolved_at = [&](const DecodeConvItem& it) {
-        return it.proj < 2 ? convolved_qk + (2 * it.t + it.proj) * FKDA_HEAD_DIM + it.i
-                           : value + it.t * rows + it.i - block_row;
+      auto keep = [&](const DecodeConvItem& it, float x) {
+        if (it.proj == 2) {
+          value[it.t * rows + it.i - block_row] = x;
+          return;
+        }
+        float* at = convolved_qk + (2 * it.t + it.proj) * FKDA_HEAD_DIM + it.i;
+        for (int r = 0; r < vsplit; ++r) push_to_head_block(at, x, head_barriers, kHeadConvolved, r);
       };
 #pragma unroll
       for (int j = 0; j < kItemsAtOnce; ++j) {
         const int item = tid + j * int(blockDim.x);
         if (item >= items) continue;
         const DecodeConvItem it = decode_conv_item(item, rows_log2, block_row);
-        *convolved_at(it) = keep_and_convolve(p, it, tokens, head, start_slot, first[j]);
+        keep(it, keep_and_convolve(p, it, tokens, head, start_slot, first[j]));
       }
       for (int item = tid + kItemsAtOnce * int(blockDim.x); item < items; item += blockDim.x) {
         const DecodeConvItem it = decode_conv_item(item, rows_log2, block_row);
         DecodeConvChannel ch = start_conv_channel(p, it, batch_row, begin, head);
         load_conv_window(p, it, head, start_slot, ch);
-        *convolved_at(it) = keep_and_convolve(p, it, tokens, head, start_slot, ch);
+        keep(it, keep_and_convolve(p, it, tokens, head, start_slot, ch));
       }
-      head_blocks_sync(vsplit);
+      wait_for_head_blocks(head_barriers, kHeadConvolved, vsplit);
     }
     for (int t = warp; t < tokens; t += warps) {
-      // Channels 4 lane.. of the convolved q and k are block 4 lane / rows's.
-      const float4 q = convolved ? load_head_block_shared4(convolved_qk + 2 * t * FKDA_HEAD_DIM + 4 * lane, (4 * lane) >> rows_log2)
+      const float4 q = convolved ? reinterpret_cast<const float4*>(convolved_qk + 2 * t * FKDA_HEAD_DIM)[lane]
                                  : load_bf16x4(token_row(p.call.q, t) + 4 * lane);
-      const float4 k = convolved ? load_head_block_shared4(convolved_qk + (2 * t + 1) * FKDA_HEAD_DIM + 4 * lane, (4 * lane) >> rows_log2)
+      const float4 k = convolved ? reinterpret_cast<const float4*>(convolved_qk + (2 * t + 1) * FKDA_HEAD_DIM)[lane]
                                  : load_bf16x4(token_row(p.call.k, t) + 4 * lane);
       const float4 g = g_of_bits(kLayer && t == warp ? first_g_bits : load_g_bits(t));
       const float rate = kRateAtOnce ? rate_now : rate_of_a_log(p.call.A_log, a_log, true);
@@ -1014,10 +1058,8 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     }
   }
   if constexpr (kLayer) {
-    finish_decode_layer(p, gated, gated + p.max_tokens * FKDA_HEAD_DIM, out, batch_row, begin, tokens, head,
-                        start_slot, block_row, rows, first_gate_bits, first_weight_bits);
-    // No block leaves while another of its head may still read its sums.
-    head_blocks_wait(vsplit);
+    finish_decode_layer(p, gated, gated + p.max_tokens * FKDA_HEAD_DIM, head_barriers, out, batch_row, begin, tokens,
+                        head, start_slot, block_row, rows, first_gate_bits, first_weight_bits);
   }
 }
 
