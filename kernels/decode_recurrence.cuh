@@ -385,6 +385,32 @@ __device__ __forceinline__ float4 load_bf16x4(const uint16_t* at) {
   return make_float4(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
 }
 
+// The head's A_log as loaded and the lane's four dt_bias values (zeros
+// without them), for the decay of channels 4 lane .. 4 lane + 3.
+struct DecodeHeadGate {
+  float a_log;
+  float dt[4];
+};
+__device__ __forceinline__ DecodeHeadGate load_decode_head_gate(const FkdaRecurrenceCall& call, int head, int lane) {
+  DecodeHeadGate gate{load_a_log(call.A_log, head), {0.f, 0.f, 0.f, 0.f}};
+  if (call.dt_bias != nullptr) {
+    const float* dt_bias = call.dt_bias + int64_t(head) * FKDA_HEAD_DIM + 4 * lane;
+    for (int i = 0; i < 4; ++i) gate.dt[i] = __ldg(dt_bias + i);
+  }
+  return gate;
+}
+
+// A token's decay factors at the lane's four channels, into its row of the
+// prepared decays.
+__device__ __forceinline__ void store_decay_row(const FkdaRecurrenceCall& call, float4 g, float rate,
+                                                const DecodeHeadGate& head_gate, float* decay_row, int lane) {
+  const float gv[4] = {g.x, g.y, g.z, g.w};
+  float d[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] = decay_accurate(call.gate, call.gate_scale, gv[i], rate, head_gate.dt[i]);
+  reinterpret_cast<float4*>(decay_row)[lane] = make_float4(d[0], d[1], d[2], d[3]);
+}
+
 // The layer step's convolution in the clustered decode kernels. A block
 // convolves, for each token, its share of q's and k's channels (which it
 // pushes to every block of the head) and the v channels of its own rows: both
@@ -813,7 +839,9 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   uint4 first_g_bits = make_uint4(0u, 0u, 0u, 0u);
   uint32_t first_beta_bits = 0, first_weight_bits = 0;
   uint16_t first_gate_bits = 0;
+  DecodeHeadGate layer_head_gate{};
   if constexpr (kLayer) {
+    layer_head_gate = load_decode_head_gate(p.call, head, lane);
 #pragma unroll
     for (int j = 0; j < kItemsAtOnce; ++j) {
       const int item = tid + j * int(blockDim.x);
@@ -897,17 +925,26 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     if (v_token < tokens && !convolved) {
       v_piece = __ldg(reinterpret_cast<const uint4*>(token_row(p.call.v, v_token) + block_row + v_row));
     }
+    const DecodeHeadGate head_gate = kLayer ? layer_head_gate : load_decode_head_gate(p.call, head, lane);
     // exp(A_log) is taken in the preparation below, not next to its load,
     // where the thread waited for the load; but at once in sm_80's layer
     // kernels, whose state rows fill their registers through the
     // preparation (taken there, it spilled).
     constexpr bool kRateAtOnce = kLayer && !kDecodeLayerStaged;
-    const float a_log = load_a_log(p.call.A_log, head);
-    const float rate_now = kRateAtOnce ? rate_of_a_log(p.call.A_log, a_log, true) : 0.f;
-    float dt[4] = {0.f, 0.f, 0.f, 0.f};
-    if (p.call.dt_bias != nullptr) {
-      const float* dt_bias = p.call.dt_bias + int64_t(head) * FKDA_HEAD_DIM + 4 * lane;
-      for (int i = 0; i < 4; ++i) dt[i] = __ldg(dt_bias + i);
+    const float rate_now = kRateAtOnce ? rate_of_a_log(p.call.A_log, head_gate.a_log, true) : 0.f;
+    auto rate = [&] { return kRateAtOnce ? rate_now : rate_of_a_log(p.call.A_log, head_gate.a_log, true); };
+    const float first_beta = real_of_bits(first_beta_bits, p.call.gate.beta_is_f32 != 0);
+    // The staged layer kernels prepare the decays and beta of the warp's
+    // first token while the conv states and the state's copies are in
+    // flight: their inputs were loaded before the slot, and after the
+    // convolution the warp would run their ~300 instructions on a
+    // one-sequence call's critical path.
+    constexpr bool kGateFirst = kLayer && kDecodeLayerStaged;
+    if constexpr (kGateFirst) {
+      if (warp < tokens) {
+        store_decay_row(p.call, g_of_bits(first_g_bits), rate(), head_gate, decay + warp * FKDA_HEAD_DIM, lane);
+        if (lane == 0) beta[warp] = step_size(p.call.gate, first_beta, true);
+      }
     }
     // The convolution (decode_conv_item): q's and k's channels of the
     // block's rows go to `convolved_qk` in every block of the head, v's to
@@ -945,22 +982,16 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
       const float4 k = convolved ? reinterpret_cast<const float4*>(convolved_qk + (2 * t + 1) * FKDA_HEAD_DIM)[lane]
                                  : load_bf16x4(token_row(p.call.k, t) + 4 * lane);
       const float4 g = g_of_bits(kLayer && t == warp ? first_g_bits : load_g_bits(t));
-      const float rate = kRateAtOnce ? rate_now : rate_of_a_log(p.call.A_log, a_log, true);
+      const float token_rate = rate();
       const float rq = 1.0f / sqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f);
       const float rk = 1.0f / sqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
       const float qs = rq * p.call.scale;
       reinterpret_cast<float4*>(key + t * FKDA_HEAD_DIM)[lane] = make_float4(k.x * rk, k.y * rk, k.z * rk, k.w * rk);
       reinterpret_cast<float4*>(query + t * FKDA_HEAD_DIM)[lane] =
           make_float4(q.x * qs, q.y * qs, q.z * qs, q.w * qs);
-      const float gv[4] = {g.x, g.y, g.z, g.w};
-      float d[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) d[i] = decay_accurate(p.call.gate, p.call.gate_scale, gv[i], rate, dt[i]);
-      reinterpret_cast<float4*>(decay + t * FKDA_HEAD_DIM)[lane] = make_float4(d[0], d[1], d[2], d[3]);
-      if (lane == 0) {
-        beta[t] = step_size(p.call.gate,
-                            kLayer && t == warp ? real_of_bits(first_beta_bits, p.call.gate.beta_is_f32 != 0) : load_beta_of(t),
-                            true);
+      if (!(kGateFirst && t == warp)) {
+        store_decay_row(p.call, g, token_rate, head_gate, decay + t * FKDA_HEAD_DIM, lane);
+        if (lane == 0) beta[t] = step_size(p.call.gate, kLayer && t == warp ? first_beta : load_beta_of(t), true);
       }
     }
     if (v_token < tokens && !convolved) {

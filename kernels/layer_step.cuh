@@ -41,9 +41,16 @@ __device__ __forceinline__ void store_conv_state(const FkdaLayerStep& layer, con
              row * conv.state_stride_row + c * conv.state_stride_c + col * conv.state_stride_w, x);
 }
 
+// The output gate, in every kernel that applies it: the gated value is
+// rounded to bf16 and feeds no state, so the gate takes the hardware's
+// reciprocal square root, exponential and reciprocal (each within 2 ulp of
+// f32, far below a bf16 step), as fkda_fwd's gate kernel always has; in the
+// decode kernels the IEEE forms were about 80 instructions a value on a
+// one-sequence call's critical path.
+//
 // 1 / RMS of a head's values from the sum of the squares of all 128.
 __device__ __forceinline__ float inverse_rms(const FkdaLayerStep& layer, float sum_squares) {
-  return 1.0f / sqrtf(sum_squares / float(FKDA_HEAD_DIM) + layer.norm_eps);
+  return rsqrtf(sum_squares * (1.0f / float(FKDA_HEAD_DIM)) + layer.norm_eps);
 }
 
 // The norm weight w of value v of a head.
@@ -53,7 +60,7 @@ __device__ __forceinline__ float norm_weight(const FkdaLayerStep& layer, int v) 
 
 // RMSNorm * w * sigmoid(g) of a head's value o, whose norm weight is w.
 __device__ __forceinline__ float gate_one(float inverse_rms, float w, float g, float o) {
-  return o * inverse_rms * w * sigmoid_accurate(g);
+  return o * inverse_rms * w * sigmoid_fast(g);
 }
 
 // ---- fkda_fwd's kernels ----
@@ -345,7 +352,7 @@ __device__ __forceinline__ void gate_output_rows(const FkdaLayerParams& p) {
     }
 #pragma unroll
     for (int d = kLanesPerRow / 2; d >= 1; d >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, d);
-    const float inverse_rms = rsqrtf(squares * (1.0f / float(FKDA_HEAD_DIM)) + p.layer.norm_eps);
+    const float row_inverse_rms = inverse_rms(p.layer, squares);
     uint32_t packed[kValues / 2];
 #pragma unroll
     for (int e = 0; e < kValues; e += 2) {
@@ -353,7 +360,7 @@ __device__ __forceinline__ void gate_output_rows(const FkdaLayerParams& p) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float g = h ? bf16_hi(g_words[e / 2]) : bf16_lo(g_words[e / 2]);
-        y[h] = o[e + h] * inverse_rms * weight[e + h] * sigmoid_fast(g);
+        y[h] = gate_one(row_inverse_rms, weight[e + h], g, o[e + h]);
       }
       packed[e / 2] = pack_bf16x2(y[0], y[1]);
     }
