@@ -379,11 +379,13 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// Four consecutive bf16 values (8 bytes) of an activation row.
-__device__ __forceinline__ float4 load_bf16x4(const uint16_t* at) {
-  const uint2 w = __ldg(reinterpret_cast<const uint2*>(at));
+// Four consecutive bf16 values (8 bytes) of an activation row, as loaded
+// and widened.
+__device__ __forceinline__ uint2 load_bf16x4_bits(const uint16_t* at) { return __ldg(reinterpret_cast<const uint2*>(at)); }
+__device__ __forceinline__ float4 bf16x4_of_bits(uint2 w) {
   return make_float4(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
 }
+__device__ __forceinline__ float4 load_bf16x4(const uint16_t* at) { return bf16x4_of_bits(load_bf16x4_bits(at)); }
 
 // The head's A_log as loaded and the lane's four dt_bias values (zeros
 // without them), for the decay of channels 4 lane .. 4 lane + 3.
@@ -425,15 +427,6 @@ __device__ __forceinline__ DecodeConvItem decode_conv_item(int item, int rows_lo
   return {unit / 3, unit % 3, block_row + (item & ((1 << rows_log2) - 1))};
 }
 
-// A real of a bf16 or f32 tensor, as its bits (bf16 in the low half), and
-// the float they make.
-__device__ __forceinline__ uint32_t load_real_bits(const void* data, bool is_f32, int64_t at) {
-  return is_f32 ? __ldg(static_cast<const uint32_t*>(data) + at) : uint32_t(__ldg(static_cast<const uint16_t*>(data) + at));
-}
-__device__ __forceinline__ float real_of_bits(uint32_t bits, bool is_f32) {
-  return __uint_as_float(is_f32 ? bits : bits << 16);
-}
-
 // One item's inputs, loaded in two halves: what does not depend on the pool
 // slot (weights, bias, the call's raw inputs), then the conv state. They
 // stay the bits the loads returned until every load of the thread's first
@@ -449,9 +442,6 @@ struct DecodeConvChannel {
 // Each input's offset steps from the one before (one 64-bit add) instead
 // of being multiplied out of its strides: in a one-warp block the chain of
 // the convolution's loads was mostly address arithmetic.
-__device__ __forceinline__ uint32_t load_bits_at(const unsigned char* at, bool is_f32) {
-  return is_f32 ? __ldg(reinterpret_cast<const uint32_t*>(at)) : uint32_t(__ldg(reinterpret_cast<const uint16_t*>(at)));
-}
 __device__ __forceinline__ DecodeConvChannel start_conv_channel(const FkdaDecodeParams& p, const DecodeConvItem& it,
                                                                 int64_t batch_row, int64_t begin, int head) {
   const FkdaActivation& raw = it.proj == 0 ? p.call.q : (it.proj == 1 ? p.call.k : p.call.v);
@@ -469,7 +459,7 @@ __device__ __forceinline__ DecodeConvChannel start_conv_channel(const FkdaDecode
   int64_t x_at = batch_row * raw.stride_b + int64_t(head) * raw.stride_h + (begin + it.t) * raw.stride_t + it.i;
 #pragma unroll
   for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) {
-    ch.weight_back[b] = b < width ? load_bits_at(static_cast<const unsigned char*>(conv.weight) + weight_at, f32) : 0u;
+    ch.weight_back[b] = b < width ? load_real_bits(static_cast<const unsigned char*>(conv.weight) + weight_at, f32, 0) : 0u;
     ch.x_back[b] = b < width && it.t >= b ? uint32_t(__ldg(static_cast<const uint16_t*>(raw.data) + x_at)) : 0u;
     weight_at -= weight_step;
     x_at -= raw.stride_t;
@@ -809,12 +799,12 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     if (p.call.gate.g_is_f32) {
       return __ldg(reinterpret_cast<const uint4*>(static_cast<const float*>(p.call.g.data) + token_offset(p.call.g, t)) + lane);
     }
-    const uint2 w = __ldg(reinterpret_cast<const uint2*>(token_row(p.call.g, t) + 4 * lane));
+    const uint2 w = load_bf16x4_bits(token_row(p.call.g, t) + 4 * lane);
     return make_uint4(w.x, w.y, 0u, 0u);
   };
   auto g_of_bits = [&](uint4 w) {
     return p.call.gate.g_is_f32 ? make_float4(__uint_as_float(w.x), __uint_as_float(w.y), __uint_as_float(w.z), __uint_as_float(w.w))
-                                : make_float4(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
+                                : bf16x4_of_bits(make_uint2(w.x, w.y));
   };
   auto load_beta_of = [&](int t) { return load_beta(p.call.gate, p.call.beta.data, token_offset(p.call.beta, t)); };
 

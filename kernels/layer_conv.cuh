@@ -10,8 +10,20 @@
 
 namespace fkda_dev {
 
+// Element `at` of a bf16 or f32 tensor as its bits (bf16 in the low half),
+// and the float they make: the decode kernels keep a load's bits until a
+// later phase widens them (decode_recurrence.cuh).
+__device__ __forceinline__ uint32_t load_real_bits(const void* data, bool is_f32, int64_t at) {
+  return is_f32 ? __ldg(static_cast<const uint32_t*>(data) + at) : uint32_t(__ldg(static_cast<const uint16_t*>(data) + at));
+}
+__device__ __forceinline__ float real_of_bits(uint32_t bits, bool is_f32) {
+  return __uint_as_float(is_f32 ? bits : bits << 16);
+}
+// The same load widened at once. Chosen as floats rather than composed of
+// the two above, whose choice between bits then shifted them: the compiler
+// laid out fkda_fwd's gate and convolution kernels differently with that.
 __device__ __forceinline__ float load_real(const void* data, bool is_f32, int64_t at) {
-  return is_f32 ? __ldg(static_cast<const float*>(data) + at)
+  return is_f32 ? __uint_as_float(__ldg(static_cast<const uint32_t*>(data) + at))
                 : bf16_bits(__ldg(static_cast<const uint16_t*>(data) + at));
 }
 
