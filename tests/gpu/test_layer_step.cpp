@@ -499,7 +499,8 @@ TEST_CASE("layer step: GPU fkda_decode matches the CPU backend", "[gpu][layer_st
   wide.lengths = {16, 5};
   cases.push_back(wide);
   // On an sm_90 device the head's blocks form a cluster whose size follows
-  // the number of (sequence, head) pairs: 8 blocks above, 4 and 2 here.
+  // the number of (sequence, head) pairs: 4 blocks above and in the first
+  // case here (blocks of at least 2 warps), 2 in the second.
   auto lengths_of = [](int count) {
     std::vector<int64_t> lengths;
     for (int i = 0; i < count; ++i) lengths.push_back(i % 7 == 3 ? 0 : 1 + i % 3);
