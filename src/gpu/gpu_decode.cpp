@@ -21,14 +21,10 @@ namespace {
 
 // Warps per block: 4 (64 rows, 2 blocks per head) unless that leaves fewer
 // than two blocks per multiprocessor, then 2 or 1 (down to 8 blocks per
-// head), so that a single sequence still spreads over the GPU. The layer
-// kernels' clusters stop at 2 warps (4 blocks a head): each block pushes
-// every convolved q and k value to all blocks of its head, and one
-// sequence of 32 heads ran faster in clusters of 4 blocks of 2 warps than
-// of 8 of 1 (H200, W2: 0.0082-0.0084 against 0.0087-0.0088 ms).
-int choose_warps(int64_t seqs_times_heads, int sm_count, int min_warps) {
+// head), so that a single sequence still spreads over the GPU.
+int choose_warps(int64_t seqs_times_heads, int sm_count) {
   int warps = FKDA_DECODE_MAX_WARPS;
-  while (warps > min_warps &&
+  while (warps > 1 &&
          seqs_times_heads * (FKDA_HEAD_DIM / (FKDA_DECODE_ROWS_PER_WARP * warps)) < 2 * int64_t(sm_count)) {
     warps /= 2;
   }
@@ -130,10 +126,14 @@ void decode(const DecodeProblem& problem, CUstream stream) {
   const int index = decode_kernel_index(params.call.state_is_bf16 != 0, params.call.state_is_kv != 0);
   const ResolvedKernel kernel =
       resolve(context, layer ? context.kernels.decode_layer[index] : context.kernels.decode[index]);
+  // The layer kernels' clusters are always 2 blocks of 4 warps: each block
+  // pushes every convolved q and k value to all blocks of its head, and on
+  // the H200 one sequence of 32 heads ran fastest in 2 blocks of 4 warps or
+  // 4 of 2 (W2: 0.0083 ms both, 0.0087-0.0088 in 8 of 1), 4 sequences in 2
+  // of 4 (0.0095-0.0097 against 0.0101).
   const bool clusters = layer && context.facts.runs_sm90_code;
-  params.warps = layer && !clusters ? FKDA_DECODE_LAYER_WARPS
-                                    : choose_warps(problem.num_seqs * problem.num_heads, context.facts.sm_count,
-                                                   clusters ? 2 : 1);
+  params.warps = !layer ? choose_warps(problem.num_seqs * problem.num_heads, context.facts.sm_count)
+                        : (clusters ? FKDA_DECODE_MAX_WARPS : FKDA_DECODE_LAYER_WARPS);
 
   const int64_t vsplit = FKDA_HEAD_DIM / (FKDA_DECODE_ROWS_PER_WARP * params.warps);
   if (problem.num_heads > 65535 || problem.num_seqs > std::numeric_limits<int32_t>::max() / vsplit) {

@@ -498,9 +498,8 @@ TEST_CASE("layer step: GPU fkda_decode matches the CPU backend", "[gpu][layer_st
   wide.state_width = 4;
   wide.lengths = {16, 5};
   cases.push_back(wide);
-  // On an sm_90 device the head's blocks form a cluster whose size follows
-  // the number of (sequence, head) pairs: 4 blocks above and in the first
-  // case here (blocks of at least 2 warps), 2 in the second.
+  // More (sequence, head) pairs: the plain kernels' blocks would split a
+  // head in fewer of them; the layer kernels' clusters stay at 2 blocks.
   auto lengths_of = [](int count) {
     std::vector<int64_t> lengths;
     for (int i = 0; i < count; ++i) lengths.push_back(i % 7 == 3 ? 0 : 1 + i % 3);
