@@ -48,8 +48,9 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_smem_bytes(int32_t max_tokens
 
 /* The layer step's decode: the head's blocks together read and write the
  * head's conv state channels and see every value the output's RMSNorm sums.
- * On sm_90 and later they are the plain kernel's vsplit blocks, launched as
- * one cluster whose blocks push the convolved q and k of their channels and
+ * On sm_90 and later they are two of the plain kernel's blocks of
+ * FKDA_DECODE_MAX_WARPS warps (src/gpu/gpu_decode.cpp), launched as one
+ * cluster whose blocks push the convolved q and k of their channels and
  * their sums of squares into each other's shared memory; on sm_80 a single
  * block of FKDA_DECODE_LAYER_WARPS warps takes all 128 rows. After the
  * arrays above:

@@ -581,7 +581,8 @@ __device__ __forceinline__ uint32_t head_block_address(const void* local, int ra
 #endif
 
 // x into `local`'s place in block `rank`, counted on that block's barrier
-// `phase`.
+// `phase`. On sm_90 the head's blocks are a cluster of at least two
+// (gpu_decode.cpp): st.async is not defined in a cluster of one.
 __device__ __forceinline__ void push_to_head_block(float* local, float x, uint64_t* barriers, HeadExchange phase,
                                                    int rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -621,8 +622,9 @@ __device__ __forceinline__ void wait_for_head_blocks(uint64_t* barriers, HeadExc
 
 // After the steps: each channel keeps its last Wc raw inputs, a thread per
 // channel. Block `rank` of `vsplit` owns (alone reads and writes) its share
-// of q's and k's channels and the v channels of its own rows, so a block
-// barrier after its convolution orders the reads before these writes.
+// of q's and k's channels and the v channels of its own rows, so the block
+// barrier after the preparation (before the steps) orders its convolution's
+// reads before these writes.
 __device__ __forceinline__ void store_decode_conv_states(const FkdaDecodeParams& p, int64_t batch_row, int64_t begin,
                                                          int tokens, int head, int64_t slot, int rank, int vsplit,
                                                          int block_row, int rows) {
@@ -1088,8 +1090,8 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
 
 // One kernel per pool dtype and layout, and one more of each with the layer
 // step: on sm_90 and later the plain kernels' blocks, launched in clusters
-// of a head's blocks; on sm_80 a block per head of FKDA_DECODE_LAYER_WARPS
-// warps.
+// of a head's two blocks of FKDA_DECODE_MAX_WARPS warps; on sm_80 a block
+// per head of FKDA_DECODE_LAYER_WARPS warps.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define FKDA_DECODE_LAYER_BOUNDS __launch_bounds__(32 * FKDA_DECODE_LAYER_WARPS, 2)
 #else

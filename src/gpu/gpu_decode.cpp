@@ -110,8 +110,8 @@ void decode(const DecodeProblem& problem, CUstream stream) {
   if (problem.indices_are_table) max_tokens = std::min<int64_t>(max_tokens, problem.state_indices.cols);
   params.max_tokens = int32_t(max_tokens);
   // The layer step needs all of a head's rows in one place (decode_params.h):
-  // the streamed kernel's items are whole heads; the plain kernel's blocks of a head form a cluster where the kernel was
-  // compiled for sm_90 or later, else one block takes all 128 rows.
+  // the streamed kernel's items are whole heads; where the kernel was compiled for sm_90 or later, two of the plain
+  // kernel's blocks of a head form a cluster, else one block takes all 128 rows.
   const bool layer = problem.layer.has_conv() || problem.layer.has_out_gate();
   if (layer) params.layer = kernel_layer(problem.layer);
   const StreamShape streamed = stream_shape(context.facts, params, layer, problem.num_seqs, problem.num_heads);
@@ -131,6 +131,9 @@ void decode(const DecodeProblem& problem, CUstream stream) {
   // the H200 one sequence of 32 heads ran fastest in 2 blocks of 4 warps or
   // 4 of 2 (W2: 0.0083 ms both, 0.0087-0.0088 in 8 of 1), 4 sequences in 2
   // of 4 (0.0095-0.0097 against 0.0101).
+  // A cluster of one block could not take the kernels' st.async pushes.
+  static_assert(FKDA_HEAD_DIM / (FKDA_DECODE_ROWS_PER_WARP * FKDA_DECODE_MAX_WARPS) > 1,
+                "the layer kernels' clusters have at least two blocks");
   const bool clusters = layer && context.facts.runs_sm90_code;
   params.warps = !layer ? choose_warps(problem.num_seqs * problem.num_heads, context.facts.sm_count)
                         : (clusters ? FKDA_DECODE_MAX_WARPS : FKDA_DECODE_LAYER_WARPS);
