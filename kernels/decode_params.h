@@ -55,14 +55,14 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_smem_bytes(int32_t max_tokens
  * block of FKDA_DECODE_LAYER_WARPS warps takes all 128 rows. After the
  * arrays above:
  *   gated         f32 [max_tokens][128]  outputs waiting for the gate (a block uses its rows' places)
- *   sums          f32 [FKDA_DECODE_MAX_TOKENS][FKDA_DECODE_MAX_HEAD_BLOCKS]  per token, over each block's rows
+ *   sums          f32 [FKDA_DECODE_MAX_TOKENS][FKDA_DECODE_LAYER_HEAD_BLOCKS]  per token, over each block's rows
  *   barriers      2 x 8 bytes  the mbarriers the pushes count down (decode_recurrence.cuh, HeadExchange)
  *   convolved_qk  f32 [max_tokens][2][128]  the convolved q and k of the head */
 #define FKDA_DECODE_LAYER_WARPS 8
-#define FKDA_DECODE_MAX_HEAD_BLOCKS (FKDA_HEAD_DIM / FKDA_DECODE_ROWS_PER_WARP)
+#define FKDA_DECODE_LAYER_HEAD_BLOCKS (FKDA_HEAD_DIM / (FKDA_DECODE_ROWS_PER_WARP * FKDA_DECODE_MAX_WARPS))
 static inline FKDA_HOST_DEVICE int32_t fkda_decode_layer_barriers_offset(int32_t max_tokens, int32_t warps) {
   return fkda_decode_smem_bytes(max_tokens, warps) + max_tokens * FKDA_HEAD_DIM * 4 +
-         FKDA_DECODE_MAX_TOKENS * FKDA_DECODE_MAX_HEAD_BLOCKS * 4;
+         FKDA_DECODE_MAX_TOKENS * FKDA_DECODE_LAYER_HEAD_BLOCKS * 4;
 }
 static inline FKDA_HOST_DEVICE int32_t fkda_decode_layer_conv_offset(int32_t max_tokens, int32_t warps) {
   return fkda_decode_layer_barriers_offset(max_tokens, warps) + 16;

@@ -149,7 +149,7 @@ __device__ __forceinline__ void load_state_rows(const void* matrix, int e, int l
 // register, and a thread then works on one of its rows at a time, so a
 // multiprocessor holds more blocks than it would with all four rows in
 // registers, each with all of its state bytes in flight. Piece j of a thread
-// lies at (j x blockDim + thread) x piece bytes, so a warp's accesses to one
+// lies at (j x kDecodeLayerThreads + thread) x piece bytes, so a warp's accesses to one
 // piece are contiguous and free of bank conflicts.
 template <bool kBf16, bool kKV>
 struct StatePieces {
@@ -170,6 +170,16 @@ constexpr bool kDecodeLayerStaged = false;
 #else
 constexpr bool kDecodeLayerStaged = true;
 #endif
+// The layer kernels' blocks as gpu_decode.cpp launches them: clusters of a
+// head's FKDA_DECODE_LAYER_HEAD_BLOCKS blocks of FKDA_DECODE_MAX_WARPS warps
+// where they stage their state, else one block of FKDA_DECODE_LAYER_WARPS
+// warps a head. Constants, so that a block's rows, its cluster and the
+// convolution's items cost no arithmetic on a one-sequence call's chain.
+constexpr int kDecodeLayerWarps = kDecodeLayerStaged ? FKDA_DECODE_MAX_WARPS : FKDA_DECODE_LAYER_WARPS;
+constexpr int kDecodeLayerThreads = 32 * kDecodeLayerWarps;
+constexpr int kDecodeLayerRows = kDecodeLayerWarps * FKDA_DECODE_ROWS_PER_WARP;
+constexpr int kDecodeLayerBlocks = FKDA_HEAD_DIM / kDecodeLayerRows;
+static_assert(kDecodeLayerBlocks <= FKDA_DECODE_LAYER_HEAD_BLOCKS, "a token's sums have a place for every block");
 
 // The pool element (of one V x K or K x V matrix) where piece j of the
 // group's rows e .. e + 3 starts. V x K: f32 row e + j / 4, quad j % 4
@@ -185,7 +195,7 @@ __device__ __forceinline__ int state_piece_element(int j, int e, int l) {
 }
 
 __device__ __forceinline__ unsigned char* staged_piece(unsigned char* staged, int j, int bytes) {
-  return staged + (j * int(blockDim.x) + int(threadIdx.x)) * bytes;
+  return staged + (j * kDecodeLayerThreads + int(threadIdx.x)) * bytes;
 }
 
 // Issues the copies of the thread's pieces of one matrix (bypassing L1:
@@ -569,30 +579,43 @@ __device__ __forceinline__ void head_exchange_open(int vsplit) {
 #endif
 }
 
+// A shared array of this block and, on sm_90 and later, its address in
+// every block of the head (the cluster's shared window), taken once: the
+// pushes of a one-sequence call are on its chain of dependent steps.
+struct HeadBlockArray {
+  unsigned char* local;
+  uint32_t in_block[kDecodeLayerBlocks];
+};
+__device__ __forceinline__ HeadBlockArray head_block_array(void* local) {
+  HeadBlockArray array;
+  array.local = static_cast<unsigned char*>(local);
+#pragma unroll
+  for (int rank = 0; rank < kDecodeLayerBlocks; ++rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// The shared-memory address, in block `rank` of the cluster, of what `local`
-// is in this block.
-__device__ __forceinline__ uint32_t head_block_address(const void* local, int rank) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(local));
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
-  return remote;
-}
+    asm("mapa.shared::cluster.u32 %0, %1, %2;"
+        : "=r"(array.in_block[rank])
+        : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(local))), "r"(rank));
+#else
+    array.in_block[rank] = 0;
 #endif
+  }
+  return array;
+}
 
-// x into `local`'s place in block `rank`, counted on that block's barrier
-// `phase`. On sm_90 the head's blocks are a cluster of at least two
-// (gpu_decode.cpp): st.async is not defined in a cluster of one.
-__device__ __forceinline__ void push_to_head_block(float* local, float x, uint64_t* barriers, HeadExchange phase,
-                                                   int rank) {
+// x into float `index` of `values` in block `rank`, counted on that
+// block's barrier `phase` of `barriers`. On sm_90 the head's blocks are a
+// cluster of at least two (gpu_decode.cpp): st.async is not defined in a
+// cluster of one.
+__device__ __forceinline__ void push_to_head_block(const HeadBlockArray& values, int index, float x,
+                                                   const HeadBlockArray& barriers, HeadExchange phase, int rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
-                   head_block_address(local, rank)),
-               "r"(__float_as_uint(x)), "r"(head_block_address(barriers + phase, rank))
+                   values.in_block[rank] + 4 * index),
+               "r"(__float_as_uint(x)), "r"(barriers.in_block[rank] + 8 * int(phase))
                : "memory");
 #else
   (void)barriers, (void)phase, (void)rank;
-  *local = x;
+  reinterpret_cast<float*>(values.local)[index] = x;
 #endif
 }
 
@@ -621,16 +644,15 @@ __device__ __forceinline__ void wait_for_head_blocks(uint64_t* barriers, HeadExc
 }
 
 // After the steps: each channel keeps its last Wc raw inputs, a thread per
-// channel. Block `rank` of `vsplit` owns (alone reads and writes) its share
-// of q's and k's channels and the v channels of its own rows, so the block
-// barrier after the preparation (before the steps) orders its convolution's
-// reads before these writes.
+// channel. Block `rank` of the head's kDecodeLayerBlocks owns (alone reads
+// and writes) its share of q's and k's channels and the v channels of its
+// own rows, so the block barrier after the preparation (before the steps)
+// orders its convolution's reads before these writes.
 __device__ __forceinline__ void store_decode_conv_states(const FkdaDecodeParams& p, int64_t batch_row, int64_t begin,
-                                                         int tokens, int head, int64_t slot, int rank, int vsplit,
-                                                         int block_row, int rows) {
+                                                         int tokens, int head, int64_t slot, int rank, int block_row) {
   const int state_width = p.layer.conv_state_width;
-  const int share = FKDA_HEAD_DIM / vsplit;
-  for (int index = threadIdx.x; index < 2 * share + rows; index += blockDim.x) {
+  constexpr int share = FKDA_HEAD_DIM / kDecodeLayerBlocks, rows = kDecodeLayerRows;
+  for (int index = threadIdx.x; index < 2 * share + rows; index += kDecodeLayerThreads) {
     const int proj = index < 2 * share ? index / share : 2;
     const int i = proj < 2 ? rank * share + index % share : block_row + index - 2 * share;
     const FkdaConv& conv = p.layer.conv[proj];
@@ -666,41 +688,47 @@ __device__ __forceinline__ uint32_t norm_weight_bits(const FkdaLayerStep& layer,
 
 // The layer step's end, after the recurrence's steps: the output gate over
 // all 128 values of each token (`gated`, the block's rows at their local
-// place; `sums`, [FKDA_DECODE_MAX_TOKENS][FKDA_DECODE_MAX_HEAD_BLOCKS], each
-// token's sums of squares over the rows of each of the head's blocks, which
-// they push to each other) and the conv states. `out` points at the block's
-// first row; first_gate_bits and first_weight_bits are g_out and the norm
-// weight of the thread's first item, loaded at the start.
-__device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, float* gated, float* sums,
-                                                    uint64_t* barriers, uint16_t* out, int64_t batch_row,
-                                                    int64_t begin, int tokens, int head, int64_t slot, int block_row,
-                                                    int rows, uint16_t first_gate_bits, uint32_t first_weight_bits) {
-  const int vsplit = FKDA_HEAD_DIM / rows, rank = block_row / rows;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+// place; `sums`, [FKDA_DECODE_MAX_TOKENS][FKDA_DECODE_LAYER_HEAD_BLOCKS],
+// each token's sums of squares over the rows of each of the head's blocks,
+// which they push to each other) and the conv states. `out` points at the
+// block's first row; first_gate_bits and first_weight_bits are g_out and
+// the norm weight of the thread's first item, loaded at the start.
+__device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, float* gated, float* sums_here,
+                                                    uint64_t* barriers_here, uint16_t* out, int64_t batch_row, int64_t begin, int tokens,
+                                                    int head, int64_t slot, int block_row, uint16_t first_gate_bits,
+                                                    uint32_t first_weight_bits) {
+  constexpr int rows = kDecodeLayerRows, vsplit = kDecodeLayerBlocks;
+  const int rank = block_row / rows;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bool gate = p.layer.out_gate.data != nullptr;
   if (gate) {
     __syncthreads();  // every warp's rows of `gated`
-    for (int t = warp; t < tokens; t += warps) {
+    const HeadBlockArray sums = head_block_array(sums_here), barriers = head_block_array(barriers_here);
+    for (int t = warp; t < tokens; t += kDecodeLayerWarps) {
       float x = 0.f;
       for (int r = lane; r < rows; r += 32) x = fmaf(gated[t * FKDA_HEAD_DIM + r], gated[t * FKDA_HEAD_DIM + r], x);
       x = warp_sum(x);
-      if (lane < vsplit) push_to_head_block(sums + t * FKDA_DECODE_MAX_HEAD_BLOCKS + rank, x, barriers, kHeadSums, lane);
+#pragma unroll
+      for (int to = 0; to < vsplit; ++to) {
+        if (lane == to) push_to_head_block(sums, t * FKDA_DECODE_LAYER_HEAD_BLOCKS + rank, x, barriers, kHeadSums, to);
+      }
     }
   }
   // While the sums travel. (A one-token sequence wrote its conv states in keep_and_convolve.)
   if (p.layer.conv_width > 0 && p.layer.conv[0].state != nullptr && tokens > 1) {
-    store_decode_conv_states(p, batch_row, begin, tokens, head, slot, rank, vsplit, block_row, rows);
+    store_decode_conv_states(p, batch_row, begin, tokens, head, slot, rank, block_row);
   }
   if (gate) {
-    wait_for_head_blocks(barriers, kHeadSums, vsplit);
-    for (int item = threadIdx.x; item < tokens * rows; item += blockDim.x) {
+    wait_for_head_blocks(barriers_here, kHeadSums, vsplit);
+    for (int item = threadIdx.x; item < tokens * rows; item += kDecodeLayerThreads) {
       const int t = item / rows, local = item % rows;
       const bool first = item == int(threadIdx.x);
       const float g = bf16_bits(first ? first_gate_bits : out_gate_bits(p, batch_row, begin, t, head, block_row + local));
       const float w = first ? real_of_bits(first_weight_bits, p.layer.norm_weight_is_f32 != 0)
                             : norm_weight(p.layer, block_row + local);
       float sum_squares = 0.f;  // in rank order, so every block of the head gets the same sum
-      for (int r = 0; r < vsplit; ++r) sum_squares += sums[t * FKDA_DECODE_MAX_HEAD_BLOCKS + r];
+#pragma unroll
+      for (int r = 0; r < vsplit; ++r) sum_squares += sums_here[t * FKDA_DECODE_LAYER_HEAD_BLOCKS + r];
       const float o = gated[t * FKDA_HEAD_DIM + local];
       out[t * p.call.out.stride_t + local] = to_bf16(gate_one(inverse_rms(p.layer, sum_squares), w, g, o));
     }
@@ -755,7 +783,8 @@ __device__ __forceinline__ void step_token_rows(float (&s)[kRows][kDecodeColumns
 template <bool kBf16, bool kKV, bool kLayer>
 __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   extern __shared__ __align__(16) unsigned char decode_smem[];
-  const int warps = p.warps;
+  const int warps = kLayer && kDecodeLayerStaged ? kDecodeLayerWarps : p.warps;
+  const int threads = kLayer && kDecodeLayerStaged ? kDecodeLayerThreads : int(blockDim.x);
   const int rows = warps * FKDA_DECODE_ROWS_PER_WARP;  // of this block
   const int vsplit = FKDA_HEAD_DIM / rows;
   const int64_t n = blockIdx.x / vsplit;
@@ -836,7 +865,7 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     layer_head_gate = load_decode_head_gate(p.call, head, lane);
 #pragma unroll
     for (int j = 0; j < kItemsAtOnce; ++j) {
-      const int item = tid + j * int(blockDim.x);
+      const int item = tid + j * threads;
       if (item < items) first[j] = start_conv_channel(p, decode_conv_item(item, rows_log2, block_row), batch_row, begin, head);
     }
     if (warp < known_tokens) {
@@ -874,7 +903,7 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   if constexpr (kLayer) {
 #pragma unroll
     for (int j = 0; j < kItemsAtOnce; ++j) {
-      const int item = tid + j * int(blockDim.x);
+      const int item = tid + j * threads;
       if (item < items) load_conv_window(p, decode_conv_item(item, rows_log2, block_row), head, start_slot, first[j]);
     }
   }
@@ -943,6 +972,7 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
     // this block's `value`. The first items' inputs are in `first` (loaded
     // above).
     float* convolved_qk = reinterpret_cast<float*>(decode_smem + fkda_decode_layer_conv_offset(p.max_tokens, warps));
+    const HeadBlockArray convolved_of_head = head_block_array(convolved_qk), barriers_of_head = head_block_array(head_barriers);
     if constexpr (kLayer) head_exchange_open(vsplit);
     if (convolved) {
       auto keep = [&](const DecodeConvItem& it, float x) {
@@ -950,17 +980,20 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
           value[it.t * rows + it.i - block_row] = x;
           return;
         }
-        float* at = convolved_qk + (2 * it.t + it.proj) * FKDA_HEAD_DIM + it.i;
-        for (int r = 0; r < vsplit; ++r) push_to_head_block(at, x, head_barriers, kHeadConvolved, r);
+        const int at = (2 * it.t + it.proj) * FKDA_HEAD_DIM + it.i;
+#pragma unroll
+        for (int to = 0; to < kDecodeLayerBlocks; ++to) {
+          push_to_head_block(convolved_of_head, at, x, barriers_of_head, kHeadConvolved, to);
+        }
       };
 #pragma unroll
       for (int j = 0; j < kItemsAtOnce; ++j) {
-        const int item = tid + j * int(blockDim.x);
+        const int item = tid + j * threads;
         if (item >= items) continue;
         const DecodeConvItem it = decode_conv_item(item, rows_log2, block_row);
         keep(it, keep_and_convolve(p, it, tokens, head, start_slot, first[j]));
       }
-      for (int item = tid + kItemsAtOnce * int(blockDim.x); item < items; item += blockDim.x) {
+      for (int item = tid + kItemsAtOnce * threads; item < items; item += threads) {
         const DecodeConvItem it = decode_conv_item(item, rows_log2, block_row);
         DecodeConvChannel ch = start_conv_channel(p, it, batch_row, begin, head);
         load_conv_window(p, it, head, start_slot, ch);
@@ -1082,7 +1115,7 @@ __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   }
   if constexpr (kLayer) {
     finish_decode_layer(p, gated, gated + p.max_tokens * FKDA_HEAD_DIM, head_barriers, out, batch_row, begin, tokens,
-                        head, start_slot, block_row, rows, first_gate_bits, first_weight_bits);
+                        head, start_slot, block_row, first_gate_bits, first_weight_bits);
   }
 }
 

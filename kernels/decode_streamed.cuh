@@ -365,15 +365,37 @@ __device__ __forceinline__ void prefetch_channel_weights(const FkdaDecodeParams&
   if (conv.bias != nullptr) prefetch_l1(static_cast<const unsigned char*>(conv.bias) + c * conv.bias_stride * bytes);
 }
 
-// A channel's convolution weights, by distance (layer_conv.cuh), and bias.
+// A channel's convolution weights, by distance (layer_conv.cuh), and bias:
+// first as the bits their loads return, every load issued before any is
+// widened (widened inside the branch that chose it, each load waited for
+// the one before: ncu, W1, 5% of the consumers' stall samples).
+struct ChannelWeightBits {
+  uint32_t back[FKDA_CONV_MAX_WIDTH];
+  uint32_t bias;
+};
+__device__ __forceinline__ ChannelWeightBits load_channel_weight_bits(const FkdaDecodeParams& p, int proj, int64_t c) {
+  const FkdaConv& conv = p.layer.conv[proj];
+  const bool f32 = p.layer.conv_is_f32 != 0;
+  const int width = p.layer.conv_width;
+  ChannelWeightBits bits;
+  bits.bias = conv.bias != nullptr ? load_real_bits(conv.bias, f32, c * conv.bias_stride) : 0u;
+#pragma unroll
+  for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) {
+    bits.back[b] =
+        b < width ? load_real_bits(conv.weight, f32, c * conv.weight_stride_c + (width - 1 - b) * conv.weight_stride_w) : 0u;
+  }
+  return bits;
+}
 struct ChannelWeights {
   float back[FKDA_CONV_MAX_WIDTH];
   float bias;
 };
-__device__ __forceinline__ ChannelWeights channel_weights(const FkdaDecodeParams& p, int proj, int64_t c) {
+__device__ __forceinline__ ChannelWeights channel_weights(const FkdaDecodeParams& p, const ChannelWeightBits& bits) {
+  const bool f32 = p.layer.conv_is_f32 != 0;
   ChannelWeights w;
-  w.bias = conv_bias(p.layer, p.layer.conv[proj], c);
-  load_weights_back(p.layer, p.layer.conv[proj], c, p.layer.conv_width, w.back);
+  w.bias = real_of_bits(bits.bias, f32);
+#pragma unroll
+  for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) w.back[b] = real_of_bits(bits.back[b], f32);
   return w;
 }
 
@@ -450,13 +472,17 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
   const int channel = kLayer ? tid & (FKDA_HEAD_DIM - 1) : 32 * warp + lane, qk = tid >> 7;
   float* histories = outputs + FKDA_HEAD_DIM;
   const ChannelHistory history_qk{histories + tid, threads}, history_v{histories + FKDA_CONV_MAX_WIDTH * threads + tid, threads};
+  // The output gate's norm weight of value `channel` (threads 0-127 gate),
+  // the same for every item.
+  const float out_norm_weight = gated && tid < FKDA_HEAD_DIM ? norm_weight(p.layer, channel) : 0.f;
   uint32_t prepared = 0;  // tokens this block has prepared
   int64_t j = 0;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x, ++j) {
     const int stage = int(j % p.stages);
     const StreamStage s{stages_base + stage * layout.stage_bytes, layout};
     // The layer form's weights, brought to L1 before the wait so that their
-    // latency passes with it (held in registers from here, they would spill).
+    // latency passes with it (held in registers from here, they spilled:
+    // nine warps leave a thread at most 168).
     if (convolved) {
       const int64_t c = int64_t(Form::head_item(item) % p.call.num_heads) * FKDA_HEAD_DIM + channel;
       prefetch_channel_weights(p, qk, c);
@@ -498,7 +524,11 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
       const int place = int(prepared % places);
       const bool staged = t < FKDA_DECODE_STREAM_TOKENS;
       const int64_t token = begin + t;
-      float gate_g = 0.f;  // the layer form's g_out of value `channel`, used after the step
+      // The layer form's g_out of value `channel`: loaded after the
+      // convolution (whose loads' waits would wait for it too) and widened
+      // after the step (widened at its load, its latency was the largest
+      // single stall of W1's consumers, ncu).
+      uint16_t gate_bits = 0;
       // The decay of channel `channel` (thread < 128), from its g.
       auto g_of = [&]() {
         const void* g_row = staged ? s.g(t) : token_address(p.call.g, batch_row, token, head, p.call.gate.g_is_f32 ? 4 : 2);
@@ -506,18 +536,19 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
                                     : bf16_bits(static_cast<const uint16_t*>(g_row)[channel]);
       };
       if constexpr (kLayer) {
-        if (gated && qk == 0) {
-          const FkdaActivation& g_out = p.layer.out_gate;
-          gate_g = bf16_bits(__ldg(static_cast<const uint16_t*>(g_out.data) + token_element(g_out, batch_row, head, token) + channel));
-        }
         // As they are: each warp normalises q and k after the barrier.
         const float x = raw_input(qk, t, channel);
         (qk == 0 ? query : key)[place * FKDA_HEAD_DIM + channel] =
-            convolved ? history_qk.convolve(p, channel_weights(p, qk, head_channel), x) : x;
+            convolved ? history_qk.convolve(p, channel_weights(p, load_channel_weight_bits(p, qk, head_channel)), x) : x;
         if (qk == 1) {
           const float xv = raw_input(2, t, channel);
-          value[place * rows + channel] = convolved ? history_v.convolve(p, channel_weights(p, 2, head_channel), xv) : xv;
+          value[place * rows + channel] =
+              convolved ? history_v.convolve(p, channel_weights(p, load_channel_weight_bits(p, 2, head_channel)), xv) : xv;
         } else {
+          if (gated) {
+            const FkdaActivation& g_out = p.layer.out_gate;
+            gate_bits = __ldg(static_cast<const uint16_t*>(g_out.data) + token_element(g_out, batch_row, head, token) + channel);
+          }
           decay[place * FKDA_HEAD_DIM + channel] = decay_accurate(p.call.gate, p.call.gate_scale, g_of(), h.rate, dt);
         }
       } else {
@@ -575,7 +606,7 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
           const float4 x = reinterpret_cast<const float4*>(outputs)[lane];
           const float squares = warp_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w);
           out[t * p.call.out.stride_t + channel] =
-              to_bf16(gate_one(inverse_rms(p.layer, squares), norm_weight(p.layer, channel), gate_g, outputs[channel]));
+              to_bf16(gate_one(inverse_rms(p.layer, squares), out_norm_weight, bf16_bits(gate_bits), outputs[channel]));
         }
       } else if (l == 0) {
         // The group's four outputs in one 8-byte store (as the plain kernel).

@@ -132,8 +132,8 @@ void decode(const DecodeProblem& problem, CUstream stream) {
   // 4 of 2 (W2: 0.0083 ms both, 0.0087-0.0088 in 8 of 1), 4 sequences in 2
   // of 4 (0.0095-0.0097 against 0.0101).
   // A cluster of one block could not take the kernels' st.async pushes.
-  static_assert(FKDA_HEAD_DIM / (FKDA_DECODE_ROWS_PER_WARP * FKDA_DECODE_MAX_WARPS) > 1,
-                "the layer kernels' clusters have at least two blocks");
+  // The kernels take this shape as a constant (kDecodeLayerWarps).
+  static_assert(FKDA_DECODE_LAYER_HEAD_BLOCKS > 1, "the layer kernels' clusters have at least two blocks");
   const bool clusters = layer && context.facts.runs_sm90_code;
   params.warps = !layer ? choose_warps(problem.num_seqs * problem.num_heads, context.facts.sm_count)
                         : (clusters ? FKDA_DECODE_MAX_WARPS : FKDA_DECODE_LAYER_WARPS);
