@@ -121,26 +121,39 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_stage_bytes(int32_t ro
   return FKDA_DECODE_STREAM_HEADER_BYTES + fkda_decode_stream_state_bytes(rows, state_is_bf16) + FKDA_HEAD_DIM * 4 +
          FKDA_DECODE_STREAM_TOKENS * fkda_decode_stream_token_bytes(rows) + conv_bytes;
 }
+/* A block's threads: `warps` consumer warps, the producer warp, and in the
+ * layer form a gate warp, which applies the output gate to each token's
+ * outputs while the consumers go on to the next token. */
+static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_threads(int32_t warps) {
+  return 32 * (warps + 1 + (warps == FKDA_DECODE_STREAM_LAYER_WARPS ? 1 : 0));
+}
 /* A block's shared memory, for `warps` consumer warps: the consumers
  * prepare one token at a time, into one of two places (the arrays of
  * fkda_decode_smem_bytes for 2 tokens); then come the layer form's own
- * arrays, the stages' barriers (two of 8 bytes a stage) and the stages. The
- * layer form's arrays: the outputs of one token (f32 [128], waiting for the
- * output gate), then the channel histories (f32 [2][FKDA_CONV_MAX_WIDTH]
- * [threads], each consumer thread's last inputs of its one or two channels). */
+ * arrays, the barriers (8 bytes each) and the stages. The layer form's
+ * arrays: the outputs of two tokens waiting for the gate warp (f32 [2][128])
+ * and where each goes (2 x 16 bytes: its row of `out` and of g_out), then
+ * the channel histories (f32 [2][FKDA_CONV_MAX_WIDTH][threads], each
+ * consumer thread's last inputs of its one or two channels). The barriers:
+ * each stage's full and empty, then, for each of the two outputs' places,
+ * ready (the consumers have written it) and gated (the gate warp is done
+ * with it). */
 #define FKDA_DECODE_STREAM_PREPARED_TOKENS 2
+#define FKDA_DECODE_STREAM_GATE_PLACES 2
 static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_layer_offset(int32_t warps) {
   return (fkda_decode_smem_bytes(FKDA_DECODE_STREAM_PREPARED_TOKENS, warps) + 127) / 128 * 128;
 }
 static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_layer_bytes(int32_t warps) {
-  return warps == FKDA_DECODE_STREAM_LAYER_WARPS ? FKDA_HEAD_DIM * 4 + 2 * FKDA_CONV_MAX_WIDTH * 32 * warps * 4 : 0;
+  return warps == FKDA_DECODE_STREAM_LAYER_WARPS
+             ? FKDA_DECODE_STREAM_GATE_PLACES * (FKDA_HEAD_DIM * 4 + 16) + 2 * FKDA_CONV_MAX_WIDTH * 32 * warps * 4
+             : 0;
 }
 static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_barriers_offset(int32_t warps) {
   return fkda_decode_stream_layer_offset(warps) + fkda_decode_stream_layer_bytes(warps);
 }
 #define FKDA_DECODE_STREAM_BARRIER_BYTES 128
-#if 2 * 8 * FKDA_DECODE_STREAM_MAX_STAGES > FKDA_DECODE_STREAM_BARRIER_BYTES
-#error "the stages' barriers exceed their place"
+#if 8 * (2 * FKDA_DECODE_STREAM_MAX_STAGES + 2 * FKDA_DECODE_STREAM_GATE_PLACES) > FKDA_DECODE_STREAM_BARRIER_BYTES
+#error "the barriers exceed their place"
 #endif
 static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_stages_offset(int32_t warps) {
   return fkda_decode_stream_barriers_offset(warps) + FKDA_DECODE_STREAM_BARRIER_BYTES;

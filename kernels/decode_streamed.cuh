@@ -25,8 +25,9 @@
 // producer also copies the head's conv states in, and writes them back; as
 // the consumers prepare a token, thread c convolves channel c of q (threads
 // 0-127) or of k and v (threads 128-255), its last inputs in shared memory;
-// each warp normalises q and k as it steps; after a second barrier the
-// output gate takes all 128 values of the token from shared memory.
+// each warp normalises q and k as it steps; a gate warp takes each token's
+// 128 outputs from shared memory and applies the output gate while the
+// consumers go on (consume, "the output gate's warp").
 //
 // Served: [N] indices (no table), V x K pools (an item's rows are then one
 // contiguous run of the pool); the layer form, conv states whose channels
@@ -442,6 +443,75 @@ struct ChannelHistory {
   }
 };
 
+// ---- the output gate's warp (the layer form) ----
+// The consumers hand each gated token to the gate warp through one of
+// FKDA_DECODE_STREAM_GATE_PLACES places: its 128 outputs and where the gated
+// row goes. Token u of the block takes place u % places, written once the
+// gate warp is done with token u - places (barrier `gated`) and announced on
+// barrier `ready`. A record whose out is null ends the gate warp's work.
+// Why: with the gate on the consumers, every token took a second barrier
+// (all 128 outputs before any gate) and the gate's arithmetic on their chain.
+struct GateRecord {
+  uint16_t* out;          // the token's row of `out` (128 values)
+  const uint16_t* g_out;  // its row of g_out
+};
+struct GateHandOver {
+  float* outputs;  // [places][128]
+  GateRecord* records;
+  uint32_t ready, gated;  // barriers, 8 bytes a place
+};
+__device__ __forceinline__ GateHandOver gate_hand_over(unsigned char* smem, uint32_t barriers) {
+  constexpr int warps = FKDA_DECODE_STREAM_LAYER_WARPS;
+  float* outputs = reinterpret_cast<float*>(smem + fkda_decode_stream_layer_offset(warps));
+  GateRecord* records = reinterpret_cast<GateRecord*>(outputs + FKDA_DECODE_STREAM_GATE_PLACES * FKDA_HEAD_DIM);
+  const uint32_t ready = barriers + 8 * 2 * FKDA_DECODE_STREAM_MAX_STAGES;
+  return {outputs, records, ready, ready + 8 * FKDA_DECODE_STREAM_GATE_PLACES};
+}
+__device__ __forceinline__ void init_gate_barriers(const GateHandOver& g) {
+  for (int place = 0; place < FKDA_DECODE_STREAM_GATE_PLACES; ++place) {
+    barrier_init(g.ready + 8 * place, 32 * FKDA_DECODE_STREAM_LAYER_WARPS);
+    barrier_init(g.gated + 8 * place, 32);
+  }
+}
+// A consumer thread: token `handed` (counted over the block's gated tokens)
+// to the gate warp, the thread's outputs o at its group's rows (lane l of
+// the group writes them) and, from thread 0, the record.
+__device__ __forceinline__ void hand_to_gate(const GateHandOver& g, uint32_t handed, int local_row, int l,
+                                             const float (&o)[kDecodeRowsPerGroup], const GateRecord& record) {
+  constexpr uint32_t places = FKDA_DECODE_STREAM_GATE_PLACES;
+  const int place = int(handed % places);
+  if (handed >= places) barrier_wait(g.gated + 8 * place, uint32_t((handed / places - 1) & 1));
+  if (l == 0) {
+    *reinterpret_cast<float4*>(g.outputs + place * FKDA_HEAD_DIM + local_row) = make_float4(o[0], o[1], o[2], o[3]);
+  }
+  if (threadIdx.x == 0) g.records[place] = record;
+  barrier_arrive(g.ready + 8 * place);
+}
+// The gate warp: RMSNorm(o) w sigmoid(g_out) over each handed token's 128
+// outputs, four values a lane (rows of out and g_out are 16-byte aligned,
+// validate.cpp), until the record that ends its work.
+__device__ __forceinline__ void gate_tokens(const FkdaDecodeParams& p, const GateHandOver& g) {
+  constexpr uint32_t places = FKDA_DECODE_STREAM_GATE_PLACES;
+  const int lane = threadIdx.x & 31;
+  float weight[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) weight[i] = norm_weight(p.layer, 4 * lane + i);
+  for (uint32_t u = 0;; ++u) {
+    const int place = int(u % places);
+    barrier_wait(g.ready + 8 * place, uint32_t((u / places) & 1));
+    const GateRecord record = g.records[place];
+    if (record.out == nullptr) return;
+    const float4 gate_in = load_bf16x4(record.g_out + 4 * lane);
+    const float4 x = reinterpret_cast<const float4*>(g.outputs + place * FKDA_HEAD_DIM)[lane];
+    __syncwarp();
+    barrier_arrive(g.gated + 8 * place);  // the place's values are in registers
+    const float inverse = inverse_rms(p.layer, warp_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w));
+    *reinterpret_cast<uint2*>(record.out + 4 * lane) =
+        make_uint2(pack_bf16x2(gate_one(inverse, weight[0], gate_in.x, x.x), gate_one(inverse, weight[1], gate_in.y, x.y)),
+                   pack_bf16x2(gate_one(inverse, weight[2], gate_in.z, x.z), gate_one(inverse, weight[3], gate_in.w, x.w)));
+  }
+}
+
 // ---- the consumers ----
 // For each token of an item, its preparation (all consumer warps: thread c
 // the decay of channel c, so that one token's preparation is short) into
@@ -449,7 +519,7 @@ struct ChannelHistory {
 // the stage for the producer's store. Preparing token u into place u % 2
 // needs one barrier a token: the step that last read that place (token
 // u - 2) is behind every consumer once they have all passed token u - 1's
-// barrier. The layer form's output gate takes a second barrier a token.
+// barrier. The layer form hands each token's outputs to the gate warp.
 template <bool kBf16, bool kLayer>
 __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items, unsigned char* smem,
                                         unsigned char* stages_base, uint32_t full, uint32_t empty) {
@@ -463,19 +533,18 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
   float* decay = reinterpret_cast<float*>(smem + fkda_decode_decay_offset(places));
   float* value = reinterpret_cast<float*>(smem + fkda_decode_value_offset(places));
   float* beta = reinterpret_cast<float*>(smem + fkda_decode_beta_offset(places, Form::kWarps));
-  float* outputs = reinterpret_cast<float*>(smem + fkda_decode_stream_layer_offset(Form::kWarps));
   const StreamLayout layout = stream_layout<kLayer>(p, kBf16);
   const bool convolved = kLayer && p.layer.conv_width > 0;
   const bool gated = kLayer && p.layer.out_gate.data != nullptr;
   // The layer form: thread c < 128 takes channel c of q (and its decay);
   // thread 128 + c channel c of k and of v.
   const int channel = kLayer ? tid & (FKDA_HEAD_DIM - 1) : 32 * warp + lane, qk = tid >> 7;
-  float* histories = outputs + FKDA_HEAD_DIM;
+  // Where the layer form hands its outputs to the gate warp, then the histories.
+  const GateHandOver gate = gate_hand_over(smem, full);
+  float* histories = kLayer ? reinterpret_cast<float*>(gate.records + FKDA_DECODE_STREAM_GATE_PLACES) : nullptr;
   const ChannelHistory history_qk{histories + tid, threads}, history_v{histories + FKDA_CONV_MAX_WIDTH * threads + tid, threads};
-  // The output gate's norm weight of value `channel` (threads 0-127 gate),
-  // the same for every item.
-  const float out_norm_weight = gated && tid < FKDA_HEAD_DIM ? norm_weight(p.layer, channel) : 0.f;
   uint32_t prepared = 0;  // tokens this block has prepared
+  uint32_t handed = 0;    // of them, to the gate warp
   int64_t j = 0;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x, ++j) {
     const int stage = int(j % p.stages);
@@ -497,8 +566,14 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
                     int64_t(head) * p.call.out.stride_h + begin * p.call.out.stride_t + block_row;
     const int tokens = h.length;
     if (h.matrix == nullptr) {
-      for (int64_t i = tid; i < int64_t(tokens) * rows; i += threads) {
-        out[(i / rows) * p.call.out.stride_t + i % rows] = 0;
+      if constexpr (kLayer) {
+        // A token's 128 values from threads 0-127 (the flattened loop's
+        // unrolled address arithmetic spilled here).
+        for (int t = 0; t < tokens && tid < rows; ++t) out[t * p.call.out.stride_t + tid] = 0;
+      } else {
+        for (int64_t i = tid; i < int64_t(tokens) * rows; i += threads) {
+          out[(i / rows) * p.call.out.stride_t + i % rows] = 0;
+        }
       }
       barrier_arrive(empty + 8 * stage);
       continue;
@@ -524,11 +599,6 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
       const int place = int(prepared % places);
       const bool staged = t < FKDA_DECODE_STREAM_TOKENS;
       const int64_t token = begin + t;
-      // The layer form's g_out of value `channel`: loaded after the
-      // convolution (whose loads' waits would wait for it too) and widened
-      // after the step (widened at its load, its latency was the largest
-      // single stall of W1's consumers, ncu).
-      uint16_t gate_bits = 0;
       // The decay of channel `channel` (thread < 128), from its g.
       auto g_of = [&]() {
         const void* g_row = staged ? s.g(t) : token_address(p.call.g, batch_row, token, head, p.call.gate.g_is_f32 ? 4 : 2);
@@ -545,10 +615,6 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
           value[place * rows + channel] =
               convolved ? history_v.convolve(p, channel_weights(p, load_channel_weight_bits(p, 2, head_channel)), xv) : xv;
         } else {
-          if (gated) {
-            const FkdaActivation& g_out = p.layer.out_gate;
-            gate_bits = __ldg(static_cast<const uint16_t*>(g_out.data) + token_element(g_out, batch_row, head, token) + channel);
-          }
           decay[place * FKDA_HEAD_DIM + channel] = decay_accurate(p.call.gate, p.call.gate_scale, g_of(), h.rate, dt);
         }
       } else {
@@ -597,17 +663,10 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
                                                     value + place * rows + local_row, l, o);
       }
       if (gated) {
-        // RMSNorm(o) w sigmoid(g_out) over the token's 128 values, once
-        // every warp's are in `outputs` (read before any thread passes the
-        // next token's barrier, after which the next step writes them).
-        if (l == 0) *reinterpret_cast<float4*>(outputs + local_row) = make_float4(o[0], o[1], o[2], o[3]);
-        consumers_sync<threads>();
-        if (tid < FKDA_HEAD_DIM) {
-          const float4 x = reinterpret_cast<const float4*>(outputs)[lane];
-          const float squares = warp_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w);
-          out[t * p.call.out.stride_t + channel] =
-              to_bf16(gate_one(inverse_rms(p.layer, squares), out_norm_weight, bf16_bits(gate_bits), outputs[channel]));
-        }
+        const FkdaActivation& g_out = p.layer.out_gate;
+        hand_to_gate(gate, handed++, local_row, l, o,
+                     GateRecord{out + t * p.call.out.stride_t,
+                                static_cast<const uint16_t*>(g_out.data) + token_element(g_out, batch_row, head, token)});
       } else if (l == 0) {
         // The group's four outputs in one 8-byte store (as the plain kernel).
         *reinterpret_cast<uint2*>(out + t * p.call.out.stride_t + local_row) =
@@ -624,6 +683,10 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
     fence_for_bulk_copies();
     barrier_arrive(empty + 8 * stage);
   }
+  if (gated) {
+    const float none[kDecodeRowsPerGroup] = {};
+    hand_to_gate(gate, handed, local_row, l, none, GateRecord{nullptr, nullptr});
+  }
 }
 
 template <bool kBf16, bool kLayer>
@@ -634,17 +697,21 @@ __device__ __forceinline__ void decode_streamed(const FkdaDecodeParams& p) {
   const uint32_t barriers = smem_address(decode_smem + fkda_decode_stream_barriers_offset(Form::kWarps));
   const uint32_t full = barriers, empty = barriers + 8 * FKDA_DECODE_STREAM_MAX_STAGES;
   unsigned char* stages_base = decode_smem + fkda_decode_stream_stages_offset(Form::kWarps);
+  const GateHandOver gate = gate_hand_over(decode_smem, barriers);
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < p.stages; ++stage) {
       barrier_init(full + 8 * stage, 1);
       barrier_init(empty + 8 * stage, 32 * Form::kWarps);
     }
+    if (kLayer) init_gate_barriers(gate);
     // The bulk copies complete on these barriers through the async proxy,
     // which sees their initialisation only after this fence.
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (threadIdx.x >= 32 * Form::kWarps) {
+  if (kLayer && threadIdx.x >= 32 * (Form::kWarps + 1)) {
+    if (p.layer.out_gate.data != nullptr) gate_tokens(p, gate);
+  } else if (threadIdx.x >= 32 * Form::kWarps) {
     produce<kBf16, kLayer>(p, items, stages_base, full, empty);
   } else {
     consume<kBf16, kLayer>(p, items, decode_smem, stages_base, full, empty);
@@ -661,8 +728,9 @@ __device__ __forceinline__ void decode_streamed(const FkdaDecodeParams& p) {
 #else
 #define FKDA_DECODE_STREAMED_BODY(bf16, layer) fkda_dev::decode_streamed<bf16, layer>(p);
 #endif
+// Threads: fkda_decode_stream_threads (decode_params.h).
 #define FKDA_DEFINE_DECODE_STREAMED(name, bf16, layer, warps, blocks)                          \
-  extern "C" __global__ void __launch_bounds__(32 * ((warps) + 1), blocks)                     \
+  extern "C" __global__ void __launch_bounds__(32 * ((warps) + 1 + ((layer) ? 1 : 0)), blocks) \
       name(const FkdaDecodeParams p) {                                                         \
     FKDA_DECODE_STREAMED_BODY(bf16, layer)                                                     \
   }

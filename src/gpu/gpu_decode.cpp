@@ -57,6 +57,7 @@ bool conv_states_copyable(const FkdaLayerStep& layer) {
 constexpr int64_t kStreamMinItemsPerBlock = 2;
 struct StreamShape {
   int stages = 0;
+  int32_t warps = 0;  // consumers
   int64_t blocks = 0;
   unsigned threads = 0;
   int32_t smem_bytes = 0;
@@ -83,7 +84,8 @@ StreamShape stream_shape(const DeviceFacts& facts, const FkdaDecodeParams& param
   StreamShape shape;
   shape.stages = int(std::min<int64_t>(stages, FKDA_DECODE_STREAM_MAX_STAGES));
   shape.blocks = std::min<int64_t>(items, most_blocks);
-  shape.threads = unsigned(32 * (warps + 1));
+  shape.warps = warps;
+  shape.threads = unsigned(fkda_decode_stream_threads(warps));
   shape.smem_bytes = fkda_decode_stream_smem_bytes(warps, shape.stages, stage_bytes);
   return shape;
 }
@@ -117,7 +119,7 @@ void decode(const DecodeProblem& problem, CUstream stream) {
   const StreamShape streamed = stream_shape(context.facts, params, layer, problem.num_seqs, problem.num_heads);
   if (streamed.stages > 0) {
     params.stages = streamed.stages;
-    params.warps = int32_t(streamed.threads / 32 - 1);
+    params.warps = streamed.warps;
     const ResolvedKernel kernel = resolve(context, context.kernels.decode_streamed[layer][params.call.state_is_bf16]);
     launch(context, kernel, unsigned(streamed.blocks), 1, 1, streamed.threads, unsigned(streamed.smem_bytes), stream,
            &params);
