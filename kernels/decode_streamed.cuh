@@ -513,6 +513,13 @@ __device__ __forceinline__ void gate_tokens(const FkdaDecodeParams& p, const Gat
 }
 
 // ---- the consumers ----
+__device__ __forceinline__ void next_stage(int& stage, uint32_t& round_parity, int stages) {
+  if (++stage == stages) {
+    stage = 0;
+    round_parity ^= 1u;
+  }
+}
+
 // For each token of an item, its preparation (all consumer warps: thread c
 // the decay of channel c, so that one token's preparation is short) into
 // one of two places, then the step of every row; then the rows back into
@@ -545,21 +552,24 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
   const ChannelHistory history_qk{histories + tid, threads}, history_v{histories + FKDA_CONV_MAX_WIDTH * threads + tid, threads};
   uint32_t prepared = 0;  // tokens this block has prepared
   uint32_t handed = 0;    // of them, to the gate warp
-  int64_t j = 0;
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x, ++j) {
-    const int stage = int(j % p.stages);
+  // The block's j-th item's stage (j mod stages) and the parity of its
+  // round over the stages, counted rather than divided out of j: with the
+  // head's index, three divisions an item on the consumers' chain.
+  int stage = 0;
+  uint32_t round_parity = 0;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x, next_stage(stage, round_parity, p.stages)) {
     const StreamStage s{stages_base + stage * layout.stage_bytes, layout};
+    const int head = int(Form::head_item(item) % p.call.num_heads), block_row = Form::part(item) * rows;
     // The layer form's weights, brought to L1 before the wait so that their
-    // latency passes with it (held in registers from here, they spilled:
-    // nine warps leave a thread at most 168).
+    // latency passes with it (held in registers from here, they spilled: a
+    // block's ten warps leave a thread at most 168).
     if (convolved) {
-      const int64_t c = int64_t(Form::head_item(item) % p.call.num_heads) * FKDA_HEAD_DIM + channel;
+      const int64_t c = int64_t(head) * FKDA_HEAD_DIM + channel;
       prefetch_channel_weights(p, qk, c);
       if (qk == 1) prefetch_channel_weights(p, 2, c);
     }
-    barrier_wait(full + 8 * stage, uint32_t((j / p.stages) & 1));
+    barrier_wait(full + 8 * stage, round_parity);
     const StreamHeader h = s.header();
-    const int head = int(Form::head_item(item) % p.call.num_heads), block_row = Form::part(item) * rows;
     const int64_t head_channel = int64_t(head) * FKDA_HEAD_DIM + channel;
     const int64_t begin = h.begin, batch_row = h.batch_row;
     uint16_t* out = static_cast<uint16_t*>(p.call.out.data) + batch_row * p.call.out.stride_b +
