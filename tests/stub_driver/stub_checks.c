@@ -505,7 +505,8 @@ static void decode_routes(void* stub, int sm80_code) {
                        "the layer step, N x H = 264");
   if (!sm80_code) {
     expect(stub_counter(stub, "fkda_stub_last_grid_x") == 132, "the layer form: one block a multiprocessor");
-    expect(stub_counter(stub, "fkda_stub_last_threads") == 288, "the layer form: eight consumer warps and a producer");
+    expect(stub_counter(stub, "fkda_stub_last_threads") == 320,
+           "the layer form: eight consumer warps, a producer and a gate warp");
     /* A stage holds a head's state and 2,304 bytes of bf16 conv states:
      * three in the 232,448 bytes a block may have. */
     const int smem = stub_counter(stub, "fkda_stub_last_smem");
