@@ -694,9 +694,9 @@ __device__ __forceinline__ uint32_t norm_weight_bits(const FkdaLayerStep& layer,
 // block's first row; first_gate_bits and first_weight_bits are g_out and
 // the norm weight of the thread's first item, loaded at the start.
 __device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, float* gated, float* sums_here,
-                                                    uint64_t* barriers_here, uint16_t* out, int64_t batch_row, int64_t begin, int tokens,
-                                                    int head, int64_t slot, int block_row, uint16_t first_gate_bits,
-                                                    uint32_t first_weight_bits) {
+                                                    uint64_t* barriers_here, uint16_t* out, int64_t batch_row,
+                                                    int64_t begin, int tokens, int head, int64_t slot, int block_row,
+                                                    uint16_t first_gate_bits, uint32_t first_weight_bits) {
   constexpr int rows = kDecodeLayerRows, vsplit = kDecodeLayerBlocks;
   const int rank = block_row / rows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
