@@ -123,10 +123,9 @@ static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_stage_bytes(int32_t ro
 }
 /* A block's threads: `warps` consumer warps, the producer warp, and in the
  * layer form a gate warp, which applies the output gate to each token's
- * outputs while the consumers go on to the next token. */
-static inline FKDA_HOST_DEVICE int32_t fkda_decode_stream_threads(int32_t warps) {
-  return 32 * (warps + 1 + (warps == FKDA_DECODE_STREAM_LAYER_WARPS ? 1 : 0));
-}
+ * outputs while the consumers go on to the next token. A macro, so that the
+ * kernels' launch bounds take it too. */
+#define FKDA_DECODE_STREAM_THREADS(warps) (32 * ((warps) + 1 + ((warps) == FKDA_DECODE_STREAM_LAYER_WARPS ? 1 : 0)))
 /* A block's shared memory, for `warps` consumer warps: the consumers
  * prepare one token at a time, into one of two places (the arrays of
  * fkda_decode_smem_bytes for 2 tokens); then come the layer form's own

@@ -738,9 +738,8 @@ __device__ __forceinline__ void decode_streamed(const FkdaDecodeParams& p) {
 #else
 #define FKDA_DECODE_STREAMED_BODY(bf16, layer) fkda_dev::decode_streamed<bf16, layer>(p);
 #endif
-// Threads: fkda_decode_stream_threads (decode_params.h).
 #define FKDA_DEFINE_DECODE_STREAMED(name, bf16, layer, warps, blocks)                          \
-  extern "C" __global__ void __launch_bounds__(32 * ((warps) + 1 + ((layer) ? 1 : 0)), blocks) \
+  extern "C" __global__ void __launch_bounds__(FKDA_DECODE_STREAM_THREADS(warps), blocks)       \
       name(const FkdaDecodeParams p) {                                                         \
     FKDA_DECODE_STREAMED_BODY(bf16, layer)                                                     \
   }

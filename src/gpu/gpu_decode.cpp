@@ -85,7 +85,7 @@ StreamShape stream_shape(const DeviceFacts& facts, const FkdaDecodeParams& param
   shape.stages = int(std::min<int64_t>(stages, FKDA_DECODE_STREAM_MAX_STAGES));
   shape.blocks = std::min<int64_t>(items, most_blocks);
   shape.warps = warps;
-  shape.threads = unsigned(fkda_decode_stream_threads(warps));
+  shape.threads = unsigned(FKDA_DECODE_STREAM_THREADS(warps));
   shape.smem_bytes = fkda_decode_stream_smem_bytes(warps, shape.stages, stage_bytes);
   return shape;
 }
