@@ -182,6 +182,11 @@ CallTimes time_calls(const std::function<void(int)>& call, const TimingOptions& 
   times.min_ms = ms.front();
   times.max_ms = ms.back();
   times.graph_mean_ms = graph_mean_ms(call, options, stream);
+  const auto issued = std::chrono::steady_clock::now();
+  for (int i = 0; i < options.iters; ++i) call(options.warmup + i);
+  const std::chrono::duration<double, std::micro> issuing = std::chrono::steady_clock::now() - issued;
+  FKDA_BENCH_CUDA(cudaStreamSynchronize(stream));
+  times.host_us_per_call = issuing.count() / options.iters;
   return times;
 }
 

@@ -31,11 +31,16 @@ struct CallTimes {
   // launch gaps, as a runtime that replays its decode step from a graph
   // sees it. NaN where the calls could not be captured.
   double graph_mean_ms = 0;
+  // The host's time to issue one call (the calls alone, queued without
+  // events, then one synchronisation): where it exceeds the GPU's time, the
+  // events above time the host, not the kernels.
+  double host_us_per_call = 0;
 };
 
 // Runs call(0 ... warmup - 1) untimed, then call(warmup ... warmup + iters - 1)
 // each bracketed by CUDA events on `stream`, synchronising once at the end,
-// then the same calls again as replays of a graph captured from `stream`.
+// then the same calls again as replays of a graph captured from `stream`,
+// and once more timed on the host.
 CallTimes time_calls(const std::function<void(int)>& call, const TimingOptions& options,
                      cudaStream_t stream);
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "dtype_name.h"
+#include "error.h"
 #include "flashkda.h"
 #include "plan.h"
 #include "prefill_problem.h"
@@ -56,13 +57,37 @@ ActView act_view(const fkda_tensor& t);
 // GPU kernels move rows of 8 bf16 in 16-byte accesses.
 void check_gpu_alignment(const fkda_tensor& t, const char* name);
 
+// The arguments a check walks, held in place, so that a valid call
+// allocates nothing on its way to the launch. kMaxCallArgs bounds every
+// entry point's list (fkda_fwd's, the longest, has 30).
+constexpr size_t kMaxCallArgs = 32;
+template <class T>
+class ArgList {
+ public:
+  ArgList(std::initializer_list<T> items) {
+    for (const T& item : items) push_back(item);
+  }
+  void push_back(const T& item) {
+    if (count_ == kMaxCallArgs) fail(FKDA_ERROR_INTERNAL, "more arguments than kMaxCallArgs to check");
+    items_[count_++] = item;
+  }
+  const T* begin() const { return items_; }
+  const T* end() const { return items_ + count_; }
+  size_t size() const { return count_; }
+  const T& operator[](size_t i) const { return items_[i]; }
+
+ private:
+  T items_[kMaxCallArgs] = {};
+  size_t count_ = 0;
+};
+
 struct Located {
   const void* data;
   const char* name;
 };
 
 // Host memory for CPU plans, memory of the current context's device for GPU plans.
-void check_residency(const Plan& plan, const std::vector<Located>& pointers);
+void check_residency(const Plan& plan, const ArgList<Located>& pointers);
 
 // Host-readable offsets (CPU plans, and GPU debug checks): 0 = cu[0] <=
 // cu[1] <= ... <= cu[N] = T. In validate_contents.cpp with the other
@@ -93,12 +118,19 @@ int64_t check_cu_seqlens(const fkda_tensor& cu, int64_t batch);
 // the axes before it are free but must not make elements overlap.
 void check_packed_from(const fkda_tensor& t, const char* name, int32_t first_packed);
 
+// Up to FKDA_MAX_RANK extents, held in place (no allocation on a call's path).
+struct Extents {
+  int64_t at[FKDA_MAX_RANK] = {};
+  int32_t rank = 0;
+  int64_t operator[](int32_t axis) const { return at[axis]; }
+};
+
 // The state shape of the plan's layout after the given leading extents:
 // {leading..., H, V, K} or {leading..., H, K, V}.
-std::vector<int64_t> state_shape(const Plan& plan, std::initializer_list<int64_t> leading);
+Extents state_shape(const Plan& plan, std::initializer_list<int64_t> leading);
 
 // Rank and extents only (kAny matches any extent).
-void check_shape(const fkda_tensor& t, const char* name, const std::vector<int64_t>& shape);
+void check_shape(const fkda_tensor& t, const char* name, const Extents& shape);
 
 // A pool of states in the plan's dtype and layout, [slots, H, V, K] (or KV):
 // the slot stride free, each state contiguous.
@@ -115,7 +147,7 @@ struct Named {
   const fkda_tensor* tensor;
   const char* name;
 };
-void check_gpu_rows(const Plan& plan, const std::vector<Named>& tensors);
+void check_gpu_rows(const Plan& plan, const ArgList<Named>& tensors);
 
 // A call's workspace: at least `required` bytes (else
 // FKDA_ERROR_WORKSPACE_TOO_SMALL, the message naming `sizes` and the
@@ -140,7 +172,7 @@ struct Operand {
 // the very same memory, same first and last byte (a state updated in
 // place); partly overlapping is an error all the same. The message names
 // the written operand (of two written ones, the later in the list).
-void check_no_shared_memory(const std::vector<Operand>& operands,
+void check_no_shared_memory(const ArgList<Operand>& operands,
                             std::initializer_list<std::pair<const char*, const char*>> in_place = {});
 
 // The fields every problem shares (RecurrenceCall), from checked arguments.

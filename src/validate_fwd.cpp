@@ -116,7 +116,7 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
       invalid(std::string(name) + ": expected dtype " + dtype_name(plan.state_dtype) +
               " (the plan's state_dtype), got " + dtype_name(t.dtype));
     }
-    const std::vector<int64_t> shape = state_shape(plan, {N});
+    const Extents shape = state_shape(plan, {N});
     check_tensor(t, name, {plan.state_dtype}, {shape[0], shape[1], shape[2], shape[3]}, Strides::kPacked);
   }
 
@@ -155,7 +155,7 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
           a.layer),
       {{"initial_state", "final_state"}});
 
-  std::vector<Located> located = with_layer_pointers({{a.q.data, "q"},
+  ArgList<Located> located = with_layer_pointers({{a.q.data, "q"},
                                                       {a.k.data, "k"},
                                                       {a.v.data, "v"},
                                                       {a.g.data, "g"},

@@ -122,7 +122,7 @@ ConvWidths check_convolution(const Plan& plan, const fkda_layer_step& layer, con
     }
     return widths;
   }
-  if (call.conv_refusal != FKDA_SUCCESS) fail(call.conv_refusal, "layer.conv_weight_q: " + call.conv_refusal_reason);
+  if (call.conv_refusal != FKDA_SUCCESS) fail(call.conv_refusal, std::string("layer.conv_weight_q: ") + call.conv_refusal_reason);
 
   check_tensor(*weights.tensors[0], weights.names[0], {FKDA_DTYPE_BF16, FKDA_DTYPE_F32}, {channels, kAny},
                Strides::kFree);
@@ -148,7 +148,7 @@ ConvWidths check_convolution(const Plan& plan, const fkda_layer_step& layer, con
   }
 
   if (all_or_none(states, "the conv states")) {
-    if (!call.conv_state_refusal.empty()) invalid("layer.conv_state_q: " + call.conv_state_refusal);
+    if (call.conv_state_refusal != nullptr) invalid(std::string("layer.conv_state_q: ") + call.conv_state_refusal);
     const fkda_tensor& first = *states.tensors[0];
     check_tensor(first, states.names[0], {FKDA_DTYPE_BF16, FKDA_DTYPE_F32}, {kAny, channels, kAny}, Strides::kFree);
     if (first.shape[0] != call.conv_state_rows) {
@@ -246,7 +246,7 @@ bool conv_states_of_one_tensor(const fkda_layer_step& layer, fkda_tensor* whole)
 
 }  // namespace
 
-std::vector<Operand> with_layer_operands(std::vector<Operand> operands, const fkda_layer_step& layer) {
+ArgList<Operand> with_layer_operands(ArgList<Operand> operands, const fkda_layer_step& layer) {
   fkda_tensor whole_states = FKDA_TENSOR_NONE;
   const bool one_state_tensor = conv_states_of_one_tensor(layer, &whole_states);
   for (const LayerTensor& t : kLayerTensors) {
@@ -260,12 +260,12 @@ std::vector<Operand> with_layer_operands(std::vector<Operand> operands, const fk
   return operands;
 }
 
-std::vector<Located> with_layer_pointers(std::vector<Located> pointers, const fkda_layer_step& layer) {
+ArgList<Located> with_layer_pointers(ArgList<Located> pointers, const fkda_layer_step& layer) {
   for (const LayerTensor& t : kLayerTensors) pointers.push_back({(layer.*t.member).data, t.name});
   return pointers;
 }
 
-std::vector<Named> with_layer_rows(std::vector<Named> tensors, const fkda_layer_step& layer) {
+ArgList<Named> with_layer_rows(ArgList<Named> tensors, const fkda_layer_step& layer) {
   tensors.push_back({&layer.out_gate, kLayerTensors[kOutGate].name});
   return tensors;
 }

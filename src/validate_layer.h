@@ -22,13 +22,13 @@ struct LayerCall {
   // Rows of the conv states, and what they are for messages ("the pool's
   // slots, as the call takes state_indices", "one per sequence").
   int64_t conv_state_rows = 0;
-  std::string rows_are;
+  const char* rows_are = "";
   // A call that cannot take the convolution: the status and why, refused
   // naming layer.conv_weight_q (FKDA_SUCCESS: the convolution is allowed).
   fkda_status conv_refusal = FKDA_SUCCESS;
-  std::string conv_refusal_reason;
-  // A call that cannot take conv states (refused naming layer.conv_state_q); empty: allowed.
-  std::string conv_state_refusal;
+  const char* conv_refusal_reason = "";
+  // A call that cannot take conv states (refused naming layer.conv_state_q); null: allowed.
+  const char* conv_state_refusal = nullptr;
 };
 
 // Checks every field of `layer` (absent parts pass) and returns it as the
@@ -39,8 +39,8 @@ LayerStep check_layer_step(const Plan& plan, const fkda_layer_step& layer, const
 // for check_no_shared_memory (the conv states written, the rest read),
 // check_residency and check_gpu_rows (out_gate, whose rows the kernels move
 // like v's).
-std::vector<Operand> with_layer_operands(std::vector<Operand> operands, const fkda_layer_step& layer);
-std::vector<Located> with_layer_pointers(std::vector<Located> pointers, const fkda_layer_step& layer);
-std::vector<Named> with_layer_rows(std::vector<Named> tensors, const fkda_layer_step& layer);
+ArgList<Operand> with_layer_operands(ArgList<Operand> operands, const fkda_layer_step& layer);
+ArgList<Located> with_layer_pointers(ArgList<Located> pointers, const fkda_layer_step& layer);
+ArgList<Named> with_layer_rows(ArgList<Named> tensors, const fkda_layer_step& layer);
 
 }  // namespace fkda::checks

@@ -57,9 +57,9 @@ std::string hex_address(const void* data) {
 // (first element to the end of the last one) fits in int64, and data + span
 // does not run past the end of the address space. Anything else would only
 // be addressable through wrapped-around offsets.
-void check_span(const fkda_tensor& t, const std::string& n) {
+void check_span(const fkda_tensor& t, const char* n) {
   auto impossible = [&](const std::string& why) {
-    invalid(n + ": shape " + join(t.shape, t.rank) + " with strides " + join(t.strides, t.rank) + " " + why);
+    invalid(std::string(n) + ": shape " + join(t.shape, t.rank) + " with strides " + join(t.strides, t.rank) + " " + why);
   };
   int64_t last = 0;  // element offset of the last element
   for (int32_t i = 0; i < t.rank; ++i) {
@@ -84,22 +84,24 @@ void check_span(const fkda_tensor& t, const std::string& n) {
 // nor is anything of an empty tensor but its rank, dtype and extents.
 void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<int32_t> dtypes,
                   std::initializer_list<int64_t> shape, Strides strides) {
-  const std::string n = name;
-  if (!present(t)) invalid(n + ": required tensor is missing (data NULL, rank 0)");
+  // Messages only: the name becomes a string where one is thrown, so that a
+  // valid call allocates nothing here.
+  const char* n = name;
+  if (!present(t)) invalid(std::string(n) + ": required tensor is missing (data NULL, rank 0)");
   bool dtype_ok = std::find(dtypes.begin(), dtypes.end(), t.dtype) != dtypes.end();
   if (!dtype_ok) {
     std::string expected;
     for (int32_t d : dtypes) expected += (expected.empty() ? "" : " or ") + dtype_name(d);
-    invalid(n + ": expected dtype " + expected + ", got " + dtype_name(t.dtype));
+    invalid(std::string(n) + ": expected dtype " + expected + ", got " + dtype_name(t.dtype));
   }
   const int32_t rank = static_cast<int32_t>(shape.size());
   if (t.rank != rank) {
-    invalid(n + ": expected rank " + std::to_string(rank) + ", got " + std::to_string(t.rank));
+    invalid(std::string(n) + ": expected rank " + std::to_string(rank) + ", got " + std::to_string(t.rank));
   }
   int32_t axis = 0;
   for (int64_t expected : shape) {
     if (t.shape[axis] < 0) {
-      invalid(n + ": negative extent " + std::to_string(t.shape[axis]) + " on axis " +
+      invalid(std::string(n) + ": negative extent " + std::to_string(t.shape[axis]) + " on axis " +
               std::to_string(axis));
     }
     if (expected != kAny && t.shape[axis] != expected) {
@@ -107,24 +109,24 @@ void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<
       std::string want_text = "[";
       for (size_t i = 0; i < want.size(); ++i)
         want_text += (i ? ", " : "") + (want[i] == kAny ? std::string("*") : std::to_string(want[i]));
-      invalid(n + ": expected shape " + want_text + "], got " + join(t.shape, t.rank));
+      invalid(std::string(n) + ": expected shape " + want_text + "], got " + join(t.shape, t.rank));
     }
     ++axis;
   }
   if (is_empty(t)) return;
-  if (t.data == nullptr) invalid(n + ": data is NULL");
+  if (t.data == nullptr) invalid(std::string(n) + ": data is NULL");
   for (int32_t i = 0; i < rank; ++i) {
     if (t.shape[i] > 1 && t.strides[i] < 0) {
-      invalid(n + ": negative strides are not supported, got " + join(t.strides, rank));
+      invalid(std::string(n) + ": negative strides are not supported, got " + join(t.strides, rank));
     }
   }
   check_span(t, n);
   if (reinterpret_cast<uintptr_t>(t.data) % element_bytes(t.dtype) != 0) {
-    invalid(n + ": data " + hex_address(t.data) + " is not aligned to its " +
+    invalid(std::string(n) + ": data " + hex_address(t.data) + " is not aligned to its " +
             std::to_string(element_bytes(t.dtype)) + "-byte elements");
   }
   if (strides != Strides::kFree && t.shape[rank - 1] > 1 && t.strides[rank - 1] != 1) {
-    invalid(n + ": the last axis must be contiguous (stride 1), got strides " + join(t.strides, rank));
+    invalid(std::string(n) + ": the last axis must be contiguous (stride 1), got strides " + join(t.strides, rank));
   }
   if (strides == Strides::kPacked) {
     int64_t expected = 1;
@@ -133,7 +135,7 @@ void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<
         std::vector<int64_t> packed(rank);
         int64_t s = 1;
         for (int32_t j = rank - 1; j >= 0; --j) { packed[j] = s; s = saturating_mul(s, t.shape[j]); }
-        invalid(n + ": expected contiguous strides " + join(packed.data(), rank) + ", got " +
+        invalid(std::string(n) + ": expected contiguous strides " + join(packed.data(), rank) + ", got " +
                 join(t.strides, rank));
       }
       expected = saturating_mul(expected, t.shape[i]);
@@ -146,12 +148,15 @@ void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<
 // by the tensor's span; saturation keeps the last one from wrapping.
 void check_no_overlap(const fkda_tensor& t, const char* name) {
   if (is_empty(t)) return;
-  std::vector<int32_t> axes;
-  for (int32_t i = 0; i < t.rank; ++i)
-    if (t.shape[i] > 1) axes.push_back(i);
-  std::sort(axes.begin(), axes.end(), [&](int32_t a, int32_t b) { return t.strides[a] < t.strides[b]; });
+  int32_t axes[FKDA_MAX_RANK];
+  int32_t count = 0;
+  for (int32_t i = 0; i < t.rank && i < FKDA_MAX_RANK; ++i)
+    if (t.shape[i] > 1) axes[count++] = i;
+  for (int32_t i = 1; i < count; ++i)  // by stride; at most FKDA_MAX_RANK axes
+    for (int32_t j = i; j > 0 && t.strides[axes[j]] < t.strides[axes[j - 1]]; --j) std::swap(axes[j], axes[j - 1]);
   int64_t reach = 1;  // elements spanned by the axes seen so far
-  for (int32_t axis : axes) {
+  for (int32_t c = 0; c < count; ++c) {
+    const int32_t axis = axes[c];
     if (t.strides[axis] < reach) {
       invalid(std::string(name) + ": strides " + join(t.strides, t.rank) +
               " make elements overlap; an output needs distinct addresses");
@@ -248,7 +253,7 @@ PointerInfo pointer_info(const cuda::Driver& d, const void* data) {
 
 }  // namespace
 
-void check_residency(const Plan& plan, const std::vector<Located>& pointers) {
+void check_residency(const Plan& plan, const ArgList<Located>& pointers) {
   if (plan.backend == FKDA_BACKEND_GPU) {
     const cuda::Driver* d = cuda::driver();
     CUdevice device = cuda::current_device();
@@ -283,18 +288,18 @@ void check_residency(const Plan& plan, const std::vector<Located>& pointers) {
 // g, beta, A_log and dt_bias under the plan's gate and beta modes.
 void check_gate_inputs(const Plan& plan, const GateInputs& a, int64_t B, int64_t T) {
   const int64_t H = plan.num_heads, K = plan.head_dim_k;
-  const std::string gate = std::string("the plan's gate is ") + gate_mode_name(plan.gate_mode);
+  const auto gate = [&] { return std::string("the plan's gate is ") + gate_mode_name(plan.gate_mode); };
   if (plan.gate_mode == FKDA_GATE_LOG_DECAY) {
     check_tensor(a.g, "g", {FKDA_DTYPE_BF16, FKDA_DTYPE_F32}, {B, T, H, K}, Strides::kRows);
-    if (present(a.A_log)) invalid("A_log: must be absent: " + gate + ", g is the log-decay itself");
-    if (present(a.dt_bias)) invalid("dt_bias: must be absent: " + gate + ", g is the log-decay itself");
+    if (present(a.A_log)) invalid("A_log: must be absent: " + gate() + ", g is the log-decay itself");
+    if (present(a.dt_bias)) invalid("dt_bias: must be absent: " + gate() + ", g is the log-decay itself");
   } else {
     if (present(a.g) && a.g.dtype == FKDA_DTYPE_F32) {
-      invalid("g: expected dtype bf16 (" + gate + "; f32 g is taken with the log-decay gate only), got f32");
+      invalid("g: expected dtype bf16 (" + gate() + "; f32 g is taken with the log-decay gate only), got f32");
     }
     check_tensor(a.g, "g", {FKDA_DTYPE_BF16}, {B, T, H, K}, Strides::kRows);
     if (plan.gate_mode == FKDA_GATE_SOFTPLUS && !present(a.A_log)) {
-      invalid("A_log: required tensor is missing (data NULL, rank 0): " + gate + ", -exp(A_log) * softplus(g + dt_bias)");
+      invalid("A_log: required tensor is missing (data NULL, rank 0): " + gate() + ", -exp(A_log) * softplus(g + dt_bias)");
     }
     if (present(a.A_log)) check_tensor(a.A_log, "A_log", {FKDA_DTYPE_F32}, {H}, Strides::kPacked);
     if (present(a.dt_bias)) check_tensor(a.dt_bias, "dt_bias", {FKDA_DTYPE_F32}, {H, K}, Strides::kPacked);
@@ -353,43 +358,40 @@ std::string str(int64_t x) { return std::to_string(x); }
 
 void check_packed_from(const fkda_tensor& t, const char* name, int32_t first_packed) {
   if (is_empty(t)) return;
-  std::vector<int64_t> packed(size_t(t.rank), 0);
+  int64_t packed[FKDA_MAX_RANK] = {};
   int64_t expected = 1;
   bool ok = true;
-  for (int32_t i = t.rank - 1; i >= first_packed; --i) {
-    packed[size_t(i)] = expected;
+  for (int32_t i = std::min(t.rank, int32_t(FKDA_MAX_RANK)) - 1; i >= first_packed; --i) {
+    packed[i] = expected;
     if (t.shape[i] > 1 && t.strides[i] != expected) ok = false;
     expected = saturating_mul(expected, t.shape[i]);
   }
   if (!ok) {
     std::string want = "[";
-    for (int32_t i = 0; i < t.rank; ++i)
-      want += (i ? ", " : "") + (i < first_packed ? std::string("*") : str(packed[size_t(i)]));
+    for (int32_t i = 0; i < t.rank && i < FKDA_MAX_RANK; ++i)
+      want += (i ? ", " : "") + (i < first_packed ? std::string("*") : str(packed[i]));
     invalid(std::string(name) + ": each state must be contiguous, expected strides " + want + "], got " +
             join(t.strides, t.rank));
   }
   check_no_overlap(t, name);
 }
 
-std::vector<int64_t> state_shape(const Plan& plan, std::initializer_list<int64_t> leading) {
-  std::vector<int64_t> shape(leading);
-  shape.push_back(plan.num_heads);
-  if (plan.state_layout == FKDA_STATE_LAYOUT_VK) {
-    shape.push_back(plan.head_dim_v);
-    shape.push_back(plan.head_dim_k);
-  } else {
-    shape.push_back(plan.head_dim_k);
-    shape.push_back(plan.head_dim_v);
-  }
+Extents state_shape(const Plan& plan, std::initializer_list<int64_t> leading) {
+  Extents shape;
+  for (int64_t extent : leading) shape.at[shape.rank++] = extent;
+  const bool vk = plan.state_layout == FKDA_STATE_LAYOUT_VK;
+  shape.at[shape.rank++] = plan.num_heads;
+  shape.at[shape.rank++] = vk ? plan.head_dim_v : plan.head_dim_k;
+  shape.at[shape.rank++] = vk ? plan.head_dim_k : plan.head_dim_v;
   return shape;
 }
 
-void check_shape(const fkda_tensor& t, const char* name, const std::vector<int64_t>& shape) {
-  bool ok = t.rank == int32_t(shape.size());
-  for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] == kAny || t.shape[i] == shape[i];
+void check_shape(const fkda_tensor& t, const char* name, const Extents& shape) {
+  bool ok = t.rank == shape.rank;
+  for (int32_t i = 0; ok && i < shape.rank; ++i) ok = shape[i] == kAny || t.shape[i] == shape[i];
   if (ok) return;
   std::string want = "[";
-  for (size_t i = 0; i < shape.size(); ++i) want += (i ? ", " : "") + (shape[i] == kAny ? "*" : str(shape[i]));
+  for (int32_t i = 0; i < shape.rank; ++i) want += (i ? ", " : "") + (shape[i] == kAny ? "*" : str(shape[i]));
   invalid(std::string(name) + ": expected shape " + want + "], got " + join(t.shape, t.rank));
 }
 
@@ -440,7 +442,7 @@ void check_workspace(const void* workspace, size_t workspace_bytes, size_t requi
   if (required > 0 && reinterpret_cast<uintptr_t>(workspace) % 16 != 0) invalid("workspace: must be 16-byte aligned");
 }
 
-void check_gpu_rows(const Plan& plan, const std::vector<Named>& tensors) {
+void check_gpu_rows(const Plan& plan, const ArgList<Named>& tensors) {
   if (plan.backend != FKDA_BACKEND_GPU) return;
   for (const Named& t : tensors)
     if (present(*t.tensor) && !is_empty(*t.tensor)) check_gpu_alignment(*t.tensor, t.name);
@@ -469,7 +471,7 @@ Operand Operand::bytes(const void* data, size_t size, const char* name, bool wri
 // Spans, not elements: two views that interleave without sharing an
 // element are refused too. No caller needs an output threaded through the
 // gaps of another argument, and the span test has no blind spot.
-void check_no_shared_memory(const std::vector<Operand>& operands,
+void check_no_shared_memory(const ArgList<Operand>& operands,
                             std::initializer_list<std::pair<const char*, const char*>> in_place) {
   auto may_be_same = [&](const Operand& a, const Operand& b) {
     for (const auto& [read, written] : in_place) {

@@ -38,7 +38,7 @@ TransitionProblem validate_transitions(const Plan& plan, const fkda_transition_a
 
   check_tensor(a.transition_m, "transition_m", {FKDA_DTYPE_F32}, {N, H, K, K}, Strides::kPacked);
   // E has the shape of a state in the plan's layout.
-  const std::vector<int64_t> e = state_shape(plan, {N});
+  const Extents e = state_shape(plan, {N});
   check_tensor(a.transition_e, "transition_e", {FKDA_DTYPE_F32}, {e[0], e[1], e[2], e[3]}, Strides::kPacked);
 
   int64_t total_tokens = 0;
@@ -51,7 +51,7 @@ TransitionProblem validate_transitions(const Plan& plan, const fkda_transition_a
        Operand::tensor(a.dt_bias, "dt_bias", false), Operand::tensor(a.cu_seqlens, "cu_seqlens", false),
        Operand::tensor(a.transition_m, "transition_m", true), Operand::tensor(a.transition_e, "transition_e", true),
        Operand::bytes(workspace, workspace_bytes, "workspace", true)});
-  std::vector<Located> located = {{a.k.data, "k"},
+  ArgList<Located> located = {{a.k.data, "k"},
                                   {a.v.data, "v"},
                                   {a.g.data, "g"},
                                   {a.beta.data, "beta"},
@@ -85,9 +85,9 @@ ApplyProblem validate_apply(const Plan& plan, const fkda_apply_args* args, const
   // transition_m fixes R and N.
   check_tensor(a.transition_m, "transition_m", {FKDA_DTYPE_F32}, {kAny, kAny, H, K, K}, Strides::kPacked);
   const int64_t R = a.transition_m.shape[0], N = a.transition_m.shape[1];
-  const std::vector<int64_t> e = state_shape(plan, {R, N});
+  const Extents e = state_shape(plan, {R, N});
   check_tensor(a.transition_e, "transition_e", {FKDA_DTYPE_F32}, {e[0], e[1], e[2], e[3], e[4]}, Strides::kPacked);
-  const std::vector<int64_t> state = state_shape(plan, {N});
+  const Extents state = state_shape(plan, {N});
   auto check_state = [&](const fkda_tensor& t, const char* name) {
     if (t.dtype != plan.state_dtype && present(t)) {
       invalid(std::string(name) + ": expected dtype " + dtype_name(plan.state_dtype) +
