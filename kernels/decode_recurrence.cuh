@@ -444,36 +444,25 @@ __device__ __forceinline__ DecodeConvItem decode_conv_item(int item, int rows_lo
 // and a widening next to its load, inside the branch that chose the load,
 // made each load wait for the one before.
 struct DecodeConvChannel {
-  uint32_t weight_back[FKDA_CONV_MAX_WIDTH];  // weight[W - 1 - b]
-  uint32_t bias;
+  ConvWeightBits weights;
   uint32_t x_back[FKDA_CONV_MAX_WIDTH];  // the input b tokens back (0: the item's token)
   uint32_t x_is_f32;                     // bit b: x_back[b] came from an f32 conv state
 };
-// Each input's offset steps from the one before (one 64-bit add) instead
-// of being multiplied out of its strides: in a one-warp block the chain of
-// the convolution's loads was mostly address arithmetic.
+// Each input's offset steps from the one before, as the weights' do
+// (load_conv_weight_bits).
 __device__ __forceinline__ DecodeConvChannel start_conv_channel(const FkdaDecodeParams& p, const DecodeConvItem& it,
                                                                 int64_t batch_row, int64_t begin, int head) {
   const FkdaActivation& raw = it.proj == 0 ? p.call.q : (it.proj == 1 ? p.call.k : p.call.v);
-  const FkdaConv& conv = p.layer.conv[it.proj];
-  const bool f32 = p.layer.conv_is_f32 != 0;
-  const int bytes_log2 = f32 ? 2 : 1;
   const int width = p.layer.conv_width;
-  const int64_t c = int64_t(head) * FKDA_HEAD_DIM + it.i;
   DecodeConvChannel ch;
-  ch.bias = conv.bias != nullptr ? load_real_bits(conv.bias, f32, c * conv.bias_stride) : 0u;
   ch.x_is_f32 = 0;
-  // weight[W - 1 - b] (bytes) and the input b tokens back (elements), from b = 0 on.
-  int64_t weight_at = (c * conv.weight_stride_c + (width - 1) * conv.weight_stride_w) << bytes_log2;
-  const int64_t weight_step = conv.weight_stride_w << bytes_log2;
   int64_t x_at = batch_row * raw.stride_b + int64_t(head) * raw.stride_h + (begin + it.t) * raw.stride_t + it.i;
 #pragma unroll
   for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) {
-    ch.weight_back[b] = b < width ? load_real_bits(static_cast<const unsigned char*>(conv.weight) + weight_at, f32, 0) : 0u;
     ch.x_back[b] = b < width && it.t >= b ? uint32_t(__ldg(static_cast<const uint16_t*>(raw.data) + x_at)) : 0u;
-    weight_at -= weight_step;
     x_at -= raw.stride_t;
   }
+  ch.weights = load_conv_weight_bits(p.layer, p.layer.conv[it.proj], int64_t(head) * FKDA_HEAD_DIM + it.i);
   return ch;
 }
 
@@ -509,13 +498,10 @@ __device__ __forceinline__ void load_conv_window(const FkdaDecodeParams& p, cons
 __device__ __forceinline__ float keep_and_convolve(const FkdaDecodeParams& p, const DecodeConvItem& it, int tokens,
                                                    int head, int64_t slot, const DecodeConvChannel& ch) {
   const FkdaConv& conv = p.layer.conv[it.proj];
-  const bool f32 = p.layer.conv_is_f32 != 0;
-  float weight_back[FKDA_CONV_MAX_WIDTH], x_back[FKDA_CONV_MAX_WIDTH];
+  const ConvWeights w = conv_weights(p.layer, ch.weights);
+  float x_back[FKDA_CONV_MAX_WIDTH];
 #pragma unroll
-  for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) {
-    weight_back[b] = real_of_bits(ch.weight_back[b], f32);
-    x_back[b] = real_of_bits(ch.x_back[b], (ch.x_is_f32 >> b) & 1u);
-  }
+  for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) x_back[b] = real_of_bits(ch.x_back[b], (ch.x_is_f32 >> b) & 1u);
   if (tokens == 1 && conv.state != nullptr) {
     const int64_t c = int64_t(head) * FKDA_HEAD_DIM + it.i;
 #pragma unroll
@@ -524,7 +510,7 @@ __device__ __forceinline__ float keep_and_convolve(const FkdaDecodeParams& p, co
       if (col >= 0) store_conv_state(p.layer, conv, slot, c, col, x_back[b]);
     }
   }
-  return convolve_back<false>(p.layer.conv_width, real_of_bits(ch.bias, f32), weight_back, x_back);
+  return convolve_back<false>(p.layer.conv_width, w.bias, w.back, x_back);
 }
 
 // ---- What the blocks of a head send each other ----
@@ -649,9 +635,10 @@ __device__ __forceinline__ void wait_for_head_blocks(uint64_t* barriers, HeadExc
 // own rows, so the block barrier after the preparation (before the steps)
 // orders its convolution's reads before these writes.
 __device__ __forceinline__ void store_decode_conv_states(const FkdaDecodeParams& p, int64_t batch_row, int64_t begin,
-                                                         int tokens, int head, int64_t slot, int rank, int block_row) {
+                                                         int tokens, int head, int64_t slot, int block_row) {
   const int state_width = p.layer.conv_state_width;
   constexpr int share = FKDA_HEAD_DIM / kDecodeLayerBlocks, rows = kDecodeLayerRows;
+  const int rank = block_row / rows;
   for (int index = threadIdx.x; index < 2 * share + rows; index += kDecodeLayerThreads) {
     const int proj = index < 2 * share ? index / share : 2;
     const int i = proj < 2 ? rank * share + index % share : block_row + index - 2 * share;
@@ -716,7 +703,7 @@ __device__ __forceinline__ void finish_decode_layer(const FkdaDecodeParams& p, f
   }
   // While the sums travel. (A one-token sequence wrote its conv states in keep_and_convolve.)
   if (p.layer.conv_width > 0 && p.layer.conv[0].state != nullptr && tokens > 1) {
-    store_decode_conv_states(p, batch_row, begin, tokens, head, slot, rank, block_row);
+    store_decode_conv_states(p, batch_row, begin, tokens, head, slot, block_row);
   }
   if (gate) {
     wait_for_head_blocks(barriers_here, kHeadSums, vsplit);
@@ -783,6 +770,9 @@ __device__ __forceinline__ void step_token_rows(float (&s)[kRows][kDecodeColumns
 template <bool kBf16, bool kKV, bool kLayer>
 __device__ __forceinline__ void decode_steps(const FkdaDecodeParams& p) {
   extern __shared__ __align__(16) unsigned char decode_smem[];
+  // sm_80's layer kernels read their block's warps from p.warps, which the
+  // host sets to kDecodeLayerWarps for them: as the constant, ptxas spilled
+  // 32 bytes of those kernels.
   const int warps = kLayer && kDecodeLayerStaged ? kDecodeLayerWarps : p.warps;
   const int threads = kLayer && kDecodeLayerStaged ? kDecodeLayerThreads : int(blockDim.x);
   const int rows = warps * FKDA_DECODE_ROWS_PER_WARP;  // of this block

@@ -279,6 +279,17 @@ __device__ __forceinline__ void store_stage(const FkdaDecodeParams& p, const Str
   }
 }
 
+// The block's j-th item's stage (j mod stages) and the parity of its round
+// over the stages, counted rather than divided out of j (producer and
+// consumers alike): on the consumers' chain the divisions were three an
+// item with the head's index.
+__device__ __forceinline__ void next_stage(int& stage, uint32_t& round_parity, int stages) {
+  if (++stage == stages) {
+    stage = 0;
+    round_parity ^= 1u;
+  }
+}
+
 // The producer: item j's copies into stage j % stages, once the consumers
 // have released it and the item that held it has been stored.
 template <bool kBf16, bool kLayer>
@@ -291,7 +302,9 @@ __device__ __forceinline__ void produce(const FkdaDecodeParams& p, int64_t items
   const int conv_bytes = FKDA_HEAD_DIM * layout.conv_channel_bytes;  // a projection's
   StreamItem<kLayer> mine = {};  // lane i: item j + i of the current run of 32
   int64_t j = 0;
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x, ++j) {
+  int stage = 0;
+  uint32_t round_parity = 0;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x, ++j, next_stage(stage, round_parity, p.stages)) {
     // The lanes look 32 items ahead at once, so that the chain of dependent
     // loads (offsets, then the slot, then beta) is paid once per 32 items.
     if (j % 32 == 0) {
@@ -300,11 +313,10 @@ __device__ __forceinline__ void produce(const FkdaDecodeParams& p, int64_t items
     }
     const StreamItem<kLayer> it = shuffle_item(mine, int(j % 32));
     if (lane == 0) {
-      const int stage = int(j % p.stages);
       const uint32_t stage_full = full + 8 * stage, stage_empty = empty + 8 * stage;
       const StreamStage s{stages_base + stage * layout.stage_bytes, layout};
       if (j >= p.stages) {
-        barrier_wait(stage_empty, uint32_t((j / p.stages - 1) & 1));
+        barrier_wait(stage_empty, round_parity ^ 1u);  // the round before's item released it
         store_stage<kLayer>(p, s);
         bulk_stores_read();
       }
@@ -346,11 +358,18 @@ __device__ __forceinline__ void produce(const FkdaDecodeParams& p, int64_t items
     __syncwarp();
   }
   // The last stages' items, once the consumers are done with them.
+  // Item j - stages (item 0 if fewer) is in the stage item j would take, a
+  // round before.
   if (lane == 0) {
-    const int64_t count = j;
-    for (int64_t last = count > p.stages ? count - p.stages : 0; last < count; ++last) {
-      const int stage = int(last % p.stages);
-      barrier_wait(empty + 8 * stage, uint32_t((last / p.stages) & 1));
+    const bool wrapped = j >= p.stages;
+    if (wrapped) {
+      round_parity ^= 1u;
+    } else {
+      stage = 0;
+      round_parity = 0;
+    }
+    for (int64_t last = wrapped ? j - p.stages : 0; last < j; ++last, next_stage(stage, round_parity, p.stages)) {
+      barrier_wait(empty + 8 * stage, round_parity);
       store_stage<kLayer>(p, StreamStage{stages_base + stage * layout.stage_bytes, layout});
     }
     bulk_stores_done();
@@ -364,40 +383,6 @@ __device__ __forceinline__ void prefetch_channel_weights(const FkdaDecodeParams&
   const int bytes = p.layer.conv_is_f32 ? 4 : 2;
   prefetch_l1(static_cast<const unsigned char*>(conv.weight) + c * conv.weight_stride_c * bytes);
   if (conv.bias != nullptr) prefetch_l1(static_cast<const unsigned char*>(conv.bias) + c * conv.bias_stride * bytes);
-}
-
-// A channel's convolution weights, by distance (layer_conv.cuh), and bias:
-// first as the bits their loads return, every load issued before any is
-// widened (widened inside the branch that chose it, each load waited for
-// the one before: ncu, W1, 5% of the consumers' stall samples).
-struct ChannelWeightBits {
-  uint32_t back[FKDA_CONV_MAX_WIDTH];
-  uint32_t bias;
-};
-__device__ __forceinline__ ChannelWeightBits load_channel_weight_bits(const FkdaDecodeParams& p, int proj, int64_t c) {
-  const FkdaConv& conv = p.layer.conv[proj];
-  const bool f32 = p.layer.conv_is_f32 != 0;
-  const int width = p.layer.conv_width;
-  ChannelWeightBits bits;
-  bits.bias = conv.bias != nullptr ? load_real_bits(conv.bias, f32, c * conv.bias_stride) : 0u;
-#pragma unroll
-  for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) {
-    bits.back[b] =
-        b < width ? load_real_bits(conv.weight, f32, c * conv.weight_stride_c + (width - 1 - b) * conv.weight_stride_w) : 0u;
-  }
-  return bits;
-}
-struct ChannelWeights {
-  float back[FKDA_CONV_MAX_WIDTH];
-  float bias;
-};
-__device__ __forceinline__ ChannelWeights channel_weights(const FkdaDecodeParams& p, const ChannelWeightBits& bits) {
-  const bool f32 = p.layer.conv_is_f32 != 0;
-  ChannelWeights w;
-  w.bias = real_of_bits(bits.bias, f32);
-#pragma unroll
-  for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) w.back[b] = real_of_bits(bits.back[b], f32);
-  return w;
 }
 
 // A channel's last inputs, back(b) the one b + 1 tokens back: from its
@@ -422,7 +407,7 @@ struct ChannelHistory {
     for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) back(b) = b < width ? state_at(p, s, proj, c, width - 1 - b) : 0.f;
   }
   // The convolution of input x with the history, which then takes x.
-  __device__ float convolve(const FkdaDecodeParams& p, const ChannelWeights& w, float x) const {
+  __device__ float convolve(const FkdaDecodeParams& p, const ConvWeights& w, float x) const {
     const float x_back[FKDA_CONV_MAX_WIDTH] = {x, back(0), back(1), back(2)};
     const float y = convolve_back<false>(p.layer.conv_width, w.bias, w.back, x_back);
     back(3) = x_back[3];
@@ -476,16 +461,29 @@ __device__ __forceinline__ void init_gate_barriers(const GateHandOver& g) {
 // A consumer thread: token `handed` (counted over the block's gated tokens)
 // to the gate warp, the thread's outputs o at its group's rows (lane l of
 // the group writes them) and, from thread 0, the record.
-__device__ __forceinline__ void hand_to_gate(const GateHandOver& g, uint32_t handed, int local_row, int l,
-                                             const float (&o)[kDecodeRowsPerGroup], const GateRecord& record) {
+// The place of the block's handed-th token, once the gate warp is done
+// with the token before in it.
+__device__ __forceinline__ int gate_place(const GateHandOver& g, uint32_t handed) {
   constexpr uint32_t places = FKDA_DECODE_STREAM_GATE_PLACES;
   const int place = int(handed % places);
   if (handed >= places) barrier_wait(g.gated + 8 * place, uint32_t((handed / places - 1) & 1));
+  return place;
+}
+__device__ __forceinline__ void announce_to_gate(const GateHandOver& g, int place, const GateRecord& record) {
+  if (threadIdx.x == 0) g.records[place] = record;
+  barrier_arrive(g.ready + 8 * place);
+}
+__device__ __forceinline__ void hand_to_gate(const GateHandOver& g, uint32_t handed, int local_row, int l,
+                                             const float (&o)[kDecodeRowsPerGroup], const GateRecord& record) {
+  const int place = gate_place(g, handed);
   if (l == 0) {
     *reinterpret_cast<float4*>(g.outputs + place * FKDA_HEAD_DIM + local_row) = make_float4(o[0], o[1], o[2], o[3]);
   }
-  if (threadIdx.x == 0) g.records[place] = record;
-  barrier_arrive(g.ready + 8 * place);
+  announce_to_gate(g, place, record);
+}
+// After the block's last token: the record that ends the gate warp's work.
+__device__ __forceinline__ void end_gate(const GateHandOver& g, uint32_t handed) {
+  announce_to_gate(g, gate_place(g, handed), GateRecord{nullptr, nullptr});
 }
 // The gate warp: RMSNorm(o) w sigmoid(g_out) over each handed token's 128
 // outputs, four values a lane (rows of out and g_out are 16-byte aligned,
@@ -513,12 +511,6 @@ __device__ __forceinline__ void gate_tokens(const FkdaDecodeParams& p, const Gat
 }
 
 // ---- the consumers ----
-__device__ __forceinline__ void next_stage(int& stage, uint32_t& round_parity, int stages) {
-  if (++stage == stages) {
-    stage = 0;
-    round_parity ^= 1u;
-  }
-}
 
 // For each token of an item, its preparation (all consumer warps: thread c
 // the decay of channel c, so that one token's preparation is short) into
@@ -552,10 +544,7 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
   const ChannelHistory history_qk{histories + tid, threads}, history_v{histories + FKDA_CONV_MAX_WIDTH * threads + tid, threads};
   uint32_t prepared = 0;  // tokens this block has prepared
   uint32_t handed = 0;    // of them, to the gate warp
-  // The block's j-th item's stage (j mod stages) and the parity of its
-  // round over the stages, counted rather than divided out of j: with the
-  // head's index, three divisions an item on the consumers' chain.
-  int stage = 0;
+  int stage = 0;  // of the block's j-th item (next_stage)
   uint32_t round_parity = 0;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x, next_stage(stage, round_parity, p.stages)) {
     const StreamStage s{stages_base + stage * layout.stage_bytes, layout};
@@ -576,15 +565,10 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
                     int64_t(head) * p.call.out.stride_h + begin * p.call.out.stride_t + block_row;
     const int tokens = h.length;
     if (h.matrix == nullptr) {
-      if constexpr (kLayer) {
-        // A token's 128 values from threads 0-127 (the flattened loop's
-        // unrolled address arithmetic spilled here).
-        for (int t = 0; t < tokens && tid < rows; ++t) out[t * p.call.out.stride_t + tid] = 0;
-      } else {
-        for (int64_t i = tid; i < int64_t(tokens) * rows; i += threads) {
-          out[(i / rows) * p.call.out.stride_t + i % rows] = 0;
-        }
-      }
+      // A token's values, the item's rows, from the first threads (a loop
+      // over tokens x rows spilled in the layer form: its unrolled address
+      // arithmetic).
+      for (int t = 0; t < tokens && tid < rows; ++t) out[t * p.call.out.stride_t + tid] = 0;
       barrier_arrive(empty + 8 * stage);
       continue;
     }
@@ -617,13 +601,14 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
       };
       if constexpr (kLayer) {
         // As they are: each warp normalises q and k after the barrier.
+        auto convolve = [&](const ChannelHistory& history, int proj, float x) {
+          return history.convolve(p, conv_weights(p.layer, load_conv_weight_bits(p.layer, p.layer.conv[proj], head_channel)), x);
+        };
         const float x = raw_input(qk, t, channel);
-        (qk == 0 ? query : key)[place * FKDA_HEAD_DIM + channel] =
-            convolved ? history_qk.convolve(p, channel_weights(p, load_channel_weight_bits(p, qk, head_channel)), x) : x;
+        (qk == 0 ? query : key)[place * FKDA_HEAD_DIM + channel] = convolved ? convolve(history_qk, qk, x) : x;
         if (qk == 1) {
           const float xv = raw_input(2, t, channel);
-          value[place * rows + channel] =
-              convolved ? history_v.convolve(p, channel_weights(p, load_channel_weight_bits(p, 2, head_channel)), xv) : xv;
+          value[place * rows + channel] = convolved ? convolve(history_v, 2, xv) : xv;
         } else {
           decay[place * FKDA_HEAD_DIM + channel] = decay_accurate(p.call.gate, p.call.gate_scale, g_of(), h.rate, dt);
         }
@@ -693,10 +678,7 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
     fence_for_bulk_copies();
     barrier_arrive(empty + 8 * stage);
   }
-  if (gated) {
-    const float none[kDecodeRowsPerGroup] = {};
-    hand_to_gate(gate, handed, local_row, l, none, GateRecord{nullptr, nullptr});
-  }
+  if (gated) end_gate(gate, handed);
 }
 
 template <bool kBf16, bool kLayer>

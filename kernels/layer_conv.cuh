@@ -72,6 +72,46 @@ __device__ __forceinline__ void load_weights_back(const FkdaLayerStep& layer, co
   }
 }
 
+// A channel's weights by distance and its bias as the bits their loads
+// return, for the decode kernels, which issue every load of a step before
+// widening any (conv_weights): a widening next to its load, inside the
+// branch that chose the load, made each load wait for the one before. The
+// weights' offsets step from one to the next (one 64-bit add) instead of
+// being multiplied out of the strides: on a one-sequence call's chain the
+// convolution's loads were mostly address arithmetic.
+struct ConvWeightBits {
+  uint32_t back[FKDA_CONV_MAX_WIDTH];  // weight[W - 1 - b], 0 for b >= W
+  uint32_t bias;                       // 0 without biases
+};
+__device__ __forceinline__ ConvWeightBits load_conv_weight_bits(const FkdaLayerStep& layer, const FkdaConv& conv,
+                                                                int64_t c) {
+  const bool f32 = layer.conv_is_f32 != 0;
+  const int bytes_log2 = f32 ? 2 : 1;
+  const int width = layer.conv_width;
+  ConvWeightBits bits;
+  bits.bias = conv.bias != nullptr ? load_real_bits(conv.bias, f32, c * conv.bias_stride) : 0u;
+  int64_t at = (c * conv.weight_stride_c + (width - 1) * conv.weight_stride_w) << bytes_log2;  // bytes
+  const int64_t step = conv.weight_stride_w << bytes_log2;
+#pragma unroll
+  for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) {
+    bits.back[b] = b < width ? load_real_bits(static_cast<const unsigned char*>(conv.weight) + at, f32, 0) : 0u;
+    at -= step;
+  }
+  return bits;
+}
+struct ConvWeights {
+  float back[FKDA_CONV_MAX_WIDTH];
+  float bias;
+};
+__device__ __forceinline__ ConvWeights conv_weights(const FkdaLayerStep& layer, const ConvWeightBits& bits) {
+  const bool f32 = layer.conv_is_f32 != 0;
+  ConvWeights w;
+  w.bias = real_of_bits(bits.bias, f32);
+#pragma unroll
+  for (int b = 0; b < FKDA_CONV_MAX_WIDTH; ++b) w.back[b] = real_of_bits(bits.back[b], f32);
+  return w;
+}
+
 // Accurate exp: the decode's convolution feeds the f32 state directly.
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
