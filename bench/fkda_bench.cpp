@@ -22,10 +22,7 @@
 #include "report.h"
 #include "serving.h"
 #include "timing.h"
-
-#ifndef FKDA_BENCH_GIT_DESCRIBE
-#define FKDA_BENCH_GIT_DESCRIBE ""
-#endif
+#include "bench_commit.h"  // FKDA_BENCH_GIT_DESCRIBE, generated at each build
 
 namespace fkda_bench {
 namespace {
@@ -89,7 +86,7 @@ Options:
   --seed N            seed of the random inputs (default 1)
   --json FILE         also write the results as JSON to FILE
   --commit SHA        commit recorded in the results (default: git describe
-                      of the source tree when the build was configured)
+                      of the source tree when fkda-bench was built)
   --cpu               accuracy cases and decode/spec cases on the CPU backend
                       (host memory, no GPU needed): one checked call each,
                       nothing timed
@@ -589,7 +586,7 @@ void write_json(const std::string& path, const Options& options,
     doc["commit_source"] = "unknown";
   } else {
     doc["commit"] = FKDA_BENCH_GIT_DESCRIBE;
-    doc["commit_source"] = "git describe when the build was configured";
+    doc["commit_source"] = "git describe when fkda-bench was built";
   }
   if (device) {
     doc["device"] = {{"name", device->name},
