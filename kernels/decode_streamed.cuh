@@ -602,7 +602,8 @@ __device__ __forceinline__ void consume(const FkdaDecodeParams& p, int64_t items
       if constexpr (kLayer) {
         // As they are: each warp normalises q and k after the barrier.
         auto convolve = [&](const ChannelHistory& history, int proj, float x) {
-          return history.convolve(p, conv_weights(p.layer, load_conv_weight_bits(p.layer, p.layer.conv[proj], head_channel)), x);
+          const ConvWeightBits bits = load_conv_weight_bits(p.layer, p.layer.conv[proj], head_channel);
+          return history.convolve(p, conv_weights(p.layer, bits), x);
         };
         const float x = raw_input(qk, t, channel);
         (qk == 0 ? query : key)[place * FKDA_HEAD_DIM + channel] = convolved ? convolve(history_qk, qk, x) : x;

@@ -156,23 +156,23 @@ PrefillProblem validate_fwd(const Plan& plan, const fkda_fwd_args* args, const v
       {{"initial_state", "final_state"}});
 
   ArgList<Located> located = with_layer_pointers({{a.q.data, "q"},
-                                                      {a.k.data, "k"},
-                                                      {a.v.data, "v"},
-                                                      {a.g.data, "g"},
-                                                      {a.beta.data, "beta"},
-                                                      {a.A_log.data, "A_log"},
-                                                      {a.dt_bias.data, "dt_bias"},
-                                                      {a.out.data, "out"},
-                                                      {a.initial_state.data, "initial_state"},
-                                                      {a.final_state.data, "final_state"},
-                                                      {a.cu_seqlens.data, "cu_seqlens"},
-                                                      {a.state_pool.data, "state_pool"},
-                                                      {a.state_indices.data, "state_indices"},
-                                                      {a.has_initial_state.data, "has_initial_state"},
-                                                      {a.checkpoint_offsets.data, "checkpoint_offsets"},
-                                                      {a.checkpoints.data, "checkpoints"},
-                                                      {a.checkpoint_slots.data, "checkpoint_slots"}},
-                                                     a.layer);
+                                                  {a.k.data, "k"},
+                                                  {a.v.data, "v"},
+                                                  {a.g.data, "g"},
+                                                  {a.beta.data, "beta"},
+                                                  {a.A_log.data, "A_log"},
+                                                  {a.dt_bias.data, "dt_bias"},
+                                                  {a.out.data, "out"},
+                                                  {a.initial_state.data, "initial_state"},
+                                                  {a.final_state.data, "final_state"},
+                                                  {a.cu_seqlens.data, "cu_seqlens"},
+                                                  {a.state_pool.data, "state_pool"},
+                                                  {a.state_indices.data, "state_indices"},
+                                                  {a.has_initial_state.data, "has_initial_state"},
+                                                  {a.checkpoint_offsets.data, "checkpoint_offsets"},
+                                                  {a.checkpoints.data, "checkpoints"},
+                                                  {a.checkpoint_slots.data, "checkpoint_slots"}},
+                                                 a.layer);
   if (required > 0 && workspace != nullptr) located.push_back({workspace, "workspace"});
   // Where the tensors live before whether the workspace suffices: a tensor
   // in the wrong memory is the first thing a caller has to fix.

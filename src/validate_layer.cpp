@@ -122,7 +122,9 @@ ConvWidths check_convolution(const Plan& plan, const fkda_layer_step& layer, con
     }
     return widths;
   }
-  if (call.conv_refusal != FKDA_SUCCESS) fail(call.conv_refusal, std::string("layer.conv_weight_q: ") + call.conv_refusal_reason);
+  if (call.conv_refusal != FKDA_SUCCESS) {
+    fail(call.conv_refusal, std::string("layer.conv_weight_q: ") + call.conv_refusal_reason);
+  }
 
   check_tensor(*weights.tensors[0], weights.names[0], {FKDA_DTYPE_BF16, FKDA_DTYPE_F32}, {channels, kAny},
                Strides::kFree);

@@ -57,9 +57,10 @@ std::string hex_address(const void* data) {
 // (first element to the end of the last one) fits in int64, and data + span
 // does not run past the end of the address space. Anything else would only
 // be addressable through wrapped-around offsets.
-void check_span(const fkda_tensor& t, const char* n) {
+void check_span(const fkda_tensor& t, const char* name) {
   auto impossible = [&](const std::string& why) {
-    invalid(std::string(n) + ": shape " + join(t.shape, t.rank) + " with strides " + join(t.strides, t.rank) + " " + why);
+    invalid(std::string(name) + ": shape " + join(t.shape, t.rank) + " with strides " + join(t.strides, t.rank) +
+            " " + why);
   };
   int64_t last = 0;  // element offset of the last element
   for (int32_t i = 0; i < t.rank; ++i) {
@@ -84,24 +85,23 @@ void check_span(const fkda_tensor& t, const char* n) {
 // nor is anything of an empty tensor but its rank, dtype and extents.
 void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<int32_t> dtypes,
                   std::initializer_list<int64_t> shape, Strides strides) {
-  // Messages only: the name becomes a string where one is thrown, so that a
-  // valid call allocates nothing here.
-  const char* n = name;
-  if (!present(t)) invalid(std::string(n) + ": required tensor is missing (data NULL, rank 0)");
+  // The name becomes a string only in a message that is thrown: a valid
+  // call allocates nothing here.
+  if (!present(t)) invalid(std::string(name) + ": required tensor is missing (data NULL, rank 0)");
   bool dtype_ok = std::find(dtypes.begin(), dtypes.end(), t.dtype) != dtypes.end();
   if (!dtype_ok) {
     std::string expected;
     for (int32_t d : dtypes) expected += (expected.empty() ? "" : " or ") + dtype_name(d);
-    invalid(std::string(n) + ": expected dtype " + expected + ", got " + dtype_name(t.dtype));
+    invalid(std::string(name) + ": expected dtype " + expected + ", got " + dtype_name(t.dtype));
   }
   const int32_t rank = static_cast<int32_t>(shape.size());
   if (t.rank != rank) {
-    invalid(std::string(n) + ": expected rank " + std::to_string(rank) + ", got " + std::to_string(t.rank));
+    invalid(std::string(name) + ": expected rank " + std::to_string(rank) + ", got " + std::to_string(t.rank));
   }
   int32_t axis = 0;
   for (int64_t expected : shape) {
     if (t.shape[axis] < 0) {
-      invalid(std::string(n) + ": negative extent " + std::to_string(t.shape[axis]) + " on axis " +
+      invalid(std::string(name) + ": negative extent " + std::to_string(t.shape[axis]) + " on axis " +
               std::to_string(axis));
     }
     if (expected != kAny && t.shape[axis] != expected) {
@@ -109,24 +109,25 @@ void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<
       std::string want_text = "[";
       for (size_t i = 0; i < want.size(); ++i)
         want_text += (i ? ", " : "") + (want[i] == kAny ? std::string("*") : std::to_string(want[i]));
-      invalid(std::string(n) + ": expected shape " + want_text + "], got " + join(t.shape, t.rank));
+      invalid(std::string(name) + ": expected shape " + want_text + "], got " + join(t.shape, t.rank));
     }
     ++axis;
   }
   if (is_empty(t)) return;
-  if (t.data == nullptr) invalid(std::string(n) + ": data is NULL");
+  if (t.data == nullptr) invalid(std::string(name) + ": data is NULL");
   for (int32_t i = 0; i < rank; ++i) {
     if (t.shape[i] > 1 && t.strides[i] < 0) {
-      invalid(std::string(n) + ": negative strides are not supported, got " + join(t.strides, rank));
+      invalid(std::string(name) + ": negative strides are not supported, got " + join(t.strides, rank));
     }
   }
-  check_span(t, n);
+  check_span(t, name);
   if (reinterpret_cast<uintptr_t>(t.data) % element_bytes(t.dtype) != 0) {
-    invalid(std::string(n) + ": data " + hex_address(t.data) + " is not aligned to its " +
+    invalid(std::string(name) + ": data " + hex_address(t.data) + " is not aligned to its " +
             std::to_string(element_bytes(t.dtype)) + "-byte elements");
   }
   if (strides != Strides::kFree && t.shape[rank - 1] > 1 && t.strides[rank - 1] != 1) {
-    invalid(std::string(n) + ": the last axis must be contiguous (stride 1), got strides " + join(t.strides, rank));
+    invalid(std::string(name) + ": the last axis must be contiguous (stride 1), got strides " +
+            join(t.strides, rank));
   }
   if (strides == Strides::kPacked) {
     int64_t expected = 1;
@@ -135,7 +136,7 @@ void check_tensor(const fkda_tensor& t, const char* name, std::initializer_list<
         std::vector<int64_t> packed(rank);
         int64_t s = 1;
         for (int32_t j = rank - 1; j >= 0; --j) { packed[j] = s; s = saturating_mul(s, t.shape[j]); }
-        invalid(std::string(n) + ": expected contiguous strides " + join(packed.data(), rank) + ", got " +
+        invalid(std::string(name) + ": expected contiguous strides " + join(packed.data(), rank) + ", got " +
                 join(t.strides, rank));
       }
       expected = saturating_mul(expected, t.shape[i]);
@@ -299,7 +300,8 @@ void check_gate_inputs(const Plan& plan, const GateInputs& a, int64_t B, int64_t
     }
     check_tensor(a.g, "g", {FKDA_DTYPE_BF16}, {B, T, H, K}, Strides::kRows);
     if (plan.gate_mode == FKDA_GATE_SOFTPLUS && !present(a.A_log)) {
-      invalid("A_log: required tensor is missing (data NULL, rank 0): " + gate() + ", -exp(A_log) * softplus(g + dt_bias)");
+      invalid("A_log: required tensor is missing (data NULL, rank 0): " + gate() +
+              ", -exp(A_log) * softplus(g + dt_bias)");
     }
     if (present(a.A_log)) check_tensor(a.A_log, "A_log", {FKDA_DTYPE_F32}, {H}, Strides::kPacked);
     if (present(a.dt_bias)) check_tensor(a.dt_bias, "dt_bias", {FKDA_DTYPE_F32}, {H, K}, Strides::kPacked);

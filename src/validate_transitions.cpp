@@ -52,14 +52,14 @@ TransitionProblem validate_transitions(const Plan& plan, const fkda_transition_a
        Operand::tensor(a.transition_m, "transition_m", true), Operand::tensor(a.transition_e, "transition_e", true),
        Operand::bytes(workspace, workspace_bytes, "workspace", true)});
   ArgList<Located> located = {{a.k.data, "k"},
-                                  {a.v.data, "v"},
-                                  {a.g.data, "g"},
-                                  {a.beta.data, "beta"},
-                                  {a.A_log.data, "A_log"},
-                                  {a.dt_bias.data, "dt_bias"},
-                                  {a.cu_seqlens.data, "cu_seqlens"},
-                                  {a.transition_m.data, "transition_m"},
-                                  {a.transition_e.data, "transition_e"}};
+                              {a.v.data, "v"},
+                              {a.g.data, "g"},
+                              {a.beta.data, "beta"},
+                              {a.A_log.data, "A_log"},
+                              {a.dt_bias.data, "dt_bias"},
+                              {a.cu_seqlens.data, "cu_seqlens"},
+                              {a.transition_m.data, "transition_m"},
+                              {a.transition_e.data, "transition_e"}};
   if (required > 0) located.push_back({workspace, "workspace"});
   check_residency(plan, located);
   check_gpu_rows(plan, {{&a.k, "k"}, {&a.v, "v"}, {&a.g, "g"}, {&a.dt_bias, "dt_bias"},
