@@ -205,6 +205,16 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(Pending) : "memory");
 }
 
+// Lets the stream's next kernel, if it was launched as a programmatic
+// dependent, start on the resources this grid leaves free. Its wait for
+// this grid's writes is its own (it calls none when it reads none of them);
+// sm_80 has no such launches.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ------------------------------------------------------ record layout ---
 // Byte offset of element (row, col) in a record's swizzled tiles
 // (prefill_params.h): 16 x 128 f16 (Kd, Qd, Kr) and 16 x 16 f16 (W, Mqk).

@@ -214,7 +214,9 @@ typedef struct FkdaPrefillParams {
   float* carry_out;      /* the state leaving it; NULL in the last */
 
   int32_t vsplit; /* 1, 2, 4 or 8 blocks share one head's V rows */
-  int32_t reserved0; /* zero */
+  /* Non-zero: the next window's preparation follows as a programmatic
+   * dependent launch, and the recurrence lets it start at once. */
+  int32_t overlap_next;
 
   /* States in a pool instead of initial_state / final_state (state_pool
    * non-NULL): sequence n starts from and ends in slot state_indices[n]; a

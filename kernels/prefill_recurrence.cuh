@@ -640,14 +640,20 @@ __device__ __forceinline__ void chunk_recurrence(const FkdaPrefillParams& p) {
 
 // One kernel per V split, so that thread counts and tile widths are
 // constants, each in two forms: plain (contiguous states or none) and
-// serving (pool slots, has_initial_state, checkpoints).
+// serving (pool slots, has_initial_state, checkpoints). A window's chain of
+// chunks leaves most of each multiprocessor idle, so when the next window's
+// preparation follows (overlap_next) it may start on what is left at once:
+// it writes the other half of the double-buffered records and reads
+// nothing this window writes.
 #define FKDA_DEFINE_RECURRENCE(vsplit)                                              \
   extern "C" __global__ void __launch_bounds__(256 / (vsplit), 1)                   \
       fkda_prefill_chunk_recurrence_v##vsplit(const FkdaPrefillParams p) {          \
+    if (p.overlap_next) fkda_dev::allow_dependent_launch();                         \
     fkda_dev::chunk_recurrence<vsplit, false>(p);                                   \
   }                                                                                 \
   extern "C" __global__ void __launch_bounds__(256 / (vsplit), 1)                   \
       fkda_prefill_chunk_recurrence_serving_v##vsplit(const FkdaPrefillParams p) {  \
+    if (p.overlap_next) fkda_dev::allow_dependent_launch();                         \
     fkda_dev::chunk_recurrence<vsplit, true>(p);                                    \
   }
 FKDA_DEFINE_RECURRENCE(1)

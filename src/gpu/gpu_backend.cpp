@@ -40,6 +40,7 @@ struct Windows {
   int64_t total_slots = 0;
   int64_t slots = 0;  // per window; the last one may have fewer
   int64_t count = 0;
+  int64_t buffers = 1;  // windows of records: 2 when consecutive windows overlap
 };
 
 // The windows of a call, from its sizes alone (the host never reads the
@@ -57,6 +58,22 @@ Windows windows_for(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, i
   }
   w.slots = std::min(slots, w.total_slots);
   w.count = ceil_div(w.total_slots, w.slots);
+  return w;
+}
+
+// Serial windows overlap: window w + 1's preparation runs beside window w's
+// recurrence, whose chain of chunks leaves most of each multiprocessor idle
+// (launch_dependent), so consecutive windows write alternate halves of the
+// records. Windows chosen from the call's sizes are halved, which keeps the
+// records' bytes and leaves only the first, shorter, preparation alone on
+// the GPU; a plan's window_slots is kept as given.
+Windows overlapping(Windows w, int64_t forced_slots) {
+  if (w.count < 2) return w;
+  if (forced_slots == 0) {
+    w.slots = ceil_div(w.total_slots, 2 * w.count);
+    w.count = ceil_div(w.total_slots, w.slots);
+  }
+  w.buffers = 2;
   return w;
 }
 
@@ -153,12 +170,12 @@ size_t launch_workspace(const Windows& w, const Segments& seg, int64_t total_tok
   const int64_t limit = std::numeric_limits<int64_t>::max() / 2;
   const int64_t per_slot = int64_t(num_heads) * FKDA_WS_RECORD_BYTES;
   const int64_t per_boundary = int64_t(num_heads) * FKDA_CARRY_BYTES_PER_HEAD;
-  if (w.slots > limit / per_slot || w.count - 1 > limit / per_boundary ||
+  if (w.slots > limit / (w.buffers * per_slot) || w.count - 1 > limit / per_boundary ||
       seg.capacity > limit / (2 * per_boundary)) {
     fail(FKDA_ERROR_UNSUPPORTED, "workspace for " + std::to_string(total_tokens) + " tokens and " +
                                      std::to_string(num_heads) + " heads exceeds the address space");
   }
-  return size_t(w.slots * per_slot + (w.count - 1) * per_boundary + 2 * seg.capacity * per_boundary);
+  return size_t(w.buffers * w.slots * per_slot + (w.count - 1) * per_boundary + 2 * seg.capacity * per_boundary);
 }
 
 // A call's windows and segments, computed once from its sizes and the
@@ -169,11 +186,17 @@ struct Launch {
   Segments seg;
 };
 
-Launch checked_launch(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, const Tuning& tuning,
-                      size_t workspace_bytes, const char* size_call) {
+Launch launch_for(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, const Tuning& tuning) {
   Launch l;
   l.windows = windows_for(total_tokens, num_seqs, num_heads, tuning.window_slots);
   l.seg = segments_for(l.windows.slots, l.windows.total_slots, num_seqs, num_heads, tuning);
+  if (l.seg.chunks == 0) l.windows = overlapping(l.windows, tuning.window_slots);
+  return l;
+}
+
+Launch checked_launch(int64_t total_tokens, int64_t num_seqs, int32_t num_heads, const Tuning& tuning,
+                      size_t workspace_bytes, const char* size_call) {
+  const Launch l = launch_for(total_tokens, num_seqs, num_heads, tuning);
   const size_t needed = launch_workspace(l.windows, l.seg, total_tokens, num_heads);
   if (workspace_bytes < needed) {
     fail(FKDA_ERROR_WORKSPACE_TOO_SMALL,
@@ -196,14 +219,20 @@ void check_grid_limits(const Launch& l, int64_t num_seqs, int32_t num_heads, int
   }
 }
 
-// The workspace as launch_workspace lays it out: the window's records, the
+// Bytes of one window's records.
+int64_t window_records_bytes(const Launch& l, int32_t num_heads) {
+  return l.windows.slots * int64_t(num_heads) * FKDA_WS_RECORD_BYTES;
+}
+
+// The workspace as launch_workspace lays it out: the windows' records (the
+// first window's at params.workspace, the second's after them), the
 // carries that follow them (a multiple of 16 bytes) and, with segments, the
 // segments' M and E records after the carries, set in params. Returns the
 // first carry; carry w is carry_step floats further.
 float* place_workspace(const Launch& l, int32_t num_heads, unsigned char* workspace, FkdaPrefillParams& params) {
   params.workspace = workspace;
   params.num_slots = l.windows.total_slots;
-  float* carry = reinterpret_cast<float*>(workspace + l.windows.slots * int64_t(num_heads) * FKDA_WS_RECORD_BYTES);
+  float* carry = reinterpret_cast<float*>(workspace + l.windows.buffers * window_records_bytes(l, num_heads));
   if (l.seg.chunks > 0) {
     const int64_t step = carry_step(num_heads);
     params.vsplit = kSegmentVsplit;
@@ -222,9 +251,8 @@ size_t workspace_size(int64_t total_tokens, int64_t num_seqs, int32_t num_heads,
   if (total_tokens < 0 || num_seqs < 0 || num_heads <= 0) return 0;
   const int64_t limit = std::numeric_limits<int64_t>::max() / 2;
   if (num_seqs >= limit) return launch_workspace(Windows{limit, limit, limit}, Segments{}, total_tokens, num_heads);
-  const Windows w = windows_for(total_tokens, num_seqs, num_heads, tuning.window_slots);
-  return launch_workspace(w, segments_for(w.slots, w.total_slots, num_seqs, num_heads, tuning), total_tokens,
-                          num_heads);
+  const Launch l = launch_for(total_tokens, num_seqs, num_heads, tuning);
+  return launch_workspace(l.windows, l.seg, total_tokens, num_heads);
 }
 
 // sm_80 machine code runs on every 8.x device, sm_90a on 9.0, and the
@@ -249,6 +277,7 @@ struct RecurrenceLaunch {
   Launch l;
   FkdaPrefillParams params;
   ResolvedKernel prepare, recurrence, segment_transitions, segment_scan, segment_recurrence;
+  unsigned char* records = nullptr;
   float* carry = nullptr;
   int64_t total_tokens = 0, num_seqs = 0;
   unsigned heads = 0;
@@ -304,6 +333,7 @@ struct RecurrenceLaunch {
     }
     // After the serial recurrence's kernel is chosen: with segments the V split is theirs.
     carry = place_workspace(l, problem.num_heads, static_cast<unsigned char*>(workspace), params);
+    records = params.workspace;
   }
 
   LaunchShape enqueue(const LaunchContext& context, CUstream stream) {
@@ -313,16 +343,26 @@ struct RecurrenceLaunch {
     const unsigned segment_threads = unsigned(32 * fkda_recurrence_warps(kSegmentVsplit));
     const unsigned segment_smem = unsigned(fkda_recurrence_smem_bytes(kSegmentVsplit));
     const unsigned segment_grid_x = unsigned(num_seqs * seg.per_seq);
-    // Each window's preparation overwrites the records the previous window's
-    // recurrence read: the stream orders them.
+    // With one window of records, each window's preparation overwrites the
+    // records the previous window's recurrence read, and the stream orders
+    // them. With two, window w + 1's preparation writes the other half
+    // beside window w's recurrence, and window w + 2's waits in stream order
+    // for window w + 1's recurrence, which started after window w's ended.
+    const bool overlap = windows.buffers == 2 && total_tokens > 0;
     for (int64_t w = 0; w < windows.count; ++w) {
+      params.workspace = records + (w % windows.buffers) * window_records_bytes(l, int32_t(heads));
       params.window_first = w * windows.slots;
       params.window_end = std::min(params.window_first + windows.slots, windows.total_slots);
       params.carry_in = w > 0 ? carry + (w - 1) * step : nullptr;
       params.carry_out = w + 1 < windows.count ? carry + w * step : nullptr;
+      params.overlap_next = overlap && w + 1 < windows.count ? 1 : 0;
       if (total_tokens > 0) {
-        launch(context, prepare, unsigned(params.window_end - params.window_first), heads, 1,
-               FKDA_PREPARE_THREADS, 0, stream, &params);
+        const unsigned slots = unsigned(params.window_end - params.window_first);
+        if (overlap && w > 0) {
+          launch_dependent(context, prepare, slots, heads, FKDA_PREPARE_THREADS, 0, stream, &params);
+        } else {
+          launch(context, prepare, slots, heads, 1, FKDA_PREPARE_THREADS, 0, stream, &params);
+        }
       }
       if (seg.chunks > 0) {
         launch(context, segment_transitions, segment_grid_x, heads,

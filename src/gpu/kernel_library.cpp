@@ -252,14 +252,13 @@ void launch(const LaunchContext& context, const NamedKernel& kernel, unsigned gr
   launch(context, resolve(context, kernel), grid_x, grid_y, grid_z, threads, smem, stream, params);
 }
 
-void launch_clusters(const LaunchContext& context, const ResolvedKernel& kernel, unsigned cluster_x, unsigned grid_x,
-                     unsigned grid_y, unsigned threads, unsigned smem, CUstream stream, void* params) {
-  CUlaunchAttribute cluster;
-  std::memset(&cluster, 0, sizeof(cluster));
-  cluster.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-  cluster.value.clusterDim.x = cluster_x;
-  cluster.value.clusterDim.y = 1;
-  cluster.value.clusterDim.z = 1;
+namespace {
+
+// One launch through cuLaunchKernelEx with one attribute; `how` names it in
+// the message of a refused launch.
+void launch_with(const LaunchContext& context, const ResolvedKernel& kernel, const CUlaunchAttribute& attribute,
+                 unsigned grid_x, unsigned grid_y, unsigned threads, unsigned smem, CUstream stream, void* params,
+                 const std::string& how) {
   CUlaunchConfig config;
   std::memset(&config, 0, sizeof(config));
   config.gridDimX = grid_x;
@@ -270,14 +269,43 @@ void launch_clusters(const LaunchContext& context, const ResolvedKernel& kernel,
   config.blockDimZ = 1;
   config.sharedMemBytes = smem;
   config.hStream = stream;
-  config.attrs = &cluster;
+  CUlaunchAttribute attributes[] = {attribute};
+  config.attrs = attributes;
   config.numAttrs = 1;
   void* args[] = {params};
   CUresult result = context.driver.cuLaunchKernelEx(&config, kernel.function, args, nullptr);
   if (result != CUDA_SUCCESS) {
-    fail(FKDA_ERROR_LAUNCH_FAILED, std::string("launch of ") + kernel.name + " in clusters of " +
-                                       std::to_string(cluster_x) + " failed: " + cuda::describe(result));
+    fail(FKDA_ERROR_LAUNCH_FAILED,
+         std::string("launch of ") + kernel.name + how + " failed: " + cuda::describe(result));
   }
+}
+
+}  // namespace
+
+void launch_dependent(const LaunchContext& context, const ResolvedKernel& kernel, unsigned grid_x, unsigned grid_y,
+                      unsigned threads, unsigned smem, CUstream stream, void* params) {
+  if (context.facts.cc_major < 9) {
+    launch(context, kernel, grid_x, grid_y, 1, threads, smem, stream, params);
+    return;
+  }
+  CUlaunchAttribute early;
+  std::memset(&early, 0, sizeof(early));
+  early.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  early.value.programmaticStreamSerializationAllowed = 1;
+  launch_with(context, kernel, early, grid_x, grid_y, threads, smem, stream, params,
+              " as a programmatic dependent");
+}
+
+void launch_clusters(const LaunchContext& context, const ResolvedKernel& kernel, unsigned cluster_x, unsigned grid_x,
+                     unsigned grid_y, unsigned threads, unsigned smem, CUstream stream, void* params) {
+  CUlaunchAttribute cluster;
+  std::memset(&cluster, 0, sizeof(cluster));
+  cluster.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+  cluster.value.clusterDim.x = cluster_x;
+  cluster.value.clusterDim.y = 1;
+  cluster.value.clusterDim.z = 1;
+  launch_with(context, kernel, cluster, grid_x, grid_y, threads, smem, stream, params,
+              " in clusters of " + std::to_string(cluster_x));
 }
 
 }  // namespace fkda::gpu

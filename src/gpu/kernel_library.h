@@ -108,6 +108,13 @@ void launch(const LaunchContext& context, const ResolvedKernel& kernel, unsigned
             unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params);
 void launch(const LaunchContext& context, const NamedKernel& kernel, unsigned grid_x, unsigned grid_y,
             unsigned grid_z, unsigned threads, unsigned smem, CUstream stream, void* params);
+// The same as a programmatic dependent of the stream's previous kernel: it
+// may start once every block of that kernel has allowed it
+// (allow_dependent_launch, device_common.cuh), so it must neither read what
+// that kernel writes nor write what it reads. Devices before sm_90 launch it
+// in stream order.
+void launch_dependent(const LaunchContext& context, const ResolvedKernel& kernel, unsigned grid_x, unsigned grid_y,
+                      unsigned threads, unsigned smem, CUstream stream, void* params);
 // The same in clusters of cluster_x blocks along x (grid_x a multiple of it).
 void launch_clusters(const LaunchContext& context, const ResolvedKernel& kernel, unsigned cluster_x, unsigned grid_x,
                      unsigned grid_y, unsigned threads, unsigned smem, CUstream stream, void* params);
