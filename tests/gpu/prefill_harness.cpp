@@ -380,7 +380,17 @@ void DeviceCase::run(cudaStream_t stream) {
   CUDA_REQUIRE(cudaStreamSynchronize(stream));
 }
 
-void check_graph_replays(DeviceCase& device, cudaStream_t stream, const Result& direct) {
+fkda_launch_report check_graph_replays(const Case& c) {
+  const Tuning tuning(c.vsplit, c.window_slots, c.chunk_parallel, c.segment_chunks);
+  const Problem p = problem_of(c);
+  const Arenas arenas(p, c);
+  DeviceCase device(p, c, arenas);
+  Stream owned;
+  const cudaStream_t stream = owned.get();
+  device.run(stream);
+  const Result direct = device.fetch();
+  const fkda_launch_report report = launch_report(device.plan.get());
+
   cudaGraph_t graph = nullptr;
   CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   const fkda_status captured =
@@ -399,6 +409,7 @@ void check_graph_replays(DeviceCase& device, cudaStream_t stream, const Result& 
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+  return report;
 }
 
 Result DeviceCase::fetch() const {

@@ -180,9 +180,10 @@ struct DeviceCase {
   Result fetch() const;
 };
 
-// Captures one fkda_fwd of `device` on `stream` in a CUDA graph and checks
-// that each of two replays, outputs poisoned first, gives `direct`.
-void check_graph_replays(DeviceCase& device, cudaStream_t stream, const Result& direct);
+// Runs the case once directly, under its tuning, then captures one fkda_fwd
+// in a CUDA graph and checks that each of two replays, outputs poisoned
+// first, gives the direct run's bits. Returns the direct run's launch.
+fkda_launch_report check_graph_replays(const Case& c);
 
 // The CPU backend on the host arenas.
 Result run_cpu(const Problem& p, const Case& c, const Arenas& arenas);

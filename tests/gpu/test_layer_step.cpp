@@ -456,6 +456,19 @@ std::vector<LayerCase> recurrence_route_cases() {
     }
   }
   LayerCase c = base;
+  // The layer step across windows, each window's recurrence reading its
+  // chunks of the convolved v.
+  c.name = "V split 2, windows of 3 slots";
+  c.vsplit = 2;
+  c.window_slots = 3;
+  cases.push_back(c);
+  c.name = "V split 1, windows of 2 slots, pool with a checkpoint";
+  c.vsplit = 1;
+  c.window_slots = 2;
+  c.pool_states = true;
+  c.checkpoints = true;
+  cases.push_back(c);
+  c = base;
   c.name = "V split 2, windows of 3 slots, gate only";
   c.vsplit = 2;
   c.window_slots = 3;
