@@ -346,6 +346,34 @@ void fwd_call(LayerSetup& s, fkda_plan_t plan, bool gpu) {
   if (gpu) CUDA_REQUIRE(cudaDeviceSynchronize());
 }
 
+// fwd_call's call captured in a CUDA graph on a stream of its own, and the
+// graph launched once: the windows' programmatic dependents become the
+// graph's edges.
+void graph_fwd_call(LayerSetup& s, fkda_plan_t plan, bool gpu) {
+  if (!gpu) return fwd_call(s, plan, gpu);
+  size_t bytes = 0;
+  FKDA_REQUIRE(fkda_plan_workspace_size(plan, s.p.B * s.p.T, s.p.num_seqs(), &bytes));
+  DeviceBuffer device(bytes);
+  const fkda_fwd_args a = s.fwd_args(gpu);
+  fkda_ref::Stream owned;
+  const cudaStream_t stream = owned.get();
+  cudaGraph_t graph = nullptr;
+  CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const fkda_status captured = fkda_fwd(plan, &a, device.get(), bytes, stream);
+  CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
+  INFO(fkda_last_error());
+  REQUIRE(captured == FKDA_SUCCESS);
+  cudaGraphExec_t exec = nullptr;
+  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
+  CUDA_REQUIRE(cudaStreamSynchronize(stream));
+  fkda_launch_report report = FKDA_LAUNCH_REPORT_INIT;
+  FKDA_REQUIRE(fkda_plan_get_launch_report(plan, &report));
+  CHECK(report.windows > 3);  // overlapped windows
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
 void decode_call(LayerSetup& s, fkda_plan_t plan, bool gpu) {
   const fkda_decode_args a = s.decode_args(gpu);
   FKDA_REQUIRE(fkda_decode(plan, &a, nullptr, 0, nullptr));
@@ -475,6 +503,14 @@ std::vector<LayerCase> recurrence_route_cases() {
   c.conv = false;
   cases.push_back(c);
   c = base;
+  c.name = "batch rows without cu_seqlens, windows of 3 slots, one head";
+  c.lengths = {};
+  c.B = 3;
+  c.T = 41;
+  c.H = 1;
+  c.window_slots = 3;
+  cases.push_back(c);
+  c = base;
   c.name = "chunk-parallel, one long sequence";
   c.lengths = {300, 61};
   c.chunk_parallel = FKDA_CHUNK_PARALLEL_ON;
@@ -497,6 +533,22 @@ TEST_CASE("layer step: every route of the recurrence matches the CPU backend", "
   for (const LayerCase& c : recurrence_route_cases()) {
     SECTION(c.name) { compare_fwd(c); }
   }
+}
+
+// The layer step's kernels around overlapped windows, whose preparations
+// are programmatic dependents of the recurrences before them: captured in a
+// graph, that order is the graph's, and the staged v, the gate and the conv
+// states must still come before and after every window.
+TEST_CASE("layer step: overlapped windows run from a captured CUDA graph", "[gpu][layer_step]") {
+  LayerCase c;
+  c.lengths = {93, 0, 50, 130, 16, 7};
+  c.H = 3;
+  c.vsplit = 2;
+  c.window_slots = 3;
+  c.checkpoints = true;
+  const Outcome gpu = run(c, true, graph_fwd_call);
+  const Outcome cpu = run(c, false, graph_fwd_call);
+  compare(gpu, cpu, kFwdOut, kState);
 }
 
 TEST_CASE("layer step: GPU fkda_decode matches the CPU backend", "[gpu][layer_step]") {
