@@ -25,6 +25,36 @@
 
 namespace fkda_ref {
 
+// One library call captured on `stream` into a CUDA graph and instantiated;
+// the call must succeed. The graph and its instance live as long as this.
+class CapturedCall {
+ public:
+  template <typename Call>
+  CapturedCall(cudaStream_t stream, cudaStreamCaptureMode mode, const Call& call) {
+    CUDA_REQUIRE(cudaStreamBeginCapture(stream, mode));
+    const fkda_status status = call();
+    CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph_));
+    FKDA_REQUIRE(status);
+    CUDA_REQUIRE(cudaGraphInstantiate(&exec_, graph_, 0));
+  }
+  ~CapturedCall() {
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+    if (graph_ != nullptr) cudaGraphDestroy(graph_);
+  }
+  CapturedCall(const CapturedCall&) = delete;
+  CapturedCall& operator=(const CapturedCall&) = delete;
+
+  // One replay on `stream`, waited for.
+  void replay(cudaStream_t stream) const {
+    CUDA_REQUIRE(cudaGraphLaunch(exec_, stream));
+    CUDA_REQUIRE(cudaStreamSynchronize(stream));
+  }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 // The current device's multiprocessors (the decode's kernel choice follows them).
 inline int64_t multiprocessors() {
   int device = 0, sms = 0;

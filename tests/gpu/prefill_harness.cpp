@@ -391,24 +391,15 @@ fkda_launch_report check_graph_replays(const Case& c) {
   const Result direct = device.fetch();
   const fkda_launch_report report = launch_report(device.plan.get());
 
-  cudaGraph_t graph = nullptr;
-  CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  const fkda_status captured =
-      fkda_fwd(device.plan.get(), &device.args, device.workspace.get(), device.workspace.bytes(), stream);
-  CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
-  INFO(fkda_last_error());
-  REQUIRE(captured == FKDA_SUCCESS);
-  cudaGraphExec_t exec = nullptr;
-  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  const fkda_ref::CapturedCall graph(stream, cudaStreamCaptureModeThreadLocal, [&] {
+    return fkda_fwd(device.plan.get(), &device.args, device.workspace.get(), device.workspace.bytes(), stream);
+  });
   for (int replay = 0; replay < 2; ++replay) {
     device.poison();
     CUDA_REQUIRE(cudaDeviceSynchronize());
-    CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
-    CUDA_REQUIRE(cudaStreamSynchronize(stream));
+    graph.replay(stream);
     CHECK(device.fetch() == direct);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   return report;
 }
 

@@ -656,22 +656,14 @@ TEST_CASE("decode: a captured CUDA graph replays the eager run", "[gpu][decode]"
   device.reset();
   const Stream stream;
   const fkda_decode_args args = device.args();
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CUDA_REQUIRE(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
-  const fkda_status status = fkda_decode(device.plan.get(), &args, nullptr, 0, stream.get());
-  CUDA_REQUIRE(cudaStreamEndCapture(stream.get(), &graph));
-  FKDA_REQUIRE(status);
-  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  const CapturedCall graph(stream.get(), cudaStreamCaptureModeGlobal,
+                           [&] { return fkda_decode(device.plan.get(), &args, nullptr, 0, stream.get()); });
   for (int replay = 0; replay < 2; ++replay) {
     device.reset();
-    CUDA_REQUIRE(cudaGraphLaunch(exec, stream.get()));
-    CUDA_REQUIRE(cudaStreamSynchronize(stream.get()));
+    graph.replay(stream.get());
     CHECK(device.out_bits() == eager_out);
     CHECK(device.pool_now().bytes == eager_pool);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
 }
 
 TEST_CASE("decode: small cases for compute-sanitizer", "[gpu][decode][sanitize]") {

@@ -357,21 +357,12 @@ void graph_fwd_call(LayerSetup& s, fkda_plan_t plan, bool gpu) {
   const fkda_fwd_args a = s.fwd_args(gpu);
   fkda_ref::Stream owned;
   const cudaStream_t stream = owned.get();
-  cudaGraph_t graph = nullptr;
-  CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  const fkda_status captured = fkda_fwd(plan, &a, device.get(), bytes, stream);
-  CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
-  INFO(fkda_last_error());
-  REQUIRE(captured == FKDA_SUCCESS);
-  cudaGraphExec_t exec = nullptr;
-  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
-  CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
-  CUDA_REQUIRE(cudaStreamSynchronize(stream));
+  const fkda_ref::CapturedCall graph(stream, cudaStreamCaptureModeThreadLocal,
+                                     [&] { return fkda_fwd(plan, &a, device.get(), bytes, stream); });
+  graph.replay(stream);
   fkda_launch_report report = FKDA_LAUNCH_REPORT_INIT;
   FKDA_REQUIRE(fkda_plan_get_launch_report(plan, &report));
   CHECK(report.windows > 3);  // overlapped windows
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
 }
 
 void decode_call(LayerSetup& s, fkda_plan_t plan, bool gpu) {

@@ -649,23 +649,15 @@ TEST_CASE("pool prefill: a captured CUDA graph replays the eager run", "[gpu][po
   FKDA_REQUIRE(fkda_plan_workspace_size(plan.get(), p.B * p.T, N, &bytes));
   DeviceBuffer workspace(bytes);
   const Stream stream;
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CUDA_REQUIRE(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal));
-  const fkda_status status = fkda_fwd(plan.get(), &args, workspace.get(), bytes, stream.get());
-  CUDA_REQUIRE(cudaStreamEndCapture(stream.get(), &graph));
-  FKDA_REQUIRE(status);
-  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  const CapturedCall graph(stream.get(), cudaStreamCaptureModeGlobal,
+                           [&] { return fkda_fwd(plan.get(), &args, workspace.get(), bytes, stream.get()); });
   for (int replay = 0; replay < 2; ++replay) {
     pool.upload(s.pool.bytes.data());
     device.out.upload(std::vector<uint16_t>(p.v.size(), kPoisonBf16).data());
-    CUDA_REQUIRE(cudaGraphLaunch(exec, stream.get()));
-    CUDA_REQUIRE(cudaStreamSynchronize(stream.get()));
+    graph.replay(stream.get());
     CHECK(device.out.read<uint16_t>() == eager.out);
     CHECK(pool.read<unsigned char>() == eager.pool.bytes);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
 }
 
 TEST_CASE("pool prefill: small cases for compute-sanitizer", "[gpu][pool][sanitize]") {
