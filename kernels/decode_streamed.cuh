@@ -96,6 +96,11 @@ __device__ __forceinline__ void bulk_load(uint32_t to, const void* from, int byt
                "l"(from), "r"(bytes), "r"(barrier)
                : "memory");
 }
+// Sends `bytes` (a multiple of 16) from global memory towards L2; nothing
+// holds shared memory for them or waits for them.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* from, int bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(from), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void bulk_store(void* to, uint32_t from, int bytes) {
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(to), "r"(from), "r"(bytes)
                : "memory");
@@ -315,6 +320,12 @@ __device__ __forceinline__ void produce(const FkdaDecodeParams& p, int64_t items
     if (lane == 0) {
       const uint32_t stage_full = full + 8 * stage, stage_empty = empty + 8 * stage;
       const StreamStage s{stages_base + stage * layout.stage_bytes, layout};
+      // The plain form's item sets out from DRAM towards L2 before its stage
+      // is free, so that its reads overlap the wait for the consumers and
+      // the store of the stage's last item. Only this item's: prefetching
+      // the next one too measured 19% slower at D4; and not the layer
+      // form's, whose W1 it made 1% slower (bench/RESULTS.md).
+      if (!kLayer && it.header.matrix != nullptr) bulk_prefetch_l2(it.header.matrix, layout.state_bytes);
       if (j >= p.stages) {
         barrier_wait(stage_empty, round_parity ^ 1u);  // the round before's item released it
         store_stage<kLayer>(p, s);
