@@ -55,6 +55,13 @@ class CapturedCall {
   cudaGraphExec_t exec_ = nullptr;
 };
 
+// How the plan's last call ran (flashkda.h, "Launch report and tuning").
+inline fkda_launch_report launch_report(fkda_plan_t plan) {
+  fkda_launch_report report = FKDA_LAUNCH_REPORT_INIT;
+  FKDA_REQUIRE(fkda_plan_get_launch_report(plan, &report));
+  return report;
+}
+
 // The current device's multiprocessors (the decode's kernel choice follows them).
 inline int64_t multiprocessors() {
   int device = 0, sms = 0;

@@ -71,12 +71,6 @@ ScopedEnv::~ScopedEnv() {
   }
 }
 
-fkda_launch_report launch_report(fkda_plan_t plan) {
-  fkda_launch_report report = FKDA_LAUNCH_REPORT_INIT;
-  FKDA_REQUIRE(fkda_plan_get_launch_report(plan, &report));
-  return report;
-}
-
 // ------------------------------------------------------------ layouts ---
 
 Placement::Placement(Arrangement arrangement, int64_t b, int64_t t, int64_t h, int64_t d) : B(b), T(t), H(h), D(d) {

@@ -20,6 +20,7 @@
 namespace fkda_test {
 
 using fkda_ref::DeviceBuffer;
+using fkda_ref::launch_report;
 using fkda_ref::Plan;
 using fkda_ref::plan_desc;
 using fkda_ref::Stream;
@@ -72,8 +73,6 @@ struct Tuning {
         chunk_parallel("FKDA_CHUNK_PARALLEL", chunk_parallel_text(forced_chunk_parallel)),
         segment_chunks("FKDA_SEGMENT_CHUNKS", forced_segment_chunks) {}
 };
-
-fkda_launch_report launch_report(fkda_plan_t plan);
 
 // How the activations sit in memory: packed; padded rows (gaps between
 // heads, tokens and batch rows); or head-major ([B, H, T, D] memory viewed
